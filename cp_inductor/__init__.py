@@ -1,0 +1,20 @@
+"""cp_inductor: a torch.compile backend for context-parallel attention.
+
+``torch.compile(model, backend="cp_inductor")`` finds scaled-dot-product attention inside
+context-parallel regions and rewrites it into fused CP lowerings. ``cp_inductor.report()`` says
+what it found and did.
+"""
+
+from . import config
+from .report import Region, Report, clear_report, report
+
+__all__ = ["config", "report", "clear_report", "Report", "Region", "backend"]
+
+
+def __getattr__(name):
+    # The backend module imports Inductor; load it only when asked for.
+    if name == "backend":
+        from . import backend
+
+        return backend
+    raise AttributeError(name)

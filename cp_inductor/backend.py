@@ -1,0 +1,88 @@
+"""The ``cp_inductor`` torch.compile backend: Inductor plus our passes.
+
+Found by name through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(fn, backend="cp_inductor")`` needs no import. Accepts ``mode=`` and ``options=``
+as Inductor does; options named ``cp_inductor.<switch>`` go to :mod:`cp_inductor.config`, the rest
+to Inductor's config.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch._functorch.config
+import torch._inductor.config as inductor_config
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from . import config
+from .passes import pipeline
+from .passes.custom_pass import CPGraphPass
+from .report import clear_report, log, record
+
+OPTION_PREFIX = "cp_inductor."
+
+
+def _split_options(options: dict | None) -> tuple[dict, dict]:
+    ours, inductor = {}, {}
+    known = config.get_config_copy()
+    for key, value in (options or {}).items():
+        if key.startswith(OPTION_PREFIX):
+            name = key[len(OPTION_PREFIX):]
+            if name not in known:
+                raise RuntimeError(f"unknown cp_inductor option {key!r}; known: {sorted(known)}")
+            ours[name] = value
+        else:
+            inductor[key] = value
+    return ours, inductor
+
+
+def _graph_kind(kwargs) -> str:
+    if kwargs.get("is_backward"):
+        return "backward"
+    return "inference" if kwargs.get("is_inference") else "forward"
+
+
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cp_config: dict, **kwargs):
+    kind = _graph_kind(kwargs)
+    with config.patch(cp_config):
+        for region in pipeline.analyze(gm.graph, kind, log=log.debug):
+            record(region)
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def graph_passes(cp_config: dict, inductor_patches: dict) -> dict:
+    """One CPGraphPass per hook key, chaining whatever pass the user had set there."""
+    out = {}
+    for hook, passes in pipeline.HOOKS.items():
+        user = inductor_patches.get(hook, getattr(inductor_config, hook))
+        out[hook] = CPGraphPass(hook, passes, cp_config, user_pass=user)
+    return out
+
+
+def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+    ours, inductor_patches = _split_options(options)
+    if mode is not None and mode != "default":
+        inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
+    cp_config = {**config.get_config_copy(), **ours}
+    inductor_patches.update(graph_passes(cp_config, inductor_patches))
+    # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
+    # the FX graph cache below it still serves the compiled code.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm,
+            example_inputs,
+            inner_compile=functools.partial(_inner_compile, cp_config=cp_config),
+            config_patches=inductor_patches,
+        )
+
+
+def reset() -> None:
+    """Called by ``torch._dynamo.reset()`` for every backend it compiled with."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    clear_report()
+
+
+cp_inductor_backend.reset = reset

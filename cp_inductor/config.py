@@ -1,0 +1,31 @@
+"""cp_inductor configuration.
+
+One switch per rewrite of the catalogue (DESIGN.md section 3) plus the knobs the rewrites read.
+Patch it like Inductor's config::
+
+    with cp_inductor.config.patch(fused_a2a=False):
+        ...
+
+or per compile: ``torch.compile(fn, backend="cp_inductor", options={"cp_inductor.fused_a2a": False})``.
+"""
+
+import sys
+
+from torch.utils._config_module import install_config_module
+
+# --- rewrite switches (names are the public vocabulary of the report) ---
+fused_a2a: bool = True
+zero_init: bool = True
+first_grad_reuse: bool = True
+head_partition: bool = False
+uniform_thd: bool = False
+owner_grad_return: bool = False
+
+# --- knobs ---
+# Head groups for `head_partition`; 0 lets the rewrite choose.
+head_groups: int = 0
+
+# Run region detection and fill the report even when every rewrite is off.
+detect: bool = True
+
+install_config_module(sys.modules[__name__])

@@ -1,0 +1,217 @@
+"""Logical layout algebra: where each element of a tensor comes from, through views and all-to-alls.
+
+A tensor's layout is a list of dims; each dim is a list of factors, outer to inner. A factor
+``(axis, stride, size)`` is a run of ``size`` indices of a source axis spaced ``stride`` apart, so
+a dim's index decomposes mixed-radix into its factors. Reshapes split and merge factors, permutes
+reorder dims; neither looks at memory strides, because the algebra tracks logical indices.
+
+SPMD adds one more thing: the factor ``pinned`` whose index is this rank. A sequence-sharded
+source starts with ``pinned = RANK`` (the rank axis of the global sequence). An equal-split
+``all_to_all_single`` sends chunk j of dim 0 to rank j and stacks what it receives by source rank,
+so it swaps the outer cp-sized factor of dim 0 with ``pinned``: after a Ulysses scatter the head
+block is pinned and dim 0 enumerates source ranks, i.e. the sequence's outer factor.
+
+This is what lets detection check the algebra instead of one op sequence: any chain of
+reshape/permute/contiguous around any 4-D, 5-D or flattened all-to-all is accepted iff the
+layout that reaches attention is the Ulysses one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class LayoutError(Exception):
+    """The chain does something the algebra cannot follow (the caller skips the match)."""
+
+
+@dataclass(frozen=True)
+class Factor:
+    axis: object
+    stride: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.stride * self.size
+
+    def overlaps(self, other: "Factor") -> bool:
+        return self.axis == other.axis and self.stride < other.end and other.stride < self.end
+
+
+RANK_AXIS = "rank"
+_bcast_ids = itertools.count()
+
+Dim = tuple  # tuple[Factor, ...]
+
+
+def is_broadcast(f: Factor) -> bool:
+    return isinstance(f.axis, tuple) and f.axis[0] == "broadcast"
+
+
+def canonical(factors) -> tuple:
+    """Drop size-1 factors and merge neighbours that form one contiguous run of an axis."""
+    out: list[Factor] = []
+    for f in factors:
+        if f.size == 1:
+            continue
+        if out and out[-1].axis == f.axis and out[-1].stride == f.end:
+            out[-1] = Factor(f.axis, f.stride, out[-1].size * f.size)
+        else:
+            out.append(f)
+    return tuple(out)
+
+
+def dim_size(dim: Dim) -> int:
+    return math.prod(f.size for f in dim)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: tuple  # tuple[Dim, ...]
+    pinned: Factor
+
+    @staticmethod
+    def source(shape, name: object, cp: int) -> "Layout":
+        """A rank-local tensor: axis i of ``name`` for each dim, the rank axis pinned."""
+        dims = tuple((Factor((name, i), 1, int(n)),) for i, n in enumerate(_static(shape)))
+        return Layout(tuple(canonical(d) for d in dims), Factor(RANK_AXIS, 1, cp))
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(dim_size(d) for d in self.dims)
+
+    # --- view algebra ---
+    def reshape(self, shape) -> "Layout":
+        shape = _static(shape)
+        if math.prod(shape) != math.prod(self.shape):
+            raise LayoutError(f"reshape {self.shape} -> {shape} changes numel")
+        queue = [f for d in self.dims for f in canonical(d)]
+        dims = []
+        for n in shape:
+            cur: list[Factor] = []
+            need = n
+            while need > 1:
+                f = queue.pop(0)
+                if f.size <= need:
+                    if need % f.size:
+                        raise LayoutError(f"reshape to {shape} splits a factor unevenly")
+                    cur.append(f)
+                    need //= f.size
+                else:
+                    if f.size % need:
+                        raise LayoutError(f"reshape to {shape} splits a factor unevenly")
+                    cur.append(Factor(f.axis, f.stride * (f.size // need), need))
+                    queue.insert(0, Factor(f.axis, f.stride, f.size // need))
+                    need = 1
+            dims.append(tuple(cur))
+        return replace(self, dims=tuple(dims))
+
+    def permute(self, perm) -> "Layout":
+        perm = [p % len(self.dims) for p in perm]
+        if sorted(perm) != list(range(len(self.dims))):
+            raise LayoutError(f"bad permutation {perm}")
+        return replace(self, dims=tuple(self.dims[p] for p in perm))
+
+    def transpose(self, a: int, b: int) -> "Layout":
+        perm = list(range(len(self.dims)))
+        a, b = a % len(perm), b % len(perm)
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.permute(perm)
+
+    def unsqueeze(self, d: int) -> "Layout":
+        d = d % (len(self.dims) + 1)
+        return replace(self, dims=self.dims[:d] + ((),) + self.dims[d:])
+
+    def squeeze(self, dims) -> "Layout":
+        dims = {d % len(self.dims) for d in dims}
+        kept = tuple(x for i, x in enumerate(self.dims) if i not in dims or dim_size(x) != 1)
+        return replace(self, dims=kept)
+
+    def expand(self, sizes) -> "Layout":
+        sizes = _static(sizes)
+        lead = len(sizes) - len(self.dims)
+        if lead < 0:
+            raise LayoutError("expand to fewer dims")
+        old = ((),) * lead + self.dims
+        dims = []
+        for d, n in zip(old, sizes):
+            if n in (-1, dim_size(d)):
+                dims.append(d)
+            elif dim_size(d) == 1:
+                # A broadcast factor: the same element repeated n times (GQA head replication).
+                dims.append((Factor(("broadcast", next(_bcast_ids)), 0, n),))
+            else:
+                raise LayoutError(f"expand {dim_size(d)} -> {n}")
+        return replace(self, dims=tuple(dims))
+
+    # --- the collective ---
+    def all_to_all(self, cp: int) -> "Layout":
+        """Equal-split all_to_all_single along dim 0: swap dim 0's outer cp-factor with ``pinned``."""
+        if not self.dims:
+            raise LayoutError("all_to_all of a scalar")
+        dim0 = canonical(self.dims[0])
+        if not dim0 or dim_size(dim0) % cp:
+            raise LayoutError(f"dim 0 of size {dim_size(dim0)} does not split over cp={cp}")
+        head = dim0[0]
+        if head.size % cp:
+            raise LayoutError("the cp-chunks of dim 0 cut across a factor")
+        outer = Factor(head.axis, head.stride * (head.size // cp), cp)
+        rest = (Factor(head.axis, head.stride, head.size // cp),) + dim0[1:]
+        return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer)
+
+
+def _static(shape) -> tuple:
+    out = []
+    for s in shape:
+        if isinstance(s, torch.SymInt):
+            raise LayoutError("dynamic shapes")
+        out.append(int(s))
+    return tuple(out)
+
+
+def _same_shape_only(layout: Layout, node) -> Layout:
+    return layout
+
+
+def _dtype_cast(layout: Layout, node) -> Layout:
+    kwargs = set(node.kwargs) - {"dtype", "memory_format", "layout", "device", "non_blocking"}
+    if kwargs:
+        raise LayoutError(f"{node.target} with {sorted(kwargs)}")
+    return layout
+
+
+# Ops that only relabel indices (or copy without changing the logical tensor). Everything else
+# ends a chain.
+LAYOUT_OPS = {
+    aten.view.default: lambda l, n: l.reshape(n.args[1]),
+    aten._unsafe_view.default: lambda l, n: l.reshape(n.args[1]),
+    aten.reshape.default: lambda l, n: l.reshape(n.args[1]),
+    aten.permute.default: lambda l, n: l.permute(n.args[1]),
+    aten.transpose.int: lambda l, n: l.transpose(n.args[1], n.args[2]),
+    aten.t.default: lambda l, n: l.transpose(0, 1),
+    aten.unsqueeze.default: lambda l, n: l.unsqueeze(n.args[1]),
+    aten.squeeze.dim: lambda l, n: l.squeeze([n.args[1]]),
+    aten.squeeze.dims: lambda l, n: l.squeeze(n.args[1]),
+    aten.expand.default: lambda l, n: l.expand(n.args[1]),
+    aten.clone.default: _same_shape_only,
+    aten.alias.default: _same_shape_only,
+    aten.detach.default: _same_shape_only,
+    aten._to_copy.default: _dtype_cast,
+    prims.convert_element_type.default: _same_shape_only,
+}
+
+
+def apply_chain(layout: Layout, nodes) -> list[Layout]:
+    """Layouts after each node of a chain of LAYOUT_OPS (first element: the input layout)."""
+    states = [layout]
+    for n in nodes:
+        states.append(LAYOUT_OPS[n.target](states[-1], n))
+    return states

@@ -1,0 +1,76 @@
+"""Every cp_inductor pass, in the order it runs, and the analysis that fills the report.
+
+Two places in Inductor run our code:
+
+* ``analyze`` runs on each graph AOTAutograd hands to Inductor (forward, backward or inference,
+  before post-grad passes). It finds the CP attention regions and decides, per rewrite, apply or
+  skip with a reason; that is what the report shows. It runs on every compile, also when the FX
+  graph cache then serves the compiled code.
+* ``HOOKS`` lists, per Inductor hook key, the rewrites that run there. Each key gets ONE
+  :class:`~cp_inductor.passes.custom_pass.CPGraphPass` that runs these in order, then any pass
+  the user had already installed on that key.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from .. import config
+from ..report import Region
+from . import detect_a2a
+
+# The rewrite catalogue (DESIGN.md section 3), in the order the passes apply them.
+REWRITES = (
+    "fused_a2a",
+    "zero_init",
+    "first_grad_reuse",
+    "head_partition",
+    "uniform_thd",
+    "owner_grad_return",
+)
+
+# Which rewrites concern a region of each CP style.
+REWRITES_BY_STYLE = {
+    "a2a": ("fused_a2a", "zero_init", "head_partition", "uniform_thd"),
+    "allgather": ("zero_init", "first_grad_reuse", "head_partition", "uniform_thd", "owner_grad_return"),
+    "ring": ("zero_init", "first_grad_reuse", "uniform_thd"),
+}
+
+# Rewrites that have landed, by the hook key their pass runs on. Empty until the first rewrite.
+HOOKS: dict[str, list] = {
+    "joint_custom_pre_pass": [],
+    "joint_custom_post_pass": [],
+    "post_grad_custom_pre_pass": [],
+    "post_grad_custom_post_pass": [],
+}
+
+_LANDED = {p.rewrite for passes in HOOKS.values() for p in passes}
+
+
+def _decide(style: str) -> tuple[list, dict]:
+    applied, skipped = [], {}
+    for name in REWRITES_BY_STYLE[style]:
+        if not getattr(config, name):
+            skipped[name] = "disabled by config"
+        elif name not in _LANDED:
+            skipped[name] = "not implemented yet"
+        else:
+            applied.append(name)
+    return applied, skipped
+
+
+def analyze(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[Region]:
+    """The CP attention regions of one graph, with what the pipeline does to each."""
+    if not config.detect:
+        return []
+    regions = []
+    for r in detect_a2a.find_regions(graph, graph_kind, log=log):
+        applied, skipped = _decide("a2a")
+        detail = f"Hq={r.heads_q} Hkv={r.heads_kv}" + (" causal" if r.is_causal else "")
+        regions.append(
+            Region(
+                style="a2a", cp_size=r.cp, layout=r.layout, graph=graph_kind, applied=applied,
+                skipped=skipped, attention=r.attention.target.__name__.split(".")[0], detail=detail,
+            )
+        )
+    return regions

@@ -1,0 +1,78 @@
+"""What cp_inductor found and did, since the last ``torch._dynamo.reset()`` or ``clear_report()``.
+
+``cp_inductor.report()`` returns a :class:`Report`; ``str(report)`` is a table. The same
+decisions go to the ``TORCH_LOGS=cp_inductor`` artifact.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import logging
+
+# TORCH_LOGS=cp_inductor enables this: torch accepts any importable package name there.
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Region:
+    style: str  # "a2a" | "allgather" | "ring"
+    cp_size: int
+    layout: str  # "bshd" | "bhsd" | "sbhd" | "thd": sequence-sharded q/k/v as they enter
+    graph: str  # "forward" | "backward" | "inference"
+    applied: list = field(default_factory=list)  # rewrite names
+    skipped: dict = field(default_factory=dict)  # rewrite name -> reason
+    attention: str = ""  # the ATen attention op
+    detail: str = ""  # heads, causal, ...
+
+    def row(self) -> list[str]:
+        skipped = "; ".join(f"{k}: {v}" for k, v in self.skipped.items())
+        return [
+            self.graph, self.style, str(self.cp_size), self.layout, self.attention, self.detail,
+            ", ".join(self.applied) or "-", skipped or "-",
+        ]
+
+
+_HEADER = ["graph", "style", "cp", "layout", "attention", "detail", "applied", "skipped"]
+
+
+@dataclass
+class Report:
+    regions: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.regions:
+            return "cp_inductor: no CP attention regions found"
+        rows = [_HEADER] + [r.row() for r in self.regions]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+
+_lock = threading.Lock()
+_regions: list[Region] = []
+
+
+def record(region: Region) -> None:
+    with _lock:
+        _regions.append(region)
+    log.info(
+        "cp_inductor %s region: style=%s cp=%d layout=%s attention=%s %s applied=%s skipped=%s",
+        region.graph, region.style, region.cp_size, region.layout, region.attention,
+        region.detail, region.applied, region.skipped,
+    )
+
+
+def report() -> Report:
+    with _lock:
+        return Report(list(_regions))
+
+
+def clear_report() -> None:
+    with _lock:
+        _regions.clear()
