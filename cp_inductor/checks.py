@@ -83,20 +83,21 @@ def ulysses_fn(case: AttentionCase):
     return lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=case.layout, is_causal=case.causal)
 
 
-def check_ulysses(rank: int, cp: int, cases, backend: str = "cp_inductor", device="cpu") -> list:
+def check_cp_attention(rank: int, cp: int, cases, fn=None, backend: str = "cp_inductor", device="cpu") -> list:
     """For each case: relative errors of eager and compiled CP attention vs the fp64 reference,
-    and compiled vs eager. Also returns the report text seen on this rank."""
+    and compiled vs eager, plus the report rows seen on this rank. ``fn(q, k, v)`` defaults to
+    :func:`parallel.ulysses_attention` in the case's layout."""
     import cp_inductor
 
     out = []
     for case in cases:
+        attn = fn if fn is not None else ulysses_fn(case)
         full = full_inputs(case)
         want = reference(case, full)
-        eager = run_cp(ulysses_fn(case), case, full, rank, cp, device)
+        eager = run_cp(attn, case, full, rank, cp, device)
         torch._dynamo.reset()
         cp_inductor.clear_report()
-        compiled_fn = torch.compile(ulysses_fn(case), backend=backend, fullgraph=True)
-        compiled = run_cp(compiled_fn, case, full, rank, cp, device)
+        compiled = run_cp(torch.compile(attn, backend=backend, fullgraph=True), case, full, rank, cp, device)
         out.append({
             "case": case,
             "eager_vs_ref": errors(eager, want),

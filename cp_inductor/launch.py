@@ -6,6 +6,7 @@ Used by the demo and the multi-process tests; under ``torchrun`` use the group t
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import tempfile
 import traceback
@@ -25,7 +26,8 @@ def _worker(rank, cp, port, fn, args, queue, backend):
     try:
         dist.init_process_group(backend, rank=rank, world_size=cp)
         result = fn(rank, cp, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle: tensors travel by value, not as shared memory the exiting worker owns.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -53,7 +55,7 @@ def run_on_ranks(fn, cp: int, *args, backend: str = "gloo", timeout: float = 180
         for _ in range(cp):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

@@ -1,0 +1,93 @@
+"""Helpers for golden graph tests: fake process groups, AOT graphs without Inductor codegen,
+and a stable text form of what detection found."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.detect_a2a import find_regions
+
+
+@contextlib.contextmanager
+def fake_pg(cp: int, rank: int = 0):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        yield dist.group.WORLD
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def aot_graphs(fn, *inputs) -> dict:
+    """The graphs Inductor would receive for ``fn`` (forward/backward or inference), by kind."""
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        def compiler(kind):
+            def compile_one(g, _):
+                graphs[kind] = g
+                return g.forward
+
+            return compile_one
+
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+        )
+        return aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=compiler("forward" if needs_grad else "inference"),
+            bw_compiler=compiler("backward"),
+            decompositions=select_decomp_table(),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.sum().backward()
+    return graphs
+
+
+def _short(node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]
+
+
+def describe_regions(graphs: dict) -> str:
+    """One block per region: kind, cp, layout, then each crossing as its op chain."""
+    lines = []
+    for kind, gm in graphs.items():
+        for r in find_regions(gm.graph, kind):
+            lines.append(
+                f"{kind}: a2a cp={r.cp} layout={r.layout} {_short(r.attention)}"
+                f" Hq={r.heads_q} Hkv={r.heads_kv}{' causal' if r.is_causal else ''}"
+            )
+            for name, c in list(r.incoming.items()) + list(r.outgoing.items()):
+                chain = [_short(n) for n in c.before] + ["ALL_TO_ALL"] + [_short(n) for n in c.after]
+                lines.append(f"  {name:8s} {c.layout}: {' -> '.join(chain)}")
+    return "\n".join(lines) if lines else "no regions"
+
+
+def count_ops(gm) -> str:
+    """all_to_all and copy counts of a graph, for before/after comparisons."""
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    a2a = sum(t is torch.ops._c10d_functional.all_to_all_single.default for t in targets)
+    clones = sum(t is torch.ops.aten.clone.default for t in targets)
+    return f"all_to_all={a2a} clone={clones}"
+
+
+def report_text(graphs: dict) -> str:
+    """The report rows analysis would record for these graphs."""
+    return "\n".join(
+        f"{r.graph} {r.style} cp={r.cp_size} {r.layout} applied={r.applied} skipped={r.skipped}"
+        for kind, gm in graphs.items()
+        for r in pipeline.analyze(gm.graph, kind)
+    )

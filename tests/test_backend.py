@@ -1,0 +1,128 @@
+"""The backend as torch.compile sees it: entry point, mode/options, config, chained passes,
+cache key."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import cp_inductor
+from cp_inductor.backend import graph_passes
+from cp_inductor.parallel import ulysses_attention
+from graph_utils import fake_pg
+
+
+def test_found_by_name_without_import():
+    code = (
+        "import sys, torch\n"
+        "assert 'cp_inductor' in torch._dynamo.list_backends()\n"
+        "assert 'cp_inductor' not in sys.modules\n"
+        "f = torch.compile(lambda x: x.sin() * 2, backend='cp_inductor')\n"
+        "x = torch.randn(8)\n"
+        "torch.testing.assert_close(f(x), x.sin() * 2)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_uuid_follows_config_and_source():
+    cfg = cp_inductor.config.get_config_copy()
+    base = graph_passes(cfg, {})["post_grad_custom_pre_pass"].uuid()
+    assert base == graph_passes(dict(cfg), {})["post_grad_custom_pre_pass"].uuid()
+    for key, value in (("fused_a2a", False), ("head_groups", 4)):
+        changed = graph_passes({**cfg, key: value}, {})["post_grad_custom_pre_pass"].uuid()
+        assert changed != base, key
+    with cp_inductor.config.patch(fused_a2a=False):
+        patched = graph_passes(cp_inductor.config.get_config_copy(), {})["post_grad_custom_pre_pass"].uuid()
+    assert patched != base
+
+
+class CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "counting-pass-v1"
+
+
+def test_user_pass_on_the_same_key_still_runs():
+    user = CountingPass()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user, fx_graph_cache=False):
+        f = torch.compile(lambda x: (x @ x).relu(), backend="cp_inductor")
+        f(torch.randn(4, 4))
+    assert user.calls == 1
+    ours = graph_passes(cp_inductor.config.get_config_copy(), {"post_grad_custom_post_pass": user})
+    assert ours["post_grad_custom_post_pass"].user_pass is user
+    other = CountingPass()
+    other.uuid = lambda: "counting-pass-v2"
+    theirs = graph_passes(cp_inductor.config.get_config_copy(), {"post_grad_custom_post_pass": other})
+    assert ours["post_grad_custom_post_pass"].uuid() != theirs["post_grad_custom_post_pass"].uuid()
+
+
+def _ulysses(q, k, v):
+    return ulysses_attention(q, k, v, is_causal=True)
+
+
+def _qkv():
+    return [torch.randn(1, 8, 4, 16, requires_grad=True) for _ in range(3)]
+
+
+class ConfigSpy(CustomGraphPass):
+    """Records an Inductor config value as the passes see it."""
+
+    def __init__(self):
+        self.cudagraphs = []
+
+    def __call__(self, graph):
+        self.cudagraphs.append(torch._inductor.config.triton.cudagraphs)
+
+    def uuid(self):
+        return "config-spy"
+
+
+@pytest.mark.parametrize("mode, expected", [("reduce-overhead", True), ("default", False)])
+def test_mode_reaches_inductor(mode, expected):
+    spy = ConfigSpy()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=spy, fx_graph_cache=False):
+        f = torch.compile(lambda x: x.cos() + 1, backend="cp_inductor", mode=mode)
+        f(torch.randn(4))
+    assert spy.cudagraphs == [expected]
+
+
+def test_options_reach_our_config():
+    with fake_pg(2):
+        cp_inductor.clear_report()
+        f = torch.compile(
+            _ulysses, backend="cp_inductor", fullgraph=True,
+            options={"cp_inductor.fused_a2a": False, "cp_inductor.head_partition": True},
+        )
+        f(*_qkv()).sum().backward()
+        rows = cp_inductor.report().regions
+        assert [r.graph for r in rows] == ["forward", "backward"]
+        for r in rows:
+            assert r.skipped["fused_a2a"] == "disabled by config"
+            assert r.skipped["head_partition"] == "not implemented yet"
+        assert "head_partition: not implemented yet" in str(cp_inductor.report())
+        torch._dynamo.reset()  # calls the backend's reset, which clears the report
+        assert len(cp_inductor.report()) == 0
+
+
+def test_config_patch_applies_at_compile_time():
+    with fake_pg(2), cp_inductor.config.patch(detect=False):
+        cp_inductor.clear_report()
+        torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv())
+        assert len(cp_inductor.report()) == 0
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(Exception, match="unknown cp_inductor option"):
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 1, backend="cp_inductor", options={"cp_inductor.nope": 1})(torch.ones(2))

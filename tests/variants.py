@@ -1,0 +1,101 @@
+"""Hand-written Ulysses variants as they appear in the wild, and all-to-alls that are not CP
+attention. Detection must find the first kind by layout algebra and reject the second."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+a2a = funcol.all_to_all_single_autograd
+
+
+def _cp(group):
+    return dist.get_world_size(group)
+
+
+def transpose_then_reshape(q, k, v, group=None, is_causal=True):
+    """BSHD in, yunchang-style: the head split goes to dim 0 by a transpose, seq-major recv."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [B, S/cp, H, D] -> [B, H/cp, S, D]
+        b, s_l, h, d = x.shape
+        t = x.reshape(b, s_l, cp, h // cp, d).transpose(0, 2).contiguous()  # [cp, S_l, B, Hl, D]
+        out = a2a(t, None, None, group).reshape(cp * s_l, b, h // cp, d)  # [S, B, Hl, D]
+        return out.permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
+    b, hl, s, d = o.shape
+    t = o.reshape(b, hl, cp, s // cp, d).permute(2, 1, 0, 3, 4).contiguous()  # [cp, Hl, B, S_l, D]
+    out = a2a(t, None, None, group).reshape(cp * hl, b, s // cp, d)  # [H, B, S_l, D]
+    return out.permute(1, 2, 0, 3).contiguous()  # [B, S_l, H, D]
+
+
+def flattened_buffer(q, k, v, group=None, is_causal=True):
+    """BHSD in; every all-to-all runs on a flattened 1-D buffer."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [B, H, S/cp, D] -> [B, H/cp, S, D]
+        b, h, s_l, d = x.shape
+        send = x.reshape(b, cp, h // cp, s_l, d).transpose(0, 1).contiguous().flatten()
+        recv = a2a(send, None, None, group).view(cp, b, h // cp, s_l, d)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous().flatten()
+    recv = a2a(send, None, None, group).view(cp, b, hl, s // cp, d)
+    return recv.transpose(0, 1).reshape(b, cp * hl, s // cp, d)
+
+
+def seq_first(q, k, v, group=None, is_causal=True):
+    """SBHD in, DeepSpeed-style: [S/cp, B, H, D] with a 5-D send buffer."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [S/cp, B, H, D] -> [B, H/cp, S, D]
+        s_l, b, h, d = x.shape
+        send = x.reshape(s_l, b, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = a2a(send, None, None, group).reshape(cp * s_l, b, h // cp, d)
+        return recv.permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
+    b, hl, s, d = o.shape
+    send = o.permute(2, 0, 1, 3).reshape(cp, s // cp, b, hl, d).permute(0, 1, 2, 3, 4).contiguous()
+    recv = a2a(send, None, None, group)  # [cp (head block), S_l, B, Hl, D]
+    return recv.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * hl, d)
+
+
+def moe_dispatch(tokens, w, group=None):
+    """Not attention: tokens to experts and back."""
+    group = group or dist.group.WORLD
+    routed = a2a(tokens, None, None, group)
+    return a2a(torch.relu(routed @ w), None, None, group)
+
+
+def batch_exchange(q, k, v, group=None):
+    """Attention after an all-to-all over the batch: no sequence is gathered, not Ulysses."""
+    group = group or dist.group.WORLD
+    q, k, v = (a2a(x.contiguous(), None, None, group) for x in (q, k, v))
+    return a2a(F.scaled_dot_product_attention(q, k, v).contiguous(), None, None, group)
+
+
+def interleaved_heads(q, k, v, group=None):
+    """Heads dealt round-robin (rank r gets heads r, r+cp, ...) and the sequence gathered
+    inner-major: attention sees tokens out of order, so it is not CP attention."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [B, S/cp, H, D]
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, h // cp, cp, d).permute(3, 0, 1, 2, 4).contiguous()
+        recv = a2a(send, None, None, group)  # [cp, B, S_l, Hl, D]
+        return recv.permute(1, 3, 2, 0, 4).reshape(b, h // cp, s_l * cp, d)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=True)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, s // cp, cp, d).permute(3, 0, 2, 1, 4).contiguous()
+    return a2a(send, None, None, group).permute(1, 2, 3, 0, 4).reshape(b, s // cp, hl * cp, d)
