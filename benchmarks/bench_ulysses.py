@@ -1,0 +1,244 @@
+"""Ulysses CP attention, forward + backward, on GPUs: eager / Inductor / cp_inductor / PyTorch
+native context_parallel (ring) / the one-GPU compute floor.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ulysses.py --batch 1 --seq 32768 --heads 32 \
+        --head-dim 128 --layout bshd --json out.json
+
+Method (DESIGN.md section 6): every arm is compiled and warmed up, then the arms run in rounds,
+the order alternating between rounds; each round times ``--iters`` iterations after
+``--warmup`` more, with CUDA events; per iteration the slowest rank counts; the median over the
+round is reported, and ratios are medians of per-round ratios (paired). Arms share one process
+per shape (not a fresh process per arm: compile time on the lent machine is the limit), which
+the JSON records. Every arm's output and q/k/v gradients are checked against a one-GPU fp32
+reference. Peak memory is torch.cuda.max_memory_allocated per rank above what was allocated before
+the arm was built (inputs of earlier arms stay alive), max over ranks, during its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cp_inductor import parallel
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.cp = dist.get_rank(), dist.get_world_size()
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        b, s, hq, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+        g = torch.Generator(device=self.dev).manual_seed(0)
+        mk = lambda h: torch.randn(b, s, h, d, device=self.dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+        self.full = {"q": mk(hq), "k": mk(hkv), "v": mk(hkv), "dout": mk(hq)}  # BSHD, whole sequence
+
+    # --- arms: each returns (step, results) where step() runs fwd+bwd once ---
+    def _local(self, layout):
+        sd = 1 if layout == "bshd" else 2
+        conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
+        return {n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp) for n, t in self.full.items()}, sd
+
+    def ulysses_arm(self, backend):
+        a = self.args
+        local, sd = self._local(a.layout)
+        q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
+        fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
+        if backend is not None:
+            fn = torch.compile(fn, backend=backend, fullgraph=True)
+        state = {}
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = fn(q, k, v)
+            out.backward(local["dout"])
+            state["out"] = out
+
+        def results():
+            conv = (lambda t: t) if a.layout == "bshd" else (lambda t: t.transpose(1, 2))
+            got = {"out": state["out"].detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+            return {n: conv(parallel.gather_sequence(t, sd)) for n, t in got.items()}
+
+        return step, results
+
+    def native_arm(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+        a = self.args
+        if not hasattr(self, "mesh"):
+            self.mesh = init_device_mesh("cuda", (self.cp,))
+        mesh = self.mesh
+        bufs = [self.full[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]  # BHSD
+        ctx = context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs))
+        ctx.__enter__()  # left open for the arm's lifetime: SDPA calls are dispatched to the ring
+        q, k, v = (t.detach().clone().requires_grad_() for t in bufs[:3])
+        dout = bufs[3]
+        state = {}
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=a.heads != a.kv_heads)
+            out.backward(dout)
+            state["out"] = out
+
+        def results():
+            got = [state["out"].detach(), q.grad, k.grad, v.grad]
+            full = context_parallel_unshard(mesh, got, [2] * 4)
+            return {n: t.transpose(1, 2) for n, t in zip(("out", "dq", "dk", "dv"), full)}
+
+        step.close = lambda: ctx.__exit__(None, None, None)
+        return step, results
+
+    def floor_arm(self):
+        """This rank's share of attention on one GPU: Hq/cp heads over the whole sequence."""
+        a = self.args
+        hq, hkv = a.heads // self.cp, a.kv_heads // self.cp
+        q, k, v, dout = (
+            self.full[n][:, :, :h].transpose(1, 2).contiguous() for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("dout", hq))
+        )
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=hq != hkv)
+            out.backward(dout)
+
+        return step, None
+
+    # --- measurement ---
+    def time_round(self, step) -> list[float]:
+        for _ in range(self.args.warmup):
+            step()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
+        for i in range(self.args.iters):
+            dist.barrier()  # iterations start together, so the slowest rank is the iteration time
+            starts[i].record()
+            step()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device=self.dev)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        return times.tolist()
+
+    def reference(self) -> dict:
+        """One-GPU fp32 SDPA on the whole sequence (memory-efficient kernel: no S x S buffer)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        a = self.args
+        q, k, v = (self.full[n].transpose(1, 2).float().requires_grad_() for n in "qkv")
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            kv = lambda t: t.repeat_interleave(a.heads // a.kv_heads, dim=1)  # noqa: E731
+            out = F.scaled_dot_product_attention(q, kv(k), kv(v), is_causal=a.causal)
+            out.backward(self.full["dout"].transpose(1, 2).float())
+        return {n: t.transpose(1, 2) for n, t in (("out", out.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layout", default="bshd", choices=parallel.LAYOUTS)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--arms", default="eager,inductor,cp_inductor,native,floor")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    bench = Bench(args)
+    rank = bench.rank
+    ref = bench.reference() if rank == 0 else None
+    torch.cuda.empty_cache()
+
+    arms, checks, compile_s, memory = {}, {}, {}, {}
+    for name in args.arms.split(","):
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        # Earlier arms keep their tensors alive: count this arm's peak above what was allocated.
+        before = torch.cuda.memory_allocated()
+        if name == "native":
+            arm = bench.native_arm()
+        elif name == "floor":
+            arm = bench.floor_arm()
+        else:
+            arm = bench.ulysses_arm({"eager": None}.get(name, name))
+        step, results = arm
+        step()  # compiles
+        torch.cuda.synchronize()
+        compile_s[name] = time.perf_counter() - t0
+        if results is not None:
+            got = results()
+            if rank == 0:
+                checks[name] = {n: _rel(got[n], ref[n]) for n in ref}
+        mem = torch.tensor([(torch.cuda.max_memory_allocated() - before) / 2**30], device=bench.dev)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        memory[name] = float(mem)
+        if hasattr(step, "close"):
+            step.close()
+        arms[name] = step
+    del ref
+
+    medians = {n: [] for n in arms}
+    order = list(arms)
+    for rnd in range(args.rounds):
+        for name in order if rnd % 2 == 0 else order[::-1]:
+            if name == "native":
+                # context_parallel's dispatcher is on only inside its context: re-enter per round.
+                step, _ = bench.native_arm()
+            else:
+                step = arms[name]
+            medians[name].append(statistics.median(bench.time_round(step)))
+            if hasattr(step, "close"):
+                step.close()
+
+    if rank == 0:
+        med = {n: statistics.median(v) for n, v in medians.items()}
+        floor = med.get("floor")
+        base = "inductor" if "inductor" in med else next(iter(med))
+        print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
+              f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
+              f"{args.rounds} rounds x {args.iters} iters, slowest rank")
+        print(f"{'arm':12s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'max rel err':>12s}")
+        for n in med:
+            paired = statistics.median(a / b for a, b in zip(medians[n], medians[base]))
+            vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
+            err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
+            print(f"{n:12s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {memory[n]:9.2f} {err:>12s}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({
+                    "args": vars(args), "cp": bench.cp, "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
+                    "median_ms": med, "peak_gib": memory, "max_rel_err": checks, "compile_s": compile_s,
+                    "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
+                }, f, indent=1)
+    dist.barrier()
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device-tool call: install, GPU demo on NCCL, then the benchmark at the given shapes.
+#   bash benchmarks/gpu_run.sh "--seq 32768" "--seq 65536"
+# Logs and JSON go to $OUT (or ./bench_out).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+torchrun --nproc-per-node "$NGPU" -m cp_inductor.demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v Warning | tail -12
+i=0
+for shape in "$@"; do
+  i=$((i+1))
+  torchrun --nproc-per-node "$NGPU" benchmarks/bench_ulysses.py $shape --json "$OUT/bench_$i.json" \
+    > "$OUT/bench_$i.log" 2>&1
+  tail -9 "$OUT/bench_$i.log"
+done
