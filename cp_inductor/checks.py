@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from . import parallel
 
@@ -97,6 +98,7 @@ def check_cp_attention(rank: int, cp: int, cases, fn=None, backend: str = "cp_in
         eager = run_cp(attn, case, full, rank, cp, device)
         torch._dynamo.reset()
         cp_inductor.clear_report()
+        counters.clear()
         compiled = run_cp(torch.compile(attn, backend=backend, fullgraph=True), case, full, rank, cp, device)
         out.append({
             "case": case,
@@ -104,6 +106,8 @@ def check_cp_attention(rank: int, cp: int, cases, fn=None, backend: str = "cp_in
             "compiled_vs_ref": errors(compiled, want),
             "compiled_vs_eager": errors(compiled, eager),
             "report": [(r.graph, r.style, r.cp_size, r.layout) for r in cp_inductor.report().regions],
+            "applied": sorted({a for r in cp_inductor.report().regions for a in r.applied}),
+            "rewritten": dict(counters["cp_inductor"]),  # what the post-grad passes actually did
         })
         dist.barrier()
     return out

@@ -91,3 +91,23 @@ def report_text(graphs: dict) -> str:
         for kind, gm in graphs.items()
         for r in pipeline.analyze(gm.graph, kind)
     )
+
+
+def collectives(gm) -> str:
+    """The all_to_all calls of a graph with their buffer shapes, in order."""
+    return ", ".join(
+        f"a2a{list(n.args[0].meta['val'].shape)}"
+        for n in gm.graph.nodes
+        if n.target is torch.ops._c10d_functional.all_to_all_single.default
+    )
+
+
+def rewrite_summary(graphs: dict, graph_pass) -> str:
+    """Per graph: collectives and copy counts before and after ``graph_pass``."""
+    lines = []
+    for kind, gm in graphs.items():
+        before = f"{collectives(gm)} ({count_ops(gm)})"
+        graph_pass(gm.graph)
+        gm.recompile()
+        lines.append(f"{kind} before: {before}\n{kind} after:  {collectives(gm)} ({count_ops(gm)})")
+    return "\n".join(lines)

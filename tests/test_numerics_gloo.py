@@ -24,6 +24,8 @@ def assert_close(results, layout_of=lambda case: case.layout, cp=None):
                 assert err < TOL, f"{case} {key} {name}: {err:.2e}"
         kinds = [(g, style, n, lay) for g, style, n, lay in r["report"]]
         assert kinds == [("forward", "a2a", cp, layout_of(case)), ("backward", "a2a", cp, layout_of(case))], kinds
+        # The report and the passes agree: fused_a2a rewrote the forward and the backward region.
+        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -46,6 +46,8 @@ class A2ACrossing:
     before: list  # layout-op nodes from the rank-local side to the all_to_all (in order)
     after: list  # layout-op nodes from the wait to the attention side (in order)
     layout: str  # layout of the sequence-sharded tensor on the rank-local side
+    send: Layout  # logical layout of the all_to_all input
+    roles: dict  # factor -> "b" | "h" | "s" | "d" (batch factors in attention order)
 
 
 @dataclass
@@ -181,7 +183,7 @@ def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     post = apply_chain(pre[-1].all_to_all(cp), after)
     roles = _roles_at_attention(post[-1], allow_broadcast)
     names = [n for n in (_layout_name(x, roles) for x in pre) if n]
-    crossing = A2ACrossing(a2a, wait, before, after, names[0] if names else "?")
+    crossing = A2ACrossing(a2a, wait, before, after, names[0] if names else "?", pre[-1], roles)
     return crossing, roles, post[-1], cp, a2a.args[3]
 
 
@@ -203,6 +205,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
     if len(found) != 1:
         raise LayoutError(f"output reaches {len(found)} all_to_alls")
     a2a, before, lay = found[0]
+    send = lay
     if _equal_split_cp(a2a) != cp:
         raise LayoutError("return all_to_all on another group size")
     waits = [u for u in a2a.users if u.target is c10d.wait_tensor.default]
@@ -227,7 +230,8 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
             break
     if best is None:
         raise LayoutError("return all_to_all does not give back the sequence slice")
-    return A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1]), a2a.args[3]
+    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles)
+    return crossing, a2a.args[3]
 
 
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:

@@ -215,3 +215,52 @@ def apply_chain(layout: Layout, nodes) -> list[Layout]:
     for n in nodes:
         states.append(LAYOUT_OPS[n.target](states[-1], n))
     return states
+
+
+# --- planning a relayout -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """``x.reshape(split).permute(perm).reshape(shape)`` turns a tensor of one layout into another."""
+
+    split: tuple
+    perm: tuple
+    shape: tuple
+
+
+def _atoms_of(axis_factors: list) -> dict:
+    """Per axis, the finest mixed-radix cut that refines every given factor of it."""
+    bounds: dict = {}
+    for f in axis_factors:
+        bounds.setdefault(f.axis, set()).update({f.stride, f.end})
+    atoms = {}
+    for axis, bs in bounds.items():
+        bs = sorted(bs)
+        for lo, hi in zip(bs, bs[1:]):
+            if hi % lo:
+                raise LayoutError(f"factors of {axis} do not nest")
+        atoms[axis] = [Factor(axis, lo, hi // lo) for lo, hi in zip(bs, bs[1:])]
+    return atoms
+
+
+def _split(f: Factor, atoms: dict) -> list:
+    inside = [a for a in atoms[f.axis] if f.stride <= a.stride and a.end <= f.end]
+    return sorted(inside, key=lambda a: -a.stride)  # outer to inner
+
+
+def plan_relayout(src: Layout, dst: Layout) -> Relayout:
+    """How to view/copy a tensor laid out as ``src`` into ``dst`` (same elements, same pinned)."""
+    if src.pinned != dst.pinned:
+        raise LayoutError("relayout cannot change which block this rank holds")
+    src_f = [f for d in src.dims for f in canonical(d)]
+    dst_f = [f for d in dst.dims for f in canonical(d)]
+    if any(is_broadcast(f) for f in src_f + dst_f):
+        raise LayoutError("relayout of broadcast factors")
+    atoms = _atoms_of(src_f + dst_f)
+    src_atoms = [a for f in src_f for a in _split(f, atoms)]
+    dst_atoms = [a for f in dst_f for a in _split(f, atoms)]
+    if sorted(src_atoms, key=repr) != sorted(dst_atoms, key=repr) or len(set(src_atoms)) != len(src_atoms):
+        raise LayoutError("layouts hold different elements")
+    perm = tuple(src_atoms.index(a) for a in dst_atoms)
+    return Relayout(tuple(a.size for a in src_atoms), perm, dst.shape)

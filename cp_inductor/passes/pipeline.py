@@ -17,7 +17,7 @@ import torch.fx
 
 from .. import config
 from ..report import Region
-from . import detect_a2a
+from . import detect_a2a, fused_a2a
 
 # The rewrite catalogue (DESIGN.md section 3), in the order the passes apply them.
 REWRITES = (
@@ -36,24 +36,30 @@ REWRITES_BY_STYLE = {
     "ring": ("zero_init", "first_grad_reuse", "uniform_thd"),
 }
 
-# Rewrites that have landed, by the hook key their pass runs on. Empty until the first rewrite.
+# Rewrites that have landed, by the hook key their pass runs on, in order.
 HOOKS: dict[str, list] = {
     "joint_custom_pre_pass": [],
     "joint_custom_post_pass": [],
-    "post_grad_custom_pre_pass": [],
+    "post_grad_custom_pre_pass": [fused_a2a.fused_a2a_pass],
     "post_grad_custom_post_pass": [],
 }
 
-_LANDED = {p.rewrite for passes in HOOKS.values() for p in passes}
+# rewrite name -> function(region) giving the reason it cannot apply, or None. The pass asks the
+# same function on the post-grad graph, so the report states what the pass does.
+ELIGIBILITY = {
+    fused_a2a.NAME: fused_a2a.ineligible,
+}
 
 
-def _decide(style: str) -> tuple[list, dict]:
+def _decide(style: str, region) -> tuple[list, dict]:
     applied, skipped = [], {}
     for name in REWRITES_BY_STYLE[style]:
         if not getattr(config, name):
             skipped[name] = "disabled by config"
-        elif name not in _LANDED:
+        elif name not in ELIGIBILITY:
             skipped[name] = "not implemented yet"
+        elif (reason := ELIGIBILITY[name](region)) is not None:
+            skipped[name] = reason
         else:
             applied.append(name)
     return applied, skipped
@@ -65,7 +71,7 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[Region]:
         return []
     regions = []
     for r in detect_a2a.find_regions(graph, graph_kind, log=log):
-        applied, skipped = _decide("a2a")
+        applied, skipped = _decide("a2a", r)
         detail = f"Hq={r.heads_q} Hkv={r.heads_kv}" + (" causal" if r.is_causal else "")
         regions.append(
             Region(

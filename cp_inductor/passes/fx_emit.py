@@ -1,0 +1,39 @@
+"""Inserting ATen nodes into a post-grad graph with the fake-tensor metadata Inductor reads."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from .layout_algebra import Relayout
+
+aten = torch.ops.aten
+
+
+class Emitter:
+    """Creates nodes before ``anchor`` (in call order) and fills ``meta["val"]``."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
+        self.graph = graph
+        self.anchor = anchor
+        vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.fake_mode = detect_fake_mode(vals)
+
+    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def relayout(self, x: torch.fx.Node, plan: Relayout) -> torch.fx.Node:
+        shape = tuple(x.meta["val"].shape)
+        if plan.split != shape:
+            x = self(aten.reshape.default, x, list(plan.split))
+        if plan.perm != tuple(range(len(plan.perm))):
+            x = self(aten.permute.default, x, list(plan.perm))
+        if plan.shape != tuple(x.meta["val"].shape):
+            x = self(aten.reshape.default, x, list(plan.shape))
+        return x

@@ -1,0 +1,140 @@
+"""fused_a2a: golden graphs (collectives and copies before/after), eligibility, kernels."""
+
+import re
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import variants
+import cp_inductor
+from cp_inductor.parallel import ulysses_attention
+from cp_inductor.passes.fused_a2a import fused_a2a_pass
+from graph_utils import aot_graphs, fake_pg, report_text, rewrite_summary
+
+
+def qkv(shape_q, shape_kv, dtypes=(torch.float32,) * 3):
+    g = torch.Generator().manual_seed(0)
+    shapes = (shape_q, shape_kv, shape_kv)
+    return [torch.randn(s, generator=g).to(dt).requires_grad_() for s, dt in zip(shapes, dtypes)]
+
+
+def ulysses(**kw):
+    return lambda q, k, v: ulysses_attention(q, k, v, **kw)
+
+
+class TestGolden(TestCase):
+    def test_bshd_gqa_cp2(self):
+        with fake_pg(2):
+            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
+forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=11)
+backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
+backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=11)""")
+
+    def test_bhsd_cp4(self):
+        with fake_pg(4):
+            graphs = aot_graphs(ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
+forward after:  a2a[4, 8, 1, 6, 16], a2a[4, 1, 2, 8, 16] (all_to_all=2 clone=7)
+backward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
+backward after:  a2a[4, 1, 2, 8, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=7)""")
+
+    def test_one_kv_head_per_rank_cp8(self):
+        with fake_pg(8):
+            graphs = aot_graphs(ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 2, 8] (all_to_all=4 clone=4)
+forward after:  a2a[8, 4, 1, 4, 8], a2a[8, 1, 4, 2, 8] (all_to_all=2 clone=7)
+backward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 2, 8] (all_to_all=4 clone=2)
+backward after:  a2a[8, 1, 4, 2, 8], a2a[8, 4, 1, 4, 8] (all_to_all=2 clone=5)""")
+
+    def test_hand_written_transpose_then_reshape_cp4(self):
+        with fake_pg(4):
+            graphs = aot_graphs(variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 2, 2, 4, 16] (all_to_all=4 clone=5)
+forward after:  a2a[4, 4, 2, 6, 16], a2a[4, 2, 2, 4, 16] (all_to_all=2 clone=8)
+backward before: a2a[4, 2, 2, 4, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16] (all_to_all=4 clone=8)
+backward after:  a2a[4, 2, 2, 4, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=11)""")
+
+    def test_hand_written_flattened_buffer_cp2(self):
+        with fake_pg(2):
+            graphs = aot_graphs(variants.flattened_buffer, *qkv((1, 4, 8, 16), (1, 4, 8, 16)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
+forward after:  a2a[2, 8, 1, 6, 16], a2a[512] (all_to_all=2 clone=7)
+backward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
+backward after:  a2a[512], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=7)""")
+
+    def test_disabled_by_config_changes_nothing(self):
+        with fake_pg(2), cp_inductor.config.patch(fused_a2a=False):
+            graphs = aot_graphs(ulysses(), *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
+            text = rewrite_summary(graphs, fused_a2a_pass)
+        self.assertExpectedInline(text, """\
+forward before: a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
+forward after:  a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
+backward before: a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
+backward after:  a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)""")
+
+
+def expanded_kv_heads(q, k, v):
+    """GQA done by hand: k/v heads replicated after the all-to-all, before attention."""
+    group = torch.distributed.group.WORLD
+    cp = torch.distributed.get_world_size()
+
+    def scatter(x, rep):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        y = recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, 1, cp * s_l, d)
+        return y.expand(b, h // cp, rep, cp * s_l, d).reshape(b, h // cp * rep, cp * s_l, d)
+
+    o = F.scaled_dot_product_attention(scatter(q, 1), scatter(k, 2), scatter(v, 2), is_causal=True)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+def bf16_wire_kv(q, k, v):
+    """k/v cross the all-to-all in bf16 and are upcast after it: the dtypes differ at the
+    collective, so the three cannot share one buffer."""
+    group = torch.distributed.group.WORLD
+    cp = torch.distributed.get_world_size()
+
+    def scatter(x):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d).float()
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k.bfloat16()), scatter(v.bfloat16()))
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+class TestEligibility(TestCase):
+    def test_different_wire_dtypes_are_skipped_with_a_reason(self):
+        with fake_pg(2):
+            text = report_text(aot_graphs(bf16_wire_kv, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+        self.assertExpectedInline(text, """\
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+
+    def test_expanded_kv_heads_still_fuse(self):
+        # The replication happens after the collectives, which is all fused_a2a touches. Its
+        # backward sums the replicas before dk/dv leave, so that graph has no region.
+        with fake_pg(2):
+            text = report_text(aot_graphs(expanded_kv_heads, *qkv((1, 8, 4, 16), (1, 8, 2, 16))))
+        self.assertExpectedInline(text, """forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
