@@ -49,13 +49,13 @@ class Bench:
         conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
         return {n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp) for n, t in self.full.items()}, sd
 
-    def ulysses_arm(self, backend):
+    def ulysses_arm(self, backend, options=None):
         a = self.args
         local, sd = self._local(a.layout)
         q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
         fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
         if backend is not None:
-            fn = torch.compile(fn, backend=backend, fullgraph=True)
+            fn = torch.compile(fn, backend=backend, fullgraph=True, options=options)
         state = {}
 
         def step():
@@ -134,6 +134,29 @@ class Bench:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         return times.tolist()
 
+    def breakdown(self, step, iters: int = 5) -> dict:
+        """Kernel time per iteration on this rank by kind, from the profiler (ms)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        kinds = {"nccl": 0.0, "attention": 0.0, "other": 0.0}
+        for e in prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+            name = e.key.lower()
+            kind = "nccl" if "nccl" in name else (
+                "attention" if any(w in name for w in ("attn", "attention", "cudnn", "flash", "fmha", "sm90")) else "other"
+            )
+            kinds[kind] += t / 1000 / iters
+        return kinds
+
     def reference(self) -> dict:
         """One-GPU fp32 SDPA on the whole sequence (memory-efficient kernel: no S x S buffer)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -147,6 +170,15 @@ class Bench:
         return {n: t.transpose(1, 2) for n, t in (("out", out.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
+# Ulysses arms: name -> (backend, options). "cp_off" is cp_inductor with every rewrite off.
+ARMS = {
+    "eager": (None,),
+    "inductor": ("inductor",),
+    "cp_off": ("cp_inductor", {"cp_inductor.fused_a2a": False}),
+    "cp_inductor": ("cp_inductor",),
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
@@ -156,11 +188,12 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", default="bshd", choices=parallel.LAYOUTS)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--arms", default="eager,inductor,cp_inductor,native,floor")
+    p.add_argument("--arms", default="eager,inductor,cp_off,cp_inductor,native,floor")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default="cp_off,cp_inductor,floor", help="arms to break down by kernel kind")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
 
@@ -183,7 +216,7 @@ def main() -> int:
         elif name == "floor":
             arm = bench.floor_arm()
         else:
-            arm = bench.ulysses_arm({"eager": None}.get(name, name))
+            arm = bench.ulysses_arm(*ARMS[name])
         step, results = arm
         step()  # compiles
         torch.cuda.synchronize()
@@ -199,6 +232,12 @@ def main() -> int:
             step.close()
         arms[name] = step
     del ref
+
+    kernels = {}
+    if args.profile:
+        for name in args.profile.split(","):
+            if name in arms and name != "native":
+                kernels[name] = bench.breakdown(arms[name])
 
     medians = {n: [] for n in arms}
     order = list(arms)
@@ -216,7 +255,7 @@ def main() -> int:
     if rank == 0:
         med = {n: statistics.median(v) for n, v in medians.items()}
         floor = med.get("floor")
-        base = "inductor" if "inductor" in med else next(iter(med))
+        base = next((b for b in ("cp_off", "inductor") if b in med), next(iter(med)))
         print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
               f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
               f"{args.rounds} rounds x {args.iters} iters, slowest rank")
@@ -226,12 +265,17 @@ def main() -> int:
             vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
             err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
             print(f"{n:12s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {memory[n]:9.2f} {err:>12s}")
+        if kernels:
+            print("kernel time per iteration, rank 0 (ms): arm, attention, nccl, other kernels, iteration - sum")
+            for n, k in kernels.items():
+                gap = med[n] - sum(k.values())
+                print(f"  {n:12s} {k['attention']:8.2f} {k['nccl']:8.2f} {k['other']:8.2f} {gap:8.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
                     "args": vars(args), "cp": bench.cp, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
-                    "median_ms": med, "peak_gib": memory, "max_rel_err": checks, "compile_s": compile_s,
+                    "median_ms": med, "peak_gib": memory, "kernel_ms_rank0": kernels, "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)
     dist.barrier()

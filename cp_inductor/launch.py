@@ -24,6 +24,10 @@ def _free_port() -> int:
 def _worker(rank, cp, port, fn, args, queue, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=cp)
         result = fn(rank, cp, *args)
         # Plain pickle: tensors travel by value, not as shared memory the exiting worker owns.

@@ -1,0 +1,43 @@
+"""The gloo numerics again on GPUs over NCCL, in bf16 (runs on the lent H200 machine; skipped
+where fewer than 2 GPUs exist)."""
+
+import functools
+
+import pytest
+import torch
+
+import variants
+from cp_inductor.checks import AttentionCase, check_cp_attention
+from cp_inductor.launch import run_on_ranks
+
+needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2
+
+
+def _check(results, cp):
+    for r in results:
+        for key in ("eager_vs_ref", "compiled_vs_ref"):
+            for name, err in r[key].items():
+                assert err < TOL, f"{r['case']} {key} {name}: {err:.2e}"
+        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r
+        assert [x[:3] for x in r["report"]] == [("forward", "a2a", cp), ("backward", "a2a", cp)]
+
+
+@needs_gpus
+def test_ulysses_nccl_bf16():
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=bf16),
+        AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
+        AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
+    ]
+    for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", backend="nccl"):
+        _check(rank_results, 2)
+
+
+@needs_gpus
+def test_hand_written_nccl_bf16():
+    case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, dtype=torch.bfloat16)
+    fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
+    for rank_results in run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cuda", backend="nccl"):
+        _check(rank_results, 2)
