@@ -6,7 +6,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
@@ -15,6 +15,6 @@ i=0
 for shape in "$@"; do
   i=$((i+1))
   torchrun --nproc-per-node "$NGPU" benchmarks/bench_ulysses.py $shape --json "$OUT/bench_$i.json" \
-    > "$OUT/bench_$i.log" 2>&1
-  grep -v -i warn "$OUT/bench_$i.log" | grep -A30 "^Ulysses fwd"
+    > /tmp/bench_$i.log 2>&1 || tail -30 /tmp/bench_$i.log
+  grep -v -i warn /tmp/bench_$i.log | grep -A30 "^Ulysses fwd"
 done
