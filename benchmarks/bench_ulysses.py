@@ -175,6 +175,7 @@ ARMS = {
     "eager": (None,),
     "inductor": ("inductor",),
     "cp_off": ("cp_inductor", {"cp_inductor.fused_a2a": False}),
+    "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_strided": False}),  # fused, unpack copied
     "cp_inductor": ("cp_inductor",),
 }
 
@@ -188,12 +189,12 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", default="bshd", choices=parallel.LAYOUTS)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--arms", default="eager,inductor,cp_off,cp_inductor,native,floor")
+    p.add_argument("--arms", default="eager,inductor,cp_off,cp_copy,cp_inductor,native,floor")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", default="cp_off,cp_inductor,floor", help="arms to break down by kernel kind")
+    p.add_argument("--profile", default="cp_off,cp_copy,cp_inductor,floor", help="arms to break down by kernel kind")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
 

@@ -22,6 +22,9 @@ uniform_thd: bool = False
 owner_grad_return: bool = False
 
 # --- knobs ---
+# fused_a2a: attention reads q/k/v (and dO) as strided views of the received buffer instead of
+# unpacked copies.
+fused_a2a_strided: bool = True
 # Head groups for `head_partition`; 0 lets the rewrite choose.
 head_groups: int = 0
 

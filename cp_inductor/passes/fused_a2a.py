@@ -20,6 +20,8 @@ three; the bytes are the same.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch._dynamo.utils import counters
@@ -28,17 +30,19 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from .. import config
 from .detect_a2a import A2ACrossing, A2ARegion, find_regions
 from .fx_emit import Emitter
-from .layout_algebra import Layout, LayoutError, plan_relayout
+from .layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "fused_a2a"
 
 
-def _crossings(region: A2ARegion) -> list[A2ACrossing]:
+def _groups(region: A2ARegion) -> list[tuple[list, list]]:
+    """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
     if "dq" in region.outgoing:
-        return [region.outgoing[n] for n in ("dq", "dk", "dv")]
-    return [region.incoming[n] for n in ("q", "k", "v")]
+        groups = [([region.incoming["grad_out"]], [region.attention.args[0]])]
+        return groups + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
+    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))]
 
 
 def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
@@ -56,7 +60,14 @@ def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
 
 def ineligible(region: A2ARegion) -> str | None:
     """Why fused_a2a cannot rewrite this region, or None."""
-    crossings = _crossings(region)
+    for crossings, _ in _groups(region):
+        reason = _group_ineligible(region, crossings)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
     vals = [c.a2a.args[0].meta.get("val") for c in crossings]
     if any(v is None for v in vals):
         return "no tensor metadata on an all_to_all input"
@@ -75,8 +86,35 @@ def ineligible(region: A2ARegion) -> str | None:
     return None
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion) -> None:
-    crossings = _crossings(region)
+def _strided_view(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int, attn_arg):
+    """The attention input as a view of the received buffer, or None if it is not one.
+
+    ``part`` is ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so ``[B, H, S, D]`` is a
+    permuted view: no unpack copy. cuDNN and flash read such views at full speed."""
+    if attn_arg is None or not config.fused_a2a_strided:
+        return None
+    end = c.after[-1] if c.after else c.wait
+    if end is not attn_arg:
+        return None
+    cp_, s_l, b, h, d = lay.shape
+    want = apply_chain(c.send.all_to_all(cp), c.after)[-1]
+    mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
+    if [canonical(x) for x in mine.dims] != [canonical(x) for x in want.dims]:
+        return None  # e.g. heads replicated before attention: keep the copy path
+    return emit(aten.permute.default, emit(aten.view.default, part, [cp_ * s_l, b, h, d]), [1, 2, 0, 3])
+
+
+def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
+    """Recompute an attention node's outputs after its inputs changed strides."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with emit.fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+    for user in node.users:
+        if user.target is operator.getitem:
+            user.meta["val"] = node.meta["val"][user.args[1]]
+
+
+def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list) -> None:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
     sends = [c.a2a.args[0] for c in crossings]
@@ -85,22 +123,34 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion) -> None:
 
     layouts = [_pack_layout(c, cp) for c in crossings]
     packs = [emit.relayout(s, plan_relayout(c.send, lay)) for s, c, lay in zip(sends, crossings, layouts)]
-    buf = emit(aten.cat.default, packs, 3)
+    buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 3)
     n0 = int(buf.meta["val"].shape[0])
     splits = [n0 // cp] * cp
     recv = emit(c10d.wait_tensor.default, emit(c10d.all_to_all_single.default, buf, splits, splits, group))
 
-    offset = 0
-    for c, lay in zip(crossings, layouts):
+    offset, strided, dead = 0, False, []
+    for c, lay, attn_arg in zip(crossings, layouts, attn_args):
         heads = lay.shape[3]
-        part = emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
+        part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
         offset += heads
-        part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
-        part = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
-        c.wait.replace_all_uses_with(part)
-    for c in crossings:
-        graph.erase_node(c.wait)
-        graph.erase_node(c.a2a)
+        view = _strided_view(emit, part, lay, c, cp, attn_arg)
+        if view is not None:
+            attn_arg.replace_all_uses_with(view)
+            strided = True
+            dead.extend(reversed(c.after))  # the old unpack chain
+        else:
+            # Contiguous in exactly the layout the old all-to-all delivered: nothing downstream
+            # changes, and Inductor fuses this copy with the unpack copy that follows.
+            part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
+            part = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
+            c.wait.replace_all_uses_with(part)
+        dead += [c.wait, c.a2a]
+    if strided:
+        _refresh_meta(region.attention, emit)
+    # Erase only now: the emitter's anchor may be one of these nodes.
+    for node in dead:
+        if not node.users:
+            graph.erase_node(node)
 
 
 def fused_a2a_pass(graph: torch.fx.Graph) -> None:
@@ -108,10 +158,13 @@ def fused_a2a_pass(graph: torch.fx.Graph) -> None:
         return
     changed = False
     for region in find_regions(graph, "post_grad"):
-        if ineligible(region) is None:
-            _rewrite(graph, region)
-            counters["cp_inductor"][NAME] += 1
-            changed = True
+        if ineligible(region) is not None:
+            continue
+        for crossings, attn_args in _groups(region):
+            if len(crossings) > 1 or config.fused_a2a_strided:
+                _rewrite(graph, region, crossings, attn_args)
+        counters["cp_inductor"][NAME] += 1
+        changed = True
     if changed:
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
