@@ -31,9 +31,9 @@ class TestGolden(TestCase):
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=5)
+forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 8, 2, 4, 16] (all_to_all=2 clone=2)
 backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=10)""")
+backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=6)""")
 
     def test_bhsd_cp4(self):
         with fake_pg(4):
@@ -41,9 +41,9 @@ backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=10
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
-forward after:  a2a[4, 8, 1, 6, 16], a2a[4, 1, 2, 8, 16] (all_to_all=2 clone=1)
+forward after:  a2a[4, 8, 1, 6, 16], a2a[4, 8, 1, 2, 16] (all_to_all=2 clone=1)
 backward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
-backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=6)""")
+backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
 
     def test_one_kv_head_per_rank_cp8(self):
         with fake_pg(8):
@@ -51,9 +51,9 @@ backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=6)
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 2, 8] (all_to_all=4 clone=4)
-forward after:  a2a[8, 4, 1, 4, 8], a2a[8, 1, 4, 2, 8] (all_to_all=2 clone=4)
+forward after:  a2a[8, 4, 1, 4, 8], a2a[8, 4, 1, 2, 8] (all_to_all=2 clone=2)
 backward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 2, 8] (all_to_all=4 clone=2)
-backward after:  a2a[8, 4, 1, 2, 8], a2a[8, 4, 1, 4, 8] (all_to_all=2 clone=5)""")
+backward after:  a2a[8, 4, 1, 2, 8], a2a[8, 4, 1, 4, 8] (all_to_all=2 clone=4)""")
 
     def test_hand_written_transpose_then_reshape_cp4(self):
         with fake_pg(4):
@@ -61,9 +61,9 @@ backward after:  a2a[8, 4, 1, 2, 8], a2a[8, 4, 1, 4, 8] (all_to_all=2 clone=5)""
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 2, 2, 4, 16] (all_to_all=4 clone=5)
-forward after:  a2a[4, 4, 2, 6, 16], a2a[4, 2, 2, 4, 16] (all_to_all=2 clone=5)
+forward after:  a2a[4, 4, 2, 6, 16], a2a[4, 4, 2, 2, 16] (all_to_all=2 clone=2)
 backward before: a2a[4, 2, 2, 4, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16] (all_to_all=4 clone=8)
-backward after:  a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=10)""")
+backward after:  a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=6)""")
 
     def test_hand_written_flattened_buffer_cp2(self):
         with fake_pg(2):
@@ -71,9 +71,9 @@ backward after:  a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=10
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
-forward after:  a2a[2, 8, 1, 6, 16], a2a[512] (all_to_all=2 clone=1)
+forward after:  a2a[2, 8, 1, 6, 16], a2a[2, 8, 1, 2, 16] (all_to_all=2 clone=1)
 backward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
-backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=6)""")
+backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
 
     def test_copy_path_when_strided_inputs_are_off(self):
         # Unpack stays a copy into the layout the old all-to-all delivered; grad_out keeps its own.
@@ -82,9 +82,9 @@ backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=6)
             text = rewrite_summary(graphs, fused_a2a_pass)
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=11)
+forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=8)
 backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=11)""")
+backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=8)""")
 
     def test_disabled_by_config_changes_nothing(self):
         with fake_pg(2), cp_inductor.config.patch(fused_a2a=False):

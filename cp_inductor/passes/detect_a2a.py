@@ -48,6 +48,8 @@ class A2ACrossing:
     layout: str  # layout of the sequence-sharded tensor on the rank-local side
     send: Layout  # logical layout of the all_to_all input
     roles: dict  # factor -> "b" | "h" | "s" | "d" (batch factors in attention order)
+    source: torch.fx.Node  # where ``before`` starts: the rank-local tensor, or attention's output
+    source_layout: Layout
 
 
 @dataclass
@@ -183,7 +185,7 @@ def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     post = apply_chain(pre[-1].all_to_all(cp), after)
     roles = _roles_at_attention(post[-1], allow_broadcast)
     names = [n for n in (_layout_name(x, roles) for x in pre) if n]
-    crossing = A2ACrossing(a2a, wait, before, after, names[0] if names else "?", pre[-1], roles)
+    crossing = A2ACrossing(a2a, wait, before, after, names[0] if names else "?", pre[-1], roles, source, pre[0])
     return crossing, roles, post[-1], cp, a2a.args[3]
 
 
@@ -230,7 +232,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
             break
     if best is None:
         raise LayoutError("return all_to_all does not give back the sequence slice")
-    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles)
+    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles, node, start)
     return crossing, a2a.args[3]
 
 

@@ -40,9 +40,14 @@ NAME = "fused_a2a"
 def _groups(region: A2ARegion) -> list[tuple[list, list]]:
     """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
     if "dq" in region.outgoing:
-        groups = [([region.incoming["grad_out"]], [region.attention.args[0]])]
-        return groups + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
-    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))]
+        groups = [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
+        single = [([region.incoming["grad_out"]], [region.attention.args[0]])]
+    else:
+        groups = [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))]
+        single = [([region.outgoing["out"]], [None])]
+    # A lone tensor gains only from the sequence-major layout: its unpack (dO) or pack (out)
+    # becomes a view.
+    return groups + (single if config.fused_a2a_strided else [])
 
 
 def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
@@ -76,7 +81,7 @@ def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
     try:
         layouts = [_pack_layout(c, region.cp) for c in crossings]
         for c, lay in zip(crossings, layouts):
-            plan_relayout(c.send, lay)
+            plan_relayout(c.source_layout, lay)
             plan_relayout(lay.all_to_all(region.cp), c.send.all_to_all(region.cp))
     except LayoutError as e:
         return f"cannot relayout: {e}"
@@ -117,12 +122,13 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
 def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list) -> None:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
-    sends = [c.a2a.args[0] for c in crossings]
-    last_send = max(sends, key=order.__getitem__)
+    last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
 
+    # Pack straight from where each chain starts (the old pack copies go dead): one copy into
+    # the buffer, or none for a lone tensor already sequence-major (cuDNN's output).
     layouts = [_pack_layout(c, cp) for c in crossings]
-    packs = [emit.relayout(s, plan_relayout(c.send, lay)) for s, c, lay in zip(sends, crossings, layouts)]
+    packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(crossings, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 3)
     n0 = int(buf.meta["val"].shape[0])
     splits = [n0 // cp] * cp
@@ -144,7 +150,7 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
             part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
             part = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
             c.wait.replace_all_uses_with(part)
-        dead += [c.wait, c.a2a]
+        dead += [c.wait, c.a2a] + c.before[::-1]
     if strided:
         _refresh_meta(region.attention, emit)
     # Erase only now: the emitter's anchor may be one of these nodes.
@@ -161,8 +167,7 @@ def fused_a2a_pass(graph: torch.fx.Graph) -> None:
         if ineligible(region) is not None:
             continue
         for crossings, attn_args in _groups(region):
-            if len(crossings) > 1 or config.fused_a2a_strided:
-                _rewrite(graph, region, crossings, attn_args)
+            _rewrite(graph, region, crossings, attn_args)
         counters["cp_inductor"][NAME] += 1
         changed = True
     if changed:
