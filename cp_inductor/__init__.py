@@ -6,9 +6,9 @@ what it found and did.
 """
 
 from . import config
-from .report import Region, Report, clear_report, report
+from .report import Region, Rejected, Report, clear_report, report
 
-__all__ = ["config", "report", "clear_report", "Report", "Region", "backend"]
+__all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend"]
 
 
 def __getattr__(name):

@@ -18,7 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from . import config
 from .passes import pipeline
 from .passes.custom_pass import CPGraphPass
-from .report import clear_report, log, record
+from .report import clear_report, record, record_rejected
 
 OPTION_PREFIX = "cp_inductor."
 
@@ -45,9 +45,12 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cp_config: dict, **kwargs):
     kind = _graph_kind(kwargs)
+    rejected = []
     with config.patch(cp_config):
-        for region in pipeline.analyze(gm.graph, kind, log=log.debug):
+        for region in pipeline.analyze(gm.graph, kind, rejected):
             record(region)
+    for r in rejected:
+        record_rejected(r)
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

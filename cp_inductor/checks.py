@@ -58,14 +58,18 @@ def reference(case: AttentionCase, full: dict) -> dict:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def run_cp(fn, case: AttentionCase, full: dict, rank: int, cp: int, device="cpu") -> dict:
-    """Run ``fn(q, k, v)`` on this rank's shard, backward with the sharded dout, gather all."""
+def run_cp(fn, case: AttentionCase, full: dict, rank: int, cp: int, device="cpu", dynamic_seq=False) -> dict:
+    """Run ``fn(q, k, v)`` on this rank's shard, backward with the sharded dout, gather all.
+    ``dynamic_seq`` marks the sequence dim dynamic for torch.compile."""
     sd = case.seq_dim
     local = {
         n: parallel.shard_sequence(full[n], sd, rank, cp).to(device=device, dtype=case.dtype)
         for n in ("q", "k", "v", "dout")
     }
     q, k, v = (local[n].requires_grad_() for n in "qkv")
+    if dynamic_seq:
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, sd)
     out = fn(q, k, v)
     out.backward(local["dout"])
     results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

@@ -38,16 +38,30 @@ _HEADER = ["graph", "style", "cp", "layout", "attention", "detail", "applied", "
 
 
 @dataclass
+class Rejected:
+    """An attention op that is not a CP region, and why (nothing is rewritten there)."""
+
+    graph: str
+    attention: str
+    reason: str
+
+
+@dataclass
 class Report:
     regions: list = field(default_factory=list)
+    rejected: list = field(default_factory=list)
 
     def __str__(self) -> str:
-        if not self.regions:
-            return "cp_inductor: no CP attention regions found"
-        rows = [_HEADER] + [r.row() for r in self.regions]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = []
+        if self.regions:
+            rows = [_HEADER] + [r.row() for r in self.regions]
+            widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+            lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+            lines.insert(1, "  ".join("-" * w for w in widths))
+        else:
+            lines.append("cp_inductor: no CP attention regions found")
+        for r in self.rejected:
+            lines.append(f"not a CP region ({r.graph}): {r.attention}: {r.reason}")
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -56,6 +70,13 @@ class Report:
 
 _lock = threading.Lock()
 _regions: list[Region] = []
+_rejected: list[Rejected] = []
+
+
+def record_rejected(rejected: Rejected) -> None:
+    with _lock:
+        _rejected.append(rejected)
+    log.info("cp_inductor %s: %s is not a CP region: %s", rejected.graph, rejected.attention, rejected.reason)
 
 
 def record(region: Region) -> None:
@@ -70,9 +91,10 @@ def record(region: Region) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions))
+        return Report(list(_regions), list(_rejected))
 
 
 def clear_report() -> None:
     with _lock:
         _regions.clear()
+        _rejected.clear()

@@ -85,12 +85,13 @@ def count_ops(gm) -> str:
 
 
 def report_text(graphs: dict) -> str:
-    """The report rows analysis would record for these graphs."""
-    return "\n".join(
-        f"{r.graph} {r.style} cp={r.cp_size} {r.layout} applied={r.applied} skipped={r.skipped}"
-        for kind, gm in graphs.items()
-        for r in pipeline.analyze(gm.graph, kind)
-    )
+    """The report rows analysis would record for these graphs, then the rejected attention ops."""
+    rows, rejected = [], []
+    for kind, gm in graphs.items():
+        for r in pipeline.analyze(gm.graph, kind, rejected):
+            rows.append(f"{r.graph} {r.style} cp={r.cp_size} {r.layout} applied={r.applied} skipped={r.skipped}")
+    rows += [f"rejected {r.graph} {r.attention}: {r.reason}" for r in rejected]
+    return "\n".join(rows)
 
 
 def collectives(gm) -> str:

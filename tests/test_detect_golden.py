@@ -154,3 +154,19 @@ class TestNotARegion(TestCase):
             graphs = aot_graphs(variants.interleaved_heads, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
             text = describe_regions(graphs)
         self.assertExpectedInline(text, """no regions""")
+
+
+class TestRejectedReasons(TestCase):
+    def test_interleaved_heads_say_why(self):
+        with fake_pg(2):
+            text = report_text(aot_graphs(variants.interleaved_heads, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+        self.assertExpectedInline(text, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: sequence dim is not (source rank, local position)
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: sequence dim is not (source rank, local position)""")
+
+    def test_batch_exchange_says_why(self):
+        with fake_pg(2):
+            text = report_text(aot_graphs(variants.batch_exchange, *qkv((4, 2, 8, 16), (4, 2, 8, 16))))
+        self.assertExpectedInline(text, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: sequence dim is not (source rank, local position)
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: sequence dim is not (source rank, local position)""")

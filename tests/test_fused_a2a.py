@@ -148,4 +148,6 @@ backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradien
         # backward sums the replicas before dk/dv leave, so that graph has no region.
         with fake_pg(2):
             text = report_text(aot_graphs(expanded_kv_heads, *qkv((1, 8, 4, 16), (1, 8, 2, 16))))
-        self.assertExpectedInline(text, """forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+        self.assertExpectedInline(text, """\
+forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: output reaches 0 all_to_alls""")

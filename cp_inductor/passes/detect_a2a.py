@@ -94,6 +94,9 @@ def _equal_split_cp(a2a: torch.fx.Node) -> int:
     inp, out_splits, in_splits, group_name = a2a.args[:4]
     cp = _group_size(group_name)
     n0 = _val(inp).shape[0]
+    # Comparing symbolic sizes would add guards: the compiler must not specialize the user's graph.
+    if any(isinstance(x, torch.SymInt) for x in [n0, *(out_splits or ()), *(in_splits or ())]):
+        raise LayoutError("dynamic shapes")
     for splits in (out_splits, in_splits):
         if splits is not None and (len(splits) != cp or any(s * cp != n0 for s in splits)):
             raise LayoutError(f"uneven all_to_all splits {splits}")
@@ -254,7 +257,8 @@ def _roles_for(lay: Layout) -> dict:
 
 
 def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARegion]:
-    """Every Ulysses region in ``graph``. ``log(str)`` receives why a candidate was rejected."""
+    """Every Ulysses region in ``graph``. ``log(node, reason)`` hears why an attention op is
+    not one."""
     regions = []
     for node in graph.nodes:
         if node.op != "call_function":
@@ -266,7 +270,7 @@ def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARe
                 regions.append(_backward_region(node, graph_kind))
         except LayoutError as e:
             if log is not None:
-                log(f"{node.name}: not a Ulysses region: {e}")
+                log(node, str(e))
     return regions
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx
 
 from .. import config
-from ..report import Region
+from ..report import Region, Rejected
 from . import detect_a2a, fused_a2a
 
 # The rewrite catalogue (DESIGN.md section 3), in the order the passes apply them.
@@ -65,18 +65,28 @@ def _decide(style: str, region) -> tuple[list, dict]:
     return applied, skipped
 
 
-def analyze(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[Region]:
-    """The CP attention regions of one graph, with what the pipeline does to each."""
+def _op_name(node) -> str:
+    return node.target.__name__.split(".")[0]
+
+
+def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None) -> list[Region]:
+    """The CP attention regions of one graph, with what the pipeline does to each. Attention
+    ops that are not regions go to ``rejected`` with the reason."""
     if not config.detect:
         return []
+
+    def reject(node, reason):
+        if rejected is not None:
+            rejected.append(Rejected(graph_kind, _op_name(node), reason))
+
     regions = []
-    for r in detect_a2a.find_regions(graph, graph_kind, log=log):
+    for r in detect_a2a.find_regions(graph, graph_kind, log=reject):
         applied, skipped = _decide("a2a", r)
         detail = f"Hq={r.heads_q} Hkv={r.heads_kv}" + (" causal" if r.is_causal else "")
         regions.append(
             Region(
                 style="a2a", cp_size=r.cp, layout=r.layout, graph=graph_kind, applied=applied,
-                skipped=skipped, attention=r.attention.target.__name__.split(".")[0], detail=detail,
+                skipped=skipped, attention=_op_name(r.attention), detail=detail,
             )
         )
     return regions
