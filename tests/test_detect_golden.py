@@ -9,6 +9,12 @@ from cp_inductor.parallel import ulysses_attention
 
 def ulysses(**kw):
     return lambda q, k, v: ulysses_attention(q, k, v, **kw)
+
+
+def regions(cp, fn, *inputs):
+    """What detection finds in ``fn``'s graphs on a fake process group of size ``cp``."""
+    with fake_pg(cp):
+        return describe_regions(aot_graphs(fn, *inputs))
 from graph_utils import aot_graphs, describe_regions, fake_pg, report_text
 
 
@@ -20,9 +26,7 @@ def qkv(shape_q, shape_kv, grad=True):
 
 class TestUlyssesHelpers(TestCase):
     def test_bshd_gqa_cp2(self):
-        with fake_pg(2):
-            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
-            text = describe_regions(graphs)
+        text = regions(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 causal
   q        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
@@ -36,9 +40,7 @@ backward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backw
   dv       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view""")
 
     def test_bhsd_cp4(self):
-        with fake_pg(4):
-            graphs = aot_graphs(ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
-            text = describe_regions(graphs)
+        text = regions(4, ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=4 layout=bhsd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=8
   q        bhsd: view -> permute -> ALL_TO_ALL -> permute -> clone -> view
@@ -52,9 +54,7 @@ backward: a2a cp=4 layout=bhsd _scaled_dot_product_flash_attention_for_cpu_backw
   dv       bhsd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view""")
 
     def test_bshd_gqa_cp8_one_kv_head_per_rank(self):
-        with fake_pg(8):
-            graphs = aot_graphs(ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
-            text = describe_regions(graphs)
+        text = regions(8, ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=8 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=16 Hkv=8 causal
   q        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view
@@ -88,9 +88,7 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
 
 class TestHandWrittenVariants(TestCase):
     def test_transpose_then_reshape_cp4(self):
-        with fake_pg(4):
-            graphs = aot_graphs(variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
-            text = describe_regions(graphs)
+        text = regions(4, variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=8 causal
   q        bshd: view -> permute -> clone -> ALL_TO_ALL -> view -> permute
@@ -104,9 +102,7 @@ backward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backw
   dv       bshd: permute -> view -> clone -> ALL_TO_ALL -> permute -> clone -> view""")
 
     def test_flattened_buffer_cp2(self):
-        with fake_pg(2):
-            graphs = aot_graphs(variants.flattened_buffer, *qkv((1, 4, 8, 16), (1, 4, 8, 16)))
-            text = describe_regions(graphs)
+        text = regions(2, variants.flattened_buffer, *qkv((1, 4, 8, 16), (1, 4, 8, 16)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=2 layout=bhsd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
   q        bhsd: view -> permute -> view -> ALL_TO_ALL -> view -> permute -> clone -> view
@@ -120,17 +116,15 @@ backward: a2a cp=2 layout=bhsd _scaled_dot_product_flash_attention_for_cpu_backw
   dv       bhsd: view -> permute -> clone -> view -> ALL_TO_ALL -> view -> permute -> view""")
 
     def test_seq_first_5d_cp2(self):
-        with fake_pg(2):
-            graphs = aot_graphs(variants.seq_first, *qkv((8, 2, 4, 16), (8, 2, 4, 16)))
-            text = describe_regions(graphs)
+        text = regions(2, variants.seq_first, *qkv((8, 2, 4, 16), (8, 2, 4, 16)))
         self.assertExpectedInline(text, """\
 forward: a2a cp=2 layout=sbhd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
   q        sbhd: view -> permute -> clone -> ALL_TO_ALL -> view -> permute
   k        sbhd: view -> permute -> clone -> ALL_TO_ALL -> view -> permute
   v        sbhd: view -> permute -> clone -> ALL_TO_ALL -> view -> permute
-  out      sbhd: permute -> view -> permute -> ALL_TO_ALL -> permute -> clone -> view
+  out      sbhd: permute -> view -> ALL_TO_ALL -> permute -> clone -> view
 backward: a2a cp=2 layout=sbhd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4 causal
-  grad_out sbhd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view -> permute
+  grad_out sbhd: view -> permute -> clone -> ALL_TO_ALL -> view -> permute
   dq       sbhd: permute -> view -> clone -> ALL_TO_ALL -> permute -> clone -> view
   dk       sbhd: permute -> view -> clone -> ALL_TO_ALL -> permute -> clone -> view
   dv       sbhd: permute -> view -> clone -> ALL_TO_ALL -> permute -> clone -> view""")
@@ -144,15 +138,11 @@ class TestNotARegion(TestCase):
         self.assertExpectedInline(text, """no regions""")
 
     def test_batch_exchange(self):
-        with fake_pg(2):
-            graphs = aot_graphs(variants.batch_exchange, *qkv((4, 2, 8, 16), (4, 2, 8, 16)))
-            text = describe_regions(graphs)
+        text = regions(2, variants.batch_exchange, *qkv((4, 2, 8, 16), (4, 2, 8, 16)))
         self.assertExpectedInline(text, """no regions""")
 
     def test_interleaved_heads(self):
-        with fake_pg(2):
-            graphs = aot_graphs(variants.interleaved_heads, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
-            text = describe_regions(graphs)
+        text = regions(2, variants.interleaved_heads, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
         self.assertExpectedInline(text, """no regions""")
 
 

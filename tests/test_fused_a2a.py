@@ -24,11 +24,15 @@ def ulysses(**kw):
     return lambda q, k, v: ulysses_attention(q, k, v, **kw)
 
 
+def fused(cp, fn, *inputs):
+    """Collectives and copies of ``fn``'s graphs before and after fused_a2a, on a fake group."""
+    with fake_pg(cp):
+        return rewrite_summary(aot_graphs(fn, *inputs), fused_a2a_pass)
+
+
 class TestGolden(TestCase):
     def test_bshd_gqa_cp2(self):
-        with fake_pg(2):
-            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        text = fused(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
 forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 8, 2, 4, 16] (all_to_all=2 clone=2)
@@ -36,9 +40,7 @@ backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], 
 backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=6)""")
 
     def test_bhsd_cp4(self):
-        with fake_pg(4):
-            graphs = aot_graphs(ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        text = fused(4, ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
 forward after:  a2a[4, 8, 1, 6, 16], a2a[4, 8, 1, 2, 16] (all_to_all=2 clone=1)
@@ -46,9 +48,7 @@ backward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], 
 backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
 
     def test_one_kv_head_per_rank_cp8(self):
-        with fake_pg(8):
-            graphs = aot_graphs(ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        text = fused(8, ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
         self.assertExpectedInline(text, """\
 forward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 2, 8] (all_to_all=4 clone=4)
 forward after:  a2a[8, 4, 1, 4, 8], a2a[8, 4, 1, 2, 8] (all_to_all=2 clone=2)
@@ -56,9 +56,7 @@ backward before: a2a[8, 1, 4, 2, 8], a2a[8, 1, 4, 1, 8], a2a[8, 1, 4, 1, 8], a2a
 backward after:  a2a[8, 4, 1, 2, 8], a2a[8, 4, 1, 4, 8] (all_to_all=2 clone=4)""")
 
     def test_hand_written_transpose_then_reshape_cp4(self):
-        with fake_pg(4):
-            graphs = aot_graphs(variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        text = fused(4, variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], a2a[4, 2, 2, 4, 16] (all_to_all=4 clone=5)
 forward after:  a2a[4, 4, 2, 6, 16], a2a[4, 4, 2, 2, 16] (all_to_all=2 clone=2)
@@ -66,9 +64,7 @@ backward before: a2a[4, 2, 2, 4, 16], a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 2, 16], 
 backward after:  a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=6)""")
 
     def test_hand_written_flattened_buffer_cp2(self):
-        with fake_pg(2):
-            graphs = aot_graphs(variants.flattened_buffer, *qkv((1, 4, 8, 16), (1, 4, 8, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        text = fused(2, variants.flattened_buffer, *qkv((1, 4, 8, 16), (1, 4, 8, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
 forward after:  a2a[2, 8, 1, 6, 16], a2a[2, 8, 1, 2, 16] (all_to_all=2 clone=1)
@@ -77,9 +73,8 @@ backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=3)
 
     def test_copy_path_when_strided_inputs_are_off(self):
         # Unpack stays a copy into the layout the old all-to-all delivered; grad_out keeps its own.
-        with fake_pg(2), cp_inductor.config.patch(fused_a2a_strided=False):
-            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        with cp_inductor.config.patch(fused_a2a_strided=False):
+            text = fused(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
 forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=8)
@@ -87,9 +82,8 @@ backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], 
 backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=8)""")
 
     def test_disabled_by_config_changes_nothing(self):
-        with fake_pg(2), cp_inductor.config.patch(fused_a2a=False):
-            graphs = aot_graphs(ulysses(), *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
-            text = rewrite_summary(graphs, fused_a2a_pass)
+        with cp_inductor.config.patch(fused_a2a=False):
+            text = fused(2, ulysses(), *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
 forward after:  a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)

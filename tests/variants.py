@@ -64,7 +64,7 @@ def seq_first(q, k, v, group=None, is_causal=True):
 
     o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
     b, hl, s, d = o.shape
-    send = o.permute(2, 0, 1, 3).reshape(cp, s // cp, b, hl, d).permute(0, 1, 2, 3, 4).contiguous()
+    send = o.permute(2, 0, 1, 3).reshape(cp, s // cp, b, hl, d).contiguous()
     recv = a2a(send, None, None, group)  # [cp (head block), S_l, B, Hl, D]
     return recv.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * hl, d)
 
