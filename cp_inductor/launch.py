@@ -43,13 +43,13 @@ def _worker(rank, cp, port, fn, args, queue, backend):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, cp: int, *args, backend: str = "gloo", timeout: float = 1800.0) -> list:
+def run_on_ranks(fn, cp: int, *args, pg_backend: str = "gloo", timeout: float = 1800.0) -> list:
     """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, cp, port, fn, args, queue, backend), daemon=False)
+        ctx.Process(target=_worker, args=(r, cp, port, fn, args, queue, pg_backend), daemon=False)
         for r in range(cp)
     ]
     for p in procs:

@@ -36,7 +36,7 @@ def test_ulysses_nccl_bf16():
         AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
     ]
-    for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", backend="nccl"):
+    for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", pg_backend="nccl"):
         _check(rank_results, 2)
 
 
@@ -44,5 +44,19 @@ def test_ulysses_nccl_bf16():
 def test_hand_written_nccl_bf16():
     case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, dtype=torch.bfloat16)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
-    for rank_results in run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cuda", backend="nccl"):
+    for rank_results in run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cuda", pg_backend="nccl"):
         _check(rank_results, 2)
+
+
+@needs_gpus
+def test_cuda_graph_training_step():
+    """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
+    and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
+    from cp_inductor.train_step import StepConfig, compare_with_eager
+
+    cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=4)
+    for r in run_on_ranks(compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", pg_backend="nccl"):
+        assert r["cudagraph_skips"] == 0, r
+        for e, c in zip(r["eager"], r["compiled"]):
+            assert abs(e - c) <= 1e-3 * abs(e), (r["eager"], r["compiled"])
+        assert r["max_param_diff"] < 1e-3
