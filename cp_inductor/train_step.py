@@ -130,4 +130,15 @@ def compare_with_eager(rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu
     return {
         "eager": eager_losses, "compiled": compiled_losses, "max_param_diff": diff,
         "report": cp_inductor.report(), "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraphs_recorded": _cudagraphs_recorded(device),
     }
+
+
+def _cudagraphs_recorded(device) -> int:
+    """How many CUDA graphs Inductor's cudagraph trees recorded on this device (0 off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return 0
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else next(manager.graph_counter)

@@ -56,7 +56,7 @@ def test_cuda_graph_training_step():
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=4)
     for r in run_on_ranks(compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", pg_backend="nccl"):
-        assert r["cudagraph_skips"] == 0, r
+        assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= 1e-3 * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < 1e-3
