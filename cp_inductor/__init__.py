@@ -6,7 +6,7 @@ what it found and did.
 """
 
 from . import config
-from .report import Region, Rejected, Report, clear_report, report
+from .reporting import Region, Rejected, Report, clear_report, report
 
 __all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend"]
 

@@ -18,7 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from . import config
 from .passes import pipeline
 from .passes.custom_pass import CPGraphPass
-from .report import clear_report, record, record_rejected
+from .reporting import clear_report, record, record_rejected
 
 OPTION_PREFIX = "cp_inductor."
 

@@ -126,3 +126,17 @@ def test_unknown_option_is_an_error():
     with pytest.raises(Exception, match="unknown cp_inductor option"):
         torch._dynamo.reset()
         torch.compile(lambda x: x + 1, backend="cp_inductor", options={"cp_inductor.nope": 1})(torch.ones(2))
+
+
+def test_torch_logs_artifact():
+    code = (
+        "import cp_inductor.reporting as r\n"
+        "r.record(r.Region('a2a', 2, 'bshd', 'forward', applied=['fused_a2a']))\n"
+        "r.record_rejected(r.Rejected('backward', 'sdpa_backward', 'dynamic shapes'))\n"
+    )
+    env = {**__import__("os").environ, "TORCH_LOGS": "cp_inductor"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "forward region: style=a2a cp=2 layout=bshd" in proc.stderr, proc.stderr
+    assert "sdpa_backward is not a CP region: dynamic shapes" in proc.stderr
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "region" not in quiet.stderr

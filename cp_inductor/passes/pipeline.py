@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx
 
 from .. import config
-from ..report import Region, Rejected
+from ..reporting import Region, Rejected
 from . import detect_a2a, fused_a2a
 
 # The rewrite catalogue (DESIGN.md section 3), in the order the passes apply them.
