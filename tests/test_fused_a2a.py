@@ -145,3 +145,12 @@ backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradien
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: output reaches 0 all_to_alls""")
+
+    def test_self_attention_on_one_tensor_is_skipped(self):
+        # q = k = v: AOTAutograd's CSE leaves one all-to-all feeding all three inputs.
+        x = torch.randn(1, 8, 4, 16, requires_grad=True)
+        with fake_pg(2):
+            text = report_text(aot_graphs(lambda x: ulysses_attention(x, x, x), x))
+        self.assertExpectedInline(text, """\
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")

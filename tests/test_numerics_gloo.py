@@ -73,6 +73,31 @@ def test_dynamic_shapes_fall_back_with_a_reason():
     assert {r.reason for r in report.rejected} == {"dynamic shapes"} and len(report.rejected) == 2
 
 
+def _self_attention(rank, cp):
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.parallel import shard_sequence, ulysses_attention
+
+    g = torch.Generator().manual_seed(0)
+    x_full, dy_full = torch.randn(2, 32, 4, 16, generator=g), torch.randn(2, 32, 4, 16, generator=g)
+    fn = lambda x: ulysses_attention(x, x, x, is_causal=True)  # noqa: E731
+    results = []
+    for f in (fn, torch.compile(fn, backend="cp_inductor", fullgraph=True)):
+        x = shard_sequence(x_full, 1, rank, cp).requires_grad_()
+        y = f(x)
+        y.backward(shard_sequence(dy_full, 1, rank, cp))
+        results.append((y.detach(), x.grad))
+    (ye, ge), (yc, gc) = results
+    return float((ye - yc).abs().max()), float((ge - gc).abs().max()), dict(counters["cp_inductor"])
+
+
+def test_self_attention_on_one_tensor_cp2():
+    # Forward: q, k, v share one all-to-all (skipped); backward: dq, dk, dv fused, then summed.
+    for out_diff, grad_diff, rewritten in run_on_ranks(_self_attention, 2):
+        assert out_diff < 1e-6 and grad_diff < 1e-6, (out_diff, grad_diff)
+        assert rewritten == {"fused_a2a": 1}
+
+
 def _cold_then_warm(rank, cp, case):
     import cp_inductor
     from torch._dynamo.utils import counters

@@ -1,21 +1,26 @@
 """fused_a2a: the q, k, v all-to-alls of a Ulysses region become ONE all-to-all over one buffer
 (forward), and so do the dq, dk, dv all-to-alls (backward).
 
-Before::
+Before (forward)::
 
-    q_send -> all_to_all -> wait -> q_recv -> unpack -> attention        (k, v likewise)
+    q -> pack copy -> all_to_all -> wait -> unpack copy -> q_heads -\
+    k -> ...                                               k_heads --> attention -> out -> pack -> all_to_all ...
+    v -> ...                                               v_heads -/
 
 After::
 
-    cat([pack(q_send), pack(k_send), pack(v_send)], heads)   # [cp, S/cp, B, Hq/cp + 2*Hkv/cp, D]
-      -> all_to_all -> wait -> buf
-    contiguous(relayout(buf[..., q heads, :])) -> unpack -> attention  # same layout q_recv had
+    cat([q, k, v] relaid as [cp, S/cp, B, H/cp, D], dim=heads) -> all_to_all -> wait -> buf
+    q_heads = buf[:, :, :, q heads].view(S, B, Hq/cp, D).permute(1, 2, 0, 3)   # a view, no copy
+    out -> relaid [cp, S/cp, B, Hq/cp, D] -> all_to_all ...   # a view when out is sequence-major
 
-The buffer is sequence-major with the three tensors' heads side by side, so every chunk a rank
-sends is one contiguous block. Each slice is made contiguous in exactly the layout the old
-all-to-all delivered, so everything downstream (attention, saved tensors, backward) is untouched;
-Inductor fuses that copy with the unpack copy that follows. One collective launch instead of
-three; the bytes are the same.
+The buffer is sequence-major with the three tensors' heads side by side: every chunk a rank
+sends is one contiguous block, and the whole sequence of one tensor is a strided view that cuDNN
+and flash read directly. The backward does the same for dO (a lone tensor: only the view is
+gained) and packs dq, dk, dv into one buffer whose slices are copied back into the layout the old
+all-to-alls delivered. Where attention does not take the plain view (heads replicated between the
+collective and attention, ``fused_a2a_strided=False``) the slice is copied into the old received
+layout instead and everything downstream is untouched. Collective bytes are unchanged; launches
+and copies go down.
 """
 
 from __future__ import annotations
@@ -39,15 +44,15 @@ NAME = "fused_a2a"
 
 def _groups(region: A2ARegion) -> list[tuple[list, list]]:
     """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
+    # Incoming groups first: rewriting them changes attention's output strides, which the
+    # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
+    # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with strided views.
+    strided = config.fused_a2a_strided
     if "dq" in region.outgoing:
-        groups = [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
-        single = [([region.incoming["grad_out"]], [region.attention.args[0]])]
-    else:
-        groups = [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))]
-        single = [([region.outgoing["out"]], [None])]
-    # A lone tensor gains only from the sequence-major layout: its unpack (dO) or pack (out)
-    # becomes a view.
-    return groups + (single if config.fused_a2a_strided else [])
+        grad_out = [([region.incoming["grad_out"]], [region.attention.args[0]])]
+        return (grad_out if strided else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
+    out = [([region.outgoing["out"]], [None])]
+    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if strided else [])
 
 
 def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
@@ -73,6 +78,8 @@ def ineligible(region: A2ARegion) -> str | None:
 
 
 def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
+    if len({c.a2a for c in crossings}) != len(crossings):
+        return "q/k/v share one all_to_all"
     vals = [c.a2a.args[0].meta.get("val") for c in crossings]
     if any(v is None for v in vals):
         return "no tensor metadata on an all_to_all input"
