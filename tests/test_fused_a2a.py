@@ -110,19 +110,18 @@ def expanded_kv_heads(q, k, v):
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
 
 
-def bf16_wire_kv(q, k, v):
-    """k/v cross the all-to-all in bf16 and are upcast after it: the dtypes differ at the
-    collective, so the three cannot share one buffer."""
+def compressed_wire(q, k, v, wire=(torch.float32, torch.bfloat16, torch.bfloat16)):
+    """q, k, v cross the all-to-all in the ``wire`` dtypes and are upcast after it."""
     group = torch.distributed.group.WORLD
     cp = torch.distributed.get_world_size()
 
-    def scatter(x):
+    def scatter(x, dtype):
         b, s_l, h, d = x.shape
-        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        send = x.to(dtype).reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
         recv = funcol.all_to_all_single_autograd(send, None, None, group)
         return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d).float()
 
-    o = F.scaled_dot_product_attention(scatter(q), scatter(k.bfloat16()), scatter(v.bfloat16()))
+    o = F.scaled_dot_product_attention(*(scatter(x, dt) for x, dt in zip((q, k, v), wire)))
     b, hl, s, d = o.shape
     send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
     recv = funcol.all_to_all_single_autograd(send, None, None, group)
@@ -132,7 +131,7 @@ def bf16_wire_kv(q, k, v):
 class TestEligibility(TestCase):
     def test_different_wire_dtypes_are_skipped_with_a_reason(self):
         with fake_pg(2):
-            text = report_text(aot_graphs(bf16_wire_kv, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+            text = report_text(aot_graphs(compressed_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
@@ -154,3 +153,15 @@ rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: output r
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+
+    def test_cast_around_the_collective_is_skipped(self):
+        # All three cross in bf16: one wire dtype, but packing from the fp32 tensors or letting
+        # attention read the bf16 buffer would drop a cast.
+        def bf16_wire(q, k, v):
+            return compressed_wire(q, k, v, wire=(torch.bfloat16,) * 3)
+
+        with fake_pg(2):
+            text = report_text(aot_graphs(bf16_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+        self.assertExpectedInline(text, """\
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")

@@ -85,6 +85,12 @@ def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
         return "no tensor metadata on an all_to_all input"
     if len({v.dtype for v in vals}) != 1:
         return "q/k/v (or their gradients) have different dtypes"
+    for c in crossings:
+        # The pack reads c.source and attention may read the buffer directly: a cast on either
+        # side of the collective would be skipped.
+        ends = [c.source, c.a2a.args[0], c.after[-1] if c.after else c.wait]
+        if len({getattr(n.meta.get("val"), "dtype", None) for n in ends}) != 1:
+            return "dtype cast between the tensor, the all_to_all and attention"
     try:
         layouts = [_pack_layout(c, region.cp) for c in crossings]
         for c, lay in zip(crossings, layouts):
