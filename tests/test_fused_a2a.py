@@ -165,3 +165,27 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+
+
+def _generated_code(fused: bool) -> list[str]:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q, k, v = qkv((2, 8, 8, 16), (2, 8, 4, 16))
+    with cp_inductor.config.patch(fused_a2a=fused), torch._inductor.config.patch(fx_graph_cache=False):
+        f = torch.compile(ulysses(is_causal=True), backend="cp_inductor", fullgraph=True)
+        _, codes = run_and_get_code(lambda: f(q, k, v).sum().backward())
+    return codes
+
+
+def test_generated_code_collectives_and_copy_kernels():
+    """Inductor's CPU code for a GQA Ulysses forward and backward, fused_a2a off vs on."""
+    count = lambda code, pat: len(re.findall(pat, code, re.M))  # noqa: E731
+    with fake_pg(2):
+        counts = {
+            fused: [(count(c, r"all_to_all_single\.default\("), count(c, r"^cpp_fused\w+ = ")) for c in _generated_code(fused)]
+            for fused in (False, True)
+        }
+    # (all_to_alls, copy kernels) per graph, forward then backward.
+    assert counts[False] == [(4, 6), (4, 6)]
+    assert counts[True] == [(2, 2), (2, 4)]
