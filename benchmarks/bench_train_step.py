@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from common import alternating_rounds, paired_ratio, teardown
+
 from cp_inductor.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
 ARMS = {  # name -> (backend, mode); backend None = eager
@@ -95,10 +97,9 @@ def main() -> int:
         first_losses[name] = [float(steps[name](x, y)) for _ in range(3)]  # compile + check
         if cuda:
             memory[name] = torch.cuda.max_memory_allocated() / 2**30
-    medians = {n: [] for n in arms}
-    for rnd in range(args.rounds):
-        for name in arms if rnd % 2 == 0 else arms[::-1]:
-            medians[name].append(statistics.median(time_round(steps[name], x, y, args.warmup, args.iters, device)))
+    medians = alternating_rounds(
+        arms, args.rounds, lambda name: time_round(steps[name], x, y, args.warmup, args.iters, device)
+    )
 
     if rank == 0:
         base = "inductor" if "inductor" in arms else arms[0]
@@ -108,16 +109,14 @@ def main() -> int:
         print(f"{'arm':24s} {'median ms':>10s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'loss diff':>10s}")
         for n in arms:
             med = statistics.median(medians[n])
-            paired = statistics.median(a / b for a, b in zip(medians[n], medians[base]))
+            paired = paired_ratio(medians, n, base)
             diff = max(abs(a - b) / abs(b) for a, b in zip(first_losses[n], ref))
             print(f"{n:24s} {med:10.3f} {paired:22.3f} {memory.get(n, float('nan')):9.2f} {diff:10.2e}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "cp": cp, "round_medians_ms": medians, "peak_gib": memory,
                            "first_losses": first_losses}, f, indent=1)
-    dist.barrier()
-    torch._dynamo.reset()
-    dist.destroy_process_group()
+    teardown()
     return 0
 
 

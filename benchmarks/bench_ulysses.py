@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import alternating_rounds, paired_ratio, teardown
+
 from cp_inductor import parallel
 
 
@@ -240,18 +242,16 @@ def main() -> int:
             if name in arms and name != "native":
                 kernels[name] = bench.breakdown(arms[name])
 
-    medians = {n: [] for n in arms}
-    order = list(arms)
-    for rnd in range(args.rounds):
-        for name in order if rnd % 2 == 0 else order[::-1]:
-            if name == "native":
-                # context_parallel's dispatcher is on only inside its context: re-enter per round.
-                step, _ = bench.native_arm()
-            else:
-                step = arms[name]
-            medians[name].append(statistics.median(bench.time_round(step)))
-            if hasattr(step, "close"):
-                step.close()
+    def time_arm(name):
+        if name != "native":
+            return bench.time_round(arms[name])
+        # context_parallel's dispatcher is on only inside its context: re-enter per round.
+        step, _ = bench.native_arm()
+        times = bench.time_round(step)
+        step.close()
+        return times
+
+    medians = alternating_rounds(list(arms), args.rounds, time_arm)
 
     if rank == 0:
         med = {n: statistics.median(v) for n, v in medians.items()}
@@ -262,7 +262,7 @@ def main() -> int:
               f"{args.rounds} rounds x {args.iters} iters, slowest rank")
         print(f"{'arm':12s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'max rel err':>12s}")
         for n in med:
-            paired = statistics.median(a / b for a, b in zip(medians[n], medians[base]))
+            paired = paired_ratio(medians, n, base)
             vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
             err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
             print(f"{n:12s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {memory[n]:9.2f} {err:>12s}")
@@ -279,9 +279,7 @@ def main() -> int:
                     "median_ms": med, "peak_gib": memory, "kernel_ms_rank0": kernels, "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)
-    dist.barrier()
-    torch._dynamo.reset()
-    dist.destroy_process_group()
+    teardown()
     return 0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import tempfile
 import traceback
 
 import torch.distributed as dist
@@ -72,9 +71,3 @@ def run_on_ranks(fn, cp: int, *args, pg_backend: str = "gloo", timeout: float = 
         raise RuntimeError("\n".join(errors))
     return results
 
-
-def shared_cache_dir() -> str:
-    """One Inductor cache for all ranks of a launch (they compile the same graphs)."""
-    return os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "cp_inductor_cache")
-    )

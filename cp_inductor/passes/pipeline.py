@@ -19,17 +19,7 @@ from .. import config
 from ..reporting import Region, Rejected
 from . import detect_a2a, fused_a2a
 
-# The rewrite catalogue (DESIGN.md section 3), in the order the passes apply them.
-REWRITES = (
-    "fused_a2a",
-    "zero_init",
-    "first_grad_reuse",
-    "head_partition",
-    "uniform_thd",
-    "owner_grad_return",
-)
-
-# Which rewrites concern a region of each CP style.
+# Which rewrites of the catalogue (DESIGN.md section 3) concern a region of each CP style.
 REWRITES_BY_STYLE = {
     "a2a": ("fused_a2a", "zero_init", "head_partition", "uniform_thd"),
     "allgather": ("zero_init", "first_grad_reuse", "head_partition", "uniform_thd", "owner_grad_return"),
