@@ -45,13 +45,16 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cp_config: dict, **kwargs):
     kind = _graph_kind(kwargs)
-    rejected = []
+    rejected, patches = [], {}
     with config.patch(cp_config):
         for region in pipeline.analyze(gm.graph, kind, rejected):
             record(region)
+            for name in region.applied:
+                patches.update(pipeline.INDUCTOR_PATCHES.get(name, {}))
     for r in rejected:
         record_rejected(r)
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    with inductor_config.patch(patches):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def graph_passes(cp_config: dict, inductor_patches: dict) -> dict:

@@ -88,10 +88,13 @@ def ulysses_fn(case: AttentionCase):
     return lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=case.layout, is_causal=case.causal)
 
 
-def check_cp_attention(rank: int, cp: int, cases, fn=None, backend: str = "cp_inductor", device="cpu") -> list:
+def check_cp_attention(
+    rank: int, cp: int, cases, fn=None, backend: str = "cp_inductor", device="cpu", options: dict | None = None
+) -> list:
     """For each case: relative errors of eager and compiled CP attention vs the fp64 reference,
     and compiled vs eager, plus the report rows seen on this rank. ``fn(q, k, v)`` defaults to
-    :func:`parallel.ulysses_attention` in the case's layout."""
+    :func:`parallel.ulysses_attention` in the case's layout; ``options`` go to torch.compile
+    (``{"cp_inductor.head_partition": True}``, say)."""
     import cp_inductor
 
     out = []
@@ -103,7 +106,8 @@ def check_cp_attention(rank: int, cp: int, cases, fn=None, backend: str = "cp_in
         torch._dynamo.reset()
         cp_inductor.clear_report()
         counters.clear()
-        compiled = run_cp(torch.compile(attn, backend=backend, fullgraph=True), case, full, rank, cp, device)
+        compiled_fn = torch.compile(attn, backend=backend, fullgraph=True, options=options)
+        compiled = run_cp(compiled_fn, case, full, rank, cp, device)
         out.append({
             "case": case,
             "eager_vs_ref": errors(eager, want),

@@ -109,8 +109,8 @@ def test_options_reach_our_config():
         assert [r.graph for r in rows] == ["forward", "backward"]
         for r in rows:
             assert r.skipped["fused_a2a"] == "disabled by config"
-            assert r.skipped["head_partition"] == "not implemented yet"
-        assert "head_partition: not implemented yet" in str(cp_inductor.report())
+            assert r.skipped["head_partition"] == "needs fused_a2a (disabled by config)"
+        assert "head_partition: needs fused_a2a (disabled by config)" in str(cp_inductor.report())
         torch._dynamo.reset()  # calls the backend's reset, which clears the report
         assert len(cp_inductor.report()) == 0
 

@@ -42,7 +42,7 @@ c10d = torch.ops._c10d_functional
 NAME = "fused_a2a"
 
 
-def _groups(region: A2ARegion) -> list[tuple[list, list]]:
+def crossing_groups(region: A2ARegion) -> list[tuple[list, list]]:
     """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
     # Incoming groups first: rewriting them changes attention's output strides, which the
     # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
@@ -55,7 +55,7 @@ def _groups(region: A2ARegion) -> list[tuple[list, list]]:
     return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if strided else [])
 
 
-def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
+def pack_layout(c: A2ACrossing, cp: int) -> Layout:
     """[chunk destination, local seq, batch, heads, head_dim] of this crossing's send."""
     swapped = c.send.all_to_all(cp).pinned  # the factor that chooses the destination rank
     by_role = {"b": [], "h": [], "s": [], "d": []}
@@ -70,7 +70,7 @@ def _pack_layout(c: A2ACrossing, cp: int) -> Layout:
 
 def ineligible(region: A2ARegion) -> str | None:
     """Why fused_a2a cannot rewrite this region, or None."""
-    for crossings, _ in _groups(region):
+    for crossings, _ in crossing_groups(region):
         reason = _group_ineligible(region, crossings)
         if reason is not None:
             return reason
@@ -92,7 +92,7 @@ def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
         if len({getattr(n.meta.get("val"), "dtype", None) for n in ends}) != 1:
             return "dtype cast between the tensor, the all_to_all and attention"
     try:
-        layouts = [_pack_layout(c, region.cp) for c in crossings]
+        layouts = [pack_layout(c, region.cp) for c in crossings]
         for c, lay in zip(crossings, layouts):
             plan_relayout(c.source_layout, lay)
             plan_relayout(lay.all_to_all(region.cp), c.send.all_to_all(region.cp))
@@ -104,22 +104,41 @@ def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
     return None
 
 
-def _strided_view(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int, attn_arg):
-    """The attention input as a view of the received buffer, or None if it is not one.
+def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
+    """Whether attention's input ``attn_arg`` is a permuted view of the received buffer.
 
-    ``part`` is ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so ``[B, H, S, D]`` is a
-    permuted view: no unpack copy. cuDNN and flash read such views at full speed."""
+    ``lay`` is the send ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so what arrives
+    viewed as ``[B, H, S, D]`` is the attention input unless heads were replicated or reordered
+    between the collective and attention."""
     if attn_arg is None or not config.fused_a2a_strided:
-        return None
-    end = c.after[-1] if c.after else c.wait
-    if end is not attn_arg:
-        return None
+        return False
+    if (c.after[-1] if c.after else c.wait) is not attn_arg:
+        return False
     cp_, s_l, b, h, d = lay.shape
     want = apply_chain(c.send.all_to_all(cp), c.after)[-1]
     mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
-    if [canonical(x) for x in mine.dims] != [canonical(x) for x in want.dims]:
-        return None  # e.g. heads replicated before attention: keep the copy path
+    return [canonical(x) for x in mine.dims] == [canonical(x) for x in want.dims]
+
+
+def heads_view(emit: Emitter, part) -> torch.fx.Node:
+    """``[cp, S/cp, B, H, D]`` received part -> ``[B, H, S, D]`` view (cuDNN and flash read it
+    at full speed)."""
+    cp_, s_l, b, h, d = part.meta["val"].shape
     return emit(aten.permute.default, emit(aten.view.default, part, [cp_ * s_l, b, h, d]), [1, 2, 0, 3])
+
+
+def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
+    """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
+    splits = [int(buf.meta["val"].shape[0]) // cp] * cp
+    return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
+
+
+def as_delivered(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int) -> torch.fx.Node:
+    """The received ``part`` (sent as ``lay``) copied into exactly the layout the old all-to-all
+    delivered: everything downstream stays as it was, and Inductor fuses this copy with the
+    unpack copy that follows."""
+    part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
+    return emit(aten.clone.default, part, memory_format=torch.contiguous_format)
 
 
 def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
@@ -140,29 +159,22 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
 
     # Pack straight from where each chain starts (the old pack copies go dead): one copy into
     # the buffer, or none for a lone tensor already sequence-major (cuDNN's output).
-    layouts = [_pack_layout(c, cp) for c in crossings]
+    layouts = [pack_layout(c, cp) for c in crossings]
     packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(crossings, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 3)
-    n0 = int(buf.meta["val"].shape[0])
-    splits = [n0 // cp] * cp
-    recv = emit(c10d.wait_tensor.default, emit(c10d.all_to_all_single.default, buf, splits, splits, group))
+    recv = emit(c10d.wait_tensor.default, all_to_all(emit, buf, cp, group))
 
     offset, strided, dead = 0, False, []
     for c, lay, attn_arg in zip(crossings, layouts, attn_args):
         heads = lay.shape[3]
         part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
         offset += heads
-        view = _strided_view(emit, part, lay, c, cp, attn_arg)
-        if view is not None:
-            attn_arg.replace_all_uses_with(view)
+        if reads_as_view(lay, c, cp, attn_arg):
+            attn_arg.replace_all_uses_with(heads_view(emit, part))
             strided = True
             dead.extend(reversed(c.after))  # the old unpack chain
         else:
-            # Contiguous in exactly the layout the old all-to-all delivered: nothing downstream
-            # changes, and Inductor fuses this copy with the unpack copy that follows.
-            part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
-            part = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
-            c.wait.replace_all_uses_with(part)
+            c.wait.replace_all_uses_with(as_delivered(emit, part, lay, c, cp))
         dead += [c.wait, c.a2a] + c.before[::-1]
     if strided:
         _refresh_meta(region.attention, emit)
@@ -179,7 +191,7 @@ def fused_a2a_pass(graph: torch.fx.Graph) -> None:
     for region in find_regions(graph, "post_grad"):
         if ineligible(region) is not None:
             continue
-        for crossings, attn_args in _groups(region):
+        for crossings, attn_args in crossing_groups(region):
             _rewrite(graph, region, crossings, attn_args)
         counters["cp_inductor"][NAME] += 1
         changed = True

@@ -17,7 +17,7 @@ import torch.fx
 
 from .. import config
 from ..reporting import Region, Rejected
-from . import detect_a2a, fused_a2a
+from . import detect_a2a, fused_a2a, head_partition
 
 # Which rewrites of the catalogue (DESIGN.md section 3) concern a region of each CP style.
 REWRITES_BY_STYLE = {
@@ -30,14 +30,24 @@ REWRITES_BY_STYLE = {
 HOOKS: dict[str, list] = {
     "joint_custom_pre_pass": [],
     "joint_custom_post_pass": [],
-    "post_grad_custom_pre_pass": [fused_a2a.fused_a2a_pass],
+    # head_partition first: where it applies it emits fused_a2a's buffers itself, in G groups.
+    "post_grad_custom_pre_pass": [head_partition.head_partition_pass, fused_a2a.fused_a2a_pass],
     "post_grad_custom_post_pass": [],
+}
+
+# Inductor settings a graph is compiled with when a rewrite applies to one of its regions.
+# head_partition emits the order that overlaps (all incoming collectives, then per group: wait,
+# attention, send); Inductor's peak-memory reordering would sink each collective next to its
+# wait, which serializes them again.
+INDUCTOR_PATCHES = {
+    "head_partition": {"reorder_for_peak_memory": False},
 }
 
 # rewrite name -> function(region) giving the reason it cannot apply, or None. The pass asks the
 # same function on the post-grad graph, so the report states what the pass does.
 ELIGIBILITY = {
     fused_a2a.NAME: fused_a2a.ineligible,
+    head_partition.NAME: head_partition.ineligible,
 }
 
 

@@ -1,0 +1,252 @@
+"""head_partition: a Ulysses region runs in G head groups, so the all-to-all of one group travels
+while attention of another computes.
+
+Before (forward, after fused_a2a)::
+
+    pack q,k,v -> all_to_all -> wait -> attention (all local heads) -> all_to_all(out) -> wait
+
+After (G = 2)::
+
+    pack q,k,v as [G, cp, S/cp, B, H/G, D] -> all_to_all(group 0), all_to_all(group 1)
+    wait(0) -> attention(heads of group 0) -> all_to_all(out 0)
+    wait(1) -> attention(heads of group 1) -> all_to_all(out 1)     # group 1's input arrived meanwhile
+    wait(out 0), wait(out 1) -> one copy back into the layout the old all_to_all delivered
+
+The backward mirrors it: dO arrives in G all-to-alls issued at once; each group's backward
+attention packs its dq, dk, dv and sends them while the next group computes. Group g holds local
+heads ``[g*H/G, (g+1)*H/G)`` of every rank's block, and the matching k/v heads, so GQA pairs stay
+together. Only the first incoming and the last outgoing collective stay exposed: 1/G of the bytes.
+
+This rewrite builds on fused_a2a's buffers (one pack kernel for all groups, attention reading
+strided views): it needs fused_a2a to apply and rewrites the region in its place. The forward
+output and log-sum-exp are saved for the backward, so the groups' pieces are concatenated back
+(one copy of the output per layer, on the compute stream, after the last group).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from .. import config
+from . import fused_a2a
+from .detect_a2a import A2ARegion, find_regions
+from .fx_emit import Emitter
+from .layout_algebra import Factor, Layout, plan_relayout
+from .sdpa_ops import bound_args, tuple_outputs
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+NAME = "head_partition"
+
+# Attention arguments that carry query heads / key-value heads on dim 1 (forward and backward).
+_Q_HEAD_ARGS = ("query", "grad_out", "grad_out_", "out", "logsumexp")
+_KV_HEAD_ARGS = ("key", "value")
+
+# Most groups the automatic choice takes: every group adds a launch per collective and per
+# attention call, and the exposed share of the collectives is already 1/G (measured curve in
+# the README).
+AUTO_MAX_GROUPS = 4
+
+
+@dataclass
+class Partition:
+    """How one region is split."""
+
+    groups: int
+    heads_q: int  # local query heads per group
+    heads_kv: int  # local key/value heads per group
+
+
+def choose_groups(region: A2ARegion) -> tuple[int, str | None]:
+    """(G, None), or (1, why the region stays one group)."""
+    hq, hkv = region.heads_q // region.cp, region.heads_kv // region.cp
+    common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
+    want = config.head_groups
+    if want == 1:
+        return 1, "head_groups=1"
+    if want > 1:
+        if want in common:
+            return want, None
+        return 1, f"head_groups={want} does not divide the local heads (Hq/cp={hq}, Hkv/cp={hkv})"
+    fitting = [g for g in common if g <= AUTO_MAX_GROUPS]
+    if not fitting:
+        return 1, f"local heads Hq/cp={hq}, Hkv/cp={hkv} have no common divisor in 2..{AUTO_MAX_GROUPS}"
+    return fitting[-1], None
+
+
+def ineligible(region: A2ARegion) -> str | None:
+    """Why head_partition cannot rewrite this region, or None."""
+    if not config.fused_a2a:
+        return "needs fused_a2a (disabled by config)"
+    if (reason := fused_a2a.ineligible(region)) is not None:
+        return f"needs fused_a2a: {reason}"
+    if region.has_mask:
+        return "attention mask or bias (not split by heads)"
+    if region.dropout_p:
+        return "dropout (each group would draw its own mask)"
+    incoming, _ = fused_a2a.crossing_groups(region)
+    for c, arg in zip(*incoming):
+        if not fused_a2a.reads_as_view(fused_a2a.pack_layout(c, region.cp), c, region.cp, arg):
+            return "attention does not read the received buffer as a view"
+    outs = tuple_outputs(region.attention)
+    if "dq" in region.outgoing:
+        for idx, name in enumerate(("dq", "dk", "dv")):
+            chain = region.outgoing[name].before
+            first = chain[0] if chain else region.outgoing[name].a2a
+            if set(outs[idx].users) != {first}:
+                return "attention gradients used outside their all_to_all"
+        if any(outs[i].users for i in outs if i > 2):
+            return "attention returns a gradient the rewrite does not rebuild"
+    groups, why = choose_groups(region)
+    return why
+
+
+def _grouped(lay: Layout, groups: int) -> Layout:
+    """``[cp, S/cp, B, H, D]`` -> ``[G, cp, S/cp, B, H/G, D]``: group g's send is one block."""
+    dest, s, b, (h,), d = lay.dims
+    outer = Factor(h.axis, h.stride * (h.size // groups), groups)
+    inner = Factor(h.axis, h.stride, h.size // groups)
+    return Layout(((outer,), dest, s, b, (inner,), d), lay.pinned)
+
+
+def _send_layout(emit: Emitter, x: torch.fx.Node, cp: int) -> torch.fx.Node:
+    """Attention-side ``[B, H, S, D]`` (S = source rank x local position) -> ``[cp, S/cp, B, H, D]``."""
+    b, h, s, d = x.meta["val"].shape
+    return emit(aten.permute.default, emit(aten.reshape.default, x, [b, h, cp, s // cp, d]), [2, 3, 0, 1, 4])
+
+
+def _cat_like(emit: Emitter, parts: list, dim: int, like: torch.Tensor) -> torch.fx.Node:
+    """Concatenate ``parts`` along ``dim`` into a tensor with ``like``'s strides: it replaces a
+    saved tensor whose strides the backward graph was compiled for."""
+    order = sorted(range(like.dim()), key=lambda i: -like.stride(i))
+    inverse = [order.index(i) for i in range(like.dim())]
+    permuted = [emit(aten.permute.default, p, order) for p in parts]
+    return emit(aten.permute.default, emit(aten.cat.default, permuted, order.index(dim)), inverse)
+
+
+def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs: dict) -> torch.fx.Node:
+    """``node`` (an attention op) on the heads of group ``g``: ``inputs`` replaces some arguments,
+    the rest are sliced on their head dim or passed as they are."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for i, (name, value) in enumerate(bound_args(node).items()):
+        if name in inputs:
+            value = inputs[name]
+        elif name in _Q_HEAD_ARGS and isinstance(value, torch.fx.Node):
+            value = emit(aten.slice.Tensor, value, 1, g * p.heads_q, (g + 1) * p.heads_q)
+        elif name in _KV_HEAD_ARGS and isinstance(value, torch.fx.Node):
+            value = emit(aten.slice.Tensor, value, 1, g * p.heads_kv, (g + 1) * p.heads_kv)
+        else:
+            continue
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return emit(node.target, *args, **kwargs)
+
+
+def _arg_index(node: torch.fx.Node, name: str) -> int:
+    index = [a.name for a in node.target._schema.arguments].index(name)
+    if index >= len(node.args):
+        raise ValueError(f"{name} is not positional")
+    return index
+
+
+def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
+    cp, group, node = region.cp, region.group_name, region.attention
+    (inc, inc_args), (outc, _) = fused_a2a.crossing_groups(region)
+    backward = "dq" in region.outgoing
+    arg_names = ("grad_out",) if backward else ("query", "key", "value")
+    if backward and "grad_out" not in bound_args(node):
+        arg_names = ("grad_out_",)
+
+    # 1. One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
+    #    back while the groups' attention waits only for its own.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_send = max((c.a2a.args[0] for c in inc), key=order.__getitem__)
+    emit = Emitter(graph, last_send.next)
+    layouts = [_grouped(fused_a2a.pack_layout(c, cp), p.groups) for c in inc]
+    packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
+    buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 4)
+    sent = [fused_a2a.all_to_all(emit, emit(aten.select.int, buf, 0, g), cp, group) for g in range(p.groups)]
+
+    # 2. Per group: wait for its input, attention on its heads, send its result right away.
+    emit = Emitter(graph, node)
+    outs = tuple_outputs(node)
+    out_pack = [fused_a2a.pack_layout(c, cp) for c in outc]
+    calls, returned = [], []
+    for g in range(p.groups):
+        recv = emit(c10d.wait_tensor.default, sent[g])
+        inputs, offset = {}, 0
+        for name, lay in zip(arg_names, layouts):
+            heads = lay.shape[4]
+            part = recv if len(layouts) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
+            inputs[name] = fused_a2a.heads_view(emit, part)
+            offset += heads
+        call = _group_call(emit, node, p, g, inputs)
+        calls.append(call)
+        results = [emit(operator.getitem, call, i) for i in range(len(outc))]
+        sends = [_send_layout(emit, r, cp) for r in results]
+        buf = sends[0] if len(sends) == 1 else emit(aten.cat.default, sends, 3)
+        returned.append(fused_a2a.all_to_all(emit, buf, cp, group))
+
+    # 3. Reassemble what came back, per tensor, into the layout the old all-to-all delivered.
+    recvs = [emit(c10d.wait_tensor.default, r) for r in returned]
+    offset = 0
+    for c, lay in zip(outc, out_pack):
+        heads = lay.shape[3] // p.groups
+        parts = [r if len(outc) == 1 else emit(aten.slice.Tensor, r, 3, offset, offset + heads) for r in recvs]
+        offset += heads
+        # Post-grad graphs hold no aten.stack (it is decomposed): cat of unsqueezed parts.
+        parts = [emit(aten.unsqueeze.default, x, 3) for x in parts]
+        stacked = emit(aten.reshape.default, emit(aten.cat.default, parts, 3), list(lay.shape))
+        c.wait.replace_all_uses_with(fused_a2a.as_delivered(emit, stacked, lay, c, cp))
+
+    # 4. What else reads the full tensors (the forward saves q, k, v, out and log-sum-exp for
+    #    the backward) gets them back concatenated: one copy each, after the last group.
+    for name, arg in zip(arg_names, inc_args):
+        if any(u is not node for u in arg.users):
+            full = _cat_like(emit, [call.args[_arg_index(node, name)] for call in calls], 1, arg.meta["val"])
+            arg.replace_all_uses_with(full, delete_user_cb=lambda u: u is not node)
+    if not backward:
+        for idx in (0, 1):
+            if idx in outs and outs[idx].users:
+                pieces = [emit(operator.getitem, call, idx) for call in calls]
+                outs[idx].replace_all_uses_with(_cat_like(emit, pieces, 1, outs[idx].meta["val"]))
+    for idx, item in outs.items():
+        if idx > (1 if not backward else 2) and item.users:  # seeds, sizes: the same for every group
+            item.replace_all_uses_with(emit(operator.getitem, calls[0], idx))
+
+    dead = [c.wait for c in outc] + [n for c in outc for n in [c.a2a] + c.before[::-1]]
+    dead += list(outs.values()) + [node]
+    dead += [n for c in inc for n in c.after[::-1] + [c.wait, c.a2a] + c.before[::-1]]
+    for n in dead:
+        if not n.users:
+            graph.erase_node(n)
+
+
+def head_partition_pass(graph: torch.fx.Graph) -> None:
+    if not config.head_partition:
+        return
+    changed = False
+    for region in find_regions(graph, "post_grad"):
+        if ineligible(region) is not None:
+            continue
+        groups, _ = choose_groups(region)
+        p = Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups)
+        _rewrite(graph, region, p)
+        counters["cp_inductor"][NAME] += 1
+        counters["cp_inductor"][fused_a2a.NAME] += 1
+        changed = True
+    if changed:
+        stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+        graph.lint()
+
+
+head_partition_pass.rewrite = NAME
