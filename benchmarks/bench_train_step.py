@@ -26,11 +26,13 @@ from common import alternating_rounds, paired_ratio, teardown
 
 from cp_inductor.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
-ARMS = {  # name -> (backend, mode); backend None = eager
-    "eager": (None, None),
-    "inductor": ("inductor", None),
-    "cp_inductor": ("cp_inductor", None),
-    "cp_inductor+cudagraphs": ("cp_inductor", "reduce-overhead"),
+HP = {"cp_inductor.head_partition": True}
+ARMS = {  # name -> (backend, mode, options); backend None = eager
+    "eager": (None, None, None),
+    "inductor": ("inductor", None, None),
+    "cp_inductor": ("cp_inductor", None, None),
+    "cp_inductor+cudagraphs": ("cp_inductor", "reduce-overhead", None),
+    "cp_hp+cudagraphs": ("cp_inductor", "reduce-overhead", HP),
 }
 
 
@@ -38,8 +40,8 @@ def build(name, cfg, device, dtype):
     torch.manual_seed(0)
     model = TransformerBlock(cfg).to(device=device, dtype=dtype)
     step = make_step(model, cfg)
-    backend, mode = ARMS[name]
-    return step if backend is None else compile_step(step, backend=backend, mode=mode)
+    backend, mode, options = ARMS[name]
+    return step if backend is None else compile_step(step, backend=backend, mode=mode, options=options)
 
 
 def time_round(step, x, y, warmup, iters, device) -> list[float]:

@@ -107,7 +107,9 @@ def step_inputs(cfg: StepConfig, rank: int, cp: int, seed: int = 0, device="cpu"
     return tuple(parallel.shard_sequence(t, 1, rank, cp).to(device) for t in (x, y))
 
 
-def compare_with_eager(rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu", backend="cp_inductor", mode=None):
+def compare_with_eager(
+    rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu", backend="cp_inductor", mode=None, options=None
+):
     """Run ``steps`` compiled steps and the same steps eagerly from the same weights; return the
     losses of both, the largest parameter difference and the report."""
     import cp_inductor
@@ -120,7 +122,7 @@ def compare_with_eager(rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu
     compiled_model.load_state_dict(eager_model.state_dict())
     x, y = step_inputs(cfg, rank, cp, device=device)
     eager_step = make_step(eager_model, cfg)
-    compiled_step = compile_step(make_step(compiled_model, cfg), backend=backend, mode=mode)
+    compiled_step = compile_step(make_step(compiled_model, cfg), backend=backend, mode=mode, options=options)
     cp_inductor.clear_report()
     eager_losses = [float(eager_step(x, y)) for _ in range(steps)]
     compiled_losses = [float(compiled_step(x, y)) for _ in range(steps)]
@@ -129,7 +131,8 @@ def compare_with_eager(rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu
     )
     return {
         "eager": eager_losses, "compiled": compiled_losses, "max_param_diff": diff,
-        "report": cp_inductor.report(), "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "report": cp_inductor.report(), "rewritten": dict(counters["cp_inductor"]),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "cudagraphs_recorded": _cudagraphs_recorded(device),
     }
 

@@ -19,12 +19,12 @@ def cold_fx_graph_cache(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 
 
-def _check(results, cp):
+def _check(results, cp, applied=("fused_a2a",)):
     for r in results:
         for key in ("eager_vs_ref", "compiled_vs_ref"):
             for name, err in r[key].items():
                 assert err < TOL, f"{r['case']} {key} {name}: {err:.2e}"
-        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r
+        assert r["applied"] == list(applied) and r["rewritten"] == {name: 2 for name in applied}, r
         assert [x[:3] for x in r["report"]] == [("forward", "a2a", cp), ("backward", "a2a", cp)]
 
 
@@ -41,6 +41,21 @@ def test_ulysses_nccl_bf16():
 
 
 @needs_gpus
+@pytest.mark.parametrize("groups", [0, 2])
+def test_head_partition_nccl_bf16(groups):
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=bf16),
+        AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
+        AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
+    ]
+    options = {"cp_inductor.head_partition": True, "cp_inductor.head_groups": groups}
+    results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
+    for rank_results in results:
+        _check(rank_results, 2, applied=("fused_a2a", "head_partition"))
+
+
+@needs_gpus
 def test_hand_written_nccl_bf16():
     case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, dtype=torch.bfloat16)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
@@ -49,14 +64,21 @@ def test_hand_written_nccl_bf16():
 
 
 @needs_gpus
-def test_cuda_graph_training_step():
+@pytest.mark.parametrize("head_partition", [False, True])
+def test_cuda_graph_training_step(head_partition):
     """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
     and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
     from cp_inductor.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=4)
-    for r in run_on_ranks(compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", pg_backend="nccl"):
+    options = {"cp_inductor.head_partition": head_partition}
+    results = run_on_ranks(
+        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, pg_backend="nccl"
+    )
+    for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
+        # Both attention regions of the one step graph (forward and backward ops) were rewritten.
+        assert r["rewritten"] == ({"fused_a2a": 2, "head_partition": 2} if head_partition else {"fused_a2a": 2}), r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= 1e-3 * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < 1e-3
