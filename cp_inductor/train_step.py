@@ -88,9 +88,13 @@ def make_step(model: TransformerBlock, cfg: StepConfig, group=None):
     return step
 
 
-def compile_step(step, **compile_kwargs):
-    """torch.compile the step with the backward traced in-graph (fullgraph)."""
-    compiled = torch.compile(step, fullgraph=True, **compile_kwargs)
+def compile_step(step, mode=None, options=None, **compile_kwargs):
+    """torch.compile the step with the backward traced in-graph (fullgraph). ``mode`` and
+    ``options`` may come together: torch.compile refuses both, so the mode's Inductor settings
+    are merged into the options (what the backend does with a mode anyway)."""
+    if mode is not None and options:
+        options, mode = {**torch._inductor.list_mode_options(mode), **options}, None
+    compiled = torch.compile(step, fullgraph=True, mode=mode, options=options, **compile_kwargs)
 
     def run(*args):
         with torch._dynamo.config.patch(trace_autograd_ops=True):
