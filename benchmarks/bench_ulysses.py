@@ -207,6 +207,13 @@ ARMS = {
         f"cp_hp{g or ''}": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": g})
         for g in (0, 2, 4, 8)
     },
+    # backward regions only (the forward keeps one group: no copies for the saved tensors)
+    **{
+        f"cp_hpb{g}": ("cp_inductor", {
+            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": False,
+        })
+        for g in (2, 4)
+    },
 }
 
 

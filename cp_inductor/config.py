@@ -27,6 +27,9 @@ owner_grad_return: bool = False
 fused_a2a_strided: bool = True
 # Head groups for `head_partition`; 0 lets the rewrite choose.
 head_groups: int = 0
+# head_partition also splits forward regions. Their q, k, v and output are saved for the
+# backward, so the groups' pieces are copied back together; the backward needs no such copy.
+head_partition_forward: bool = True
 
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True

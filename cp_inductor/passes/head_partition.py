@@ -84,6 +84,8 @@ def ineligible(region: A2ARegion) -> str | None:
     """Why head_partition cannot rewrite this region, or None."""
     if not config.fused_a2a:
         return "needs fused_a2a (disabled by config)"
+    if "out" in region.outgoing and not config.head_partition_forward:
+        return "forward region (head_partition_forward=False)"
     if (reason := fused_a2a.ineligible(region)) is not None:
         return f"needs fused_a2a: {reason}"
     if region.has_mask:
