@@ -156,7 +156,7 @@ class Bench:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         return times.tolist()
 
-    def breakdown(self, step, iters: int = 5) -> dict:
+    def breakdown(self, step, iters: int = 5, trace: str | None = None) -> dict:
         """Kernel time per iteration on this rank by kind, from the profiler timeline (ms), and
         the NCCL time no other kernel overlaps ("exposed")."""
         from torch.profiler import ProfilerActivity, profile
@@ -168,6 +168,8 @@ class Bench:
             for _ in range(iters):
                 step()
             torch.cuda.synchronize()
+        if trace:
+            prof.export_chrome_trace(trace)
         kinds = {"nccl": 0.0, "attention": 0.0, "other": 0.0}
         spans = {"nccl": [], "compute": []}
         for e in prof.events():
@@ -231,6 +233,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp2,cp_hp4,floor", help="arms to break down by kernel kind")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
@@ -275,7 +278,11 @@ def main() -> int:
     if args.profile:
         for name in args.profile.split(","):
             if name in arms and name != "native":
-                kernels[name] = bench.breakdown(arms[name])
+                trace = None
+                if args.trace:
+                    os.makedirs(args.trace, exist_ok=True)
+                    trace = os.path.join(args.trace, f"{name}_rank{rank}.json")
+                kernels[name] = bench.breakdown(arms[name], trace=trace)
 
     def time_arm(name):
         if name != "native":
