@@ -112,7 +112,8 @@ def step_inputs(cfg: StepConfig, rank: int, cp: int, seed: int = 0, device="cpu"
 
 
 def compare_with_eager(
-    rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu", backend="cp_inductor", mode=None, options=None
+    rank: int, cp: int, cfg: StepConfig, steps=3, device="cpu", backend="cp_inductor", mode=None, options=None,
+    dtype=torch.float32,
 ):
     """Run ``steps`` compiled steps and the same steps eagerly from the same weights; return the
     losses of both, the largest parameter difference and the report."""
@@ -121,10 +122,10 @@ def compare_with_eager(
 
     counters.clear()
     torch.manual_seed(0)
-    eager_model = TransformerBlock(cfg).to(device)
-    compiled_model = TransformerBlock(cfg).to(device)
+    eager_model = TransformerBlock(cfg).to(device=device, dtype=dtype)
+    compiled_model = TransformerBlock(cfg).to(device=device, dtype=dtype)
     compiled_model.load_state_dict(eager_model.state_dict())
-    x, y = step_inputs(cfg, rank, cp, device=device)
+    x, y = (t.to(dtype) for t in step_inputs(cfg, rank, cp, device=device))
     eager_step = make_step(eager_model, cfg)
     compiled_step = compile_step(make_step(compiled_model, cfg), backend=backend, mode=mode, options=options)
     cp_inductor.clear_report()

@@ -64,21 +64,30 @@ def test_hand_written_nccl_bf16():
 
 
 @needs_gpus
-@pytest.mark.parametrize("head_partition", [False, True])
-def test_cuda_graph_training_step(head_partition):
+@pytest.mark.parametrize(
+    "dtype, kv_heads, head_partition",
+    [
+        # fp32 needs MHA here: CUDA's fp32 fused attention (memory-efficient) has no GQA, and
+        # SDPA's math fallback leaves no attention op for the passes to find.
+        (torch.float32, 8, False),
+        (torch.bfloat16, 4, True),  # cuDNN / flash with GQA
+    ],
+)
+def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
     """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
     and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
     from cp_inductor.train_step import StepConfig, compare_with_eager
 
-    cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=4)
+    cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
     options = {"cp_inductor.head_partition": head_partition}
     results = run_on_ranks(
-        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, pg_backend="nccl"
+        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, dtype, pg_backend="nccl"
     )
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
         # Both attention regions of the one step graph (forward and backward ops) were rewritten.
         assert r["rewritten"] == ({"fused_a2a": 2, "head_partition": 2} if head_partition else {"fused_a2a": 2}), r
         for e, c in zip(r["eager"], r["compiled"]):
-            assert abs(e - c) <= 1e-3 * abs(e), (r["eager"], r["compiled"])
-        assert r["max_param_diff"] < 1e-3
+            assert abs(e - c) <= tol * abs(e), (r["eager"], r["compiled"])
+        assert r["max_param_diff"] < tol, r["max_param_diff"]
