@@ -27,9 +27,11 @@ owner_grad_return: bool = False
 fused_a2a_strided: bool = True
 # Head groups for `head_partition`; 0 lets the rewrite choose.
 head_groups: int = 0
-# head_partition also splits forward regions. Their q, k, v and output are saved for the
-# backward, so the groups' pieces are copied back together; the backward needs no such copy.
-head_partition_forward: bool = True
+# head_partition also splits forward regions. Off by default: on H200 cuDNN's forward kernel
+# takes every SM as soon as its input has arrived, so the next group's all-to-all, queued behind
+# the one attention waited for, only runs in the kernel's tail (profiler trace, README); and the
+# saved q, k, v and output must be copied back together for the backward.
+head_partition_forward: bool = False
 
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True

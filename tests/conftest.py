@@ -25,3 +25,10 @@ def triton_interpret(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     for module in loaded:
         importlib.reload(module)
+
+
+@pytest.fixture(autouse=True)
+def cold_fx_graph_cache(monkeypatch):
+    """The passes must run (a warm FX-graph cache would skip them); spawned workers inherit it.
+    The warm-cache test turns it back on for itself."""
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")

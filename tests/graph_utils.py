@@ -112,3 +112,22 @@ def rewrite_summary(graphs: dict, graph_pass) -> str:
         gm.recompile()
         lines.append(f"{kind} before: {before}\n{kind} after:  {collectives(gm)} ({count_ops(gm)})")
     return "\n".join(lines)
+
+
+def schedule(gm) -> str:
+    """The order of all-to-alls, their waits and attention calls in a graph: ``a2a#i[shape]``,
+    ``wait#i``, ``attn(h=heads)`` (query heads of the call)."""
+    from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+
+    c10d = torch.ops._c10d_functional
+    ids, out = {}, []
+    for n in gm.graph.nodes:
+        if n.target is c10d.all_to_all_single.default:
+            ids[n] = len(ids)
+            out.append(f"a2a#{ids[n]}{list(n.args[0].meta['val'].shape)}")
+        elif n.target is c10d.wait_tensor.default and n.args[0] in ids:
+            out.append(f"wait#{ids[n.args[0]]}")
+        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
+            q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]
+            out.append(f"attn(h={q.meta['val'].shape[1]})")
+    return " ".join(out)

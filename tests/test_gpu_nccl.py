@@ -14,11 +14,6 @@ needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2
 
 
-@pytest.fixture(autouse=True)
-def cold_fx_graph_cache(monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-
-
 def _check(results, cp, applied=("fused_a2a",)):
     for r in results:
         for key in ("eager_vs_ref", "compiled_vs_ref"):

@@ -16,12 +16,6 @@ from cp_inductor.launch import run_on_ranks
 TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
 
 
-@pytest.fixture(autouse=True)
-def cold_fx_graph_cache(monkeypatch):
-    """The passes must run (a warm cache would skip them): workers inherit this."""
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-
-
 def assert_close(results, layout_of=lambda case: case.layout, cp=None):
     for r in results:
         case = r["case"]

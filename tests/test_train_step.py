@@ -6,11 +6,6 @@ from cp_inductor.launch import run_on_ranks
 from cp_inductor.train_step import StepConfig, compare_with_eager
 
 
-@pytest.fixture(autouse=True)
-def cold_fx_graph_cache(monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-
-
 @pytest.mark.parametrize(
     "cfg",
     [StepConfig(layout="bshd", heads=4, kv_heads=2), StepConfig(layout="bhsd", heads=4, kv_heads=4, causal=False)],

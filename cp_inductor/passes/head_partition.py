@@ -1,28 +1,31 @@
 """head_partition: a Ulysses region runs in G head groups, so the all-to-all of one group travels
 while attention of another computes.
 
-Before (forward, after fused_a2a)::
+Before (backward, after fused_a2a)::
 
-    pack q,k,v -> all_to_all -> wait -> attention (all local heads) -> all_to_all(out) -> wait
+    pack dO -> all_to_all -> wait -> attention backward (all local heads)
+            -> pack dq,dk,dv -> all_to_all -> wait -> unpack
 
 After (G = 2)::
 
-    pack q,k,v as [G, cp, S/cp, B, H/G, D] -> all_to_all(group 0), all_to_all(group 1)
-    wait(0) -> attention(heads of group 0) -> all_to_all(out 0)
-    wait(1) -> attention(heads of group 1) -> all_to_all(out 1)     # group 1's input arrived meanwhile
-    wait(out 0), wait(out 1) -> one copy back into the layout the old all_to_all delivered
+    pack dO as [G, cp, S/cp, B, H/G, D] -> all_to_all(group 0), all_to_all(group 1)
+    wait(0) -> attention backward(heads of group 0) -> pack -> all_to_all(dq,dk,dv of group 0)
+    wait(1) -> attention backward(heads of group 1) -> pack -> all_to_all(dq,dk,dv of group 1)
+    wait, wait -> one copy back into the layout the old all_to_all delivered
 
-The backward mirrors it: dO arrives in G all-to-alls issued at once; each group's backward
-attention packs its dq, dk, dv and sends them while the next group computes. Group g holds local
-heads ``[g*H/G, (g+1)*H/G)`` of every rank's block, and the matching k/v heads, so GQA pairs stay
-together. Only the first incoming and the last outgoing collective stay exposed: 1/G of the bytes.
+Group 0's gradients travel while group 1 computes; only the first incoming and the last outgoing
+collective stay exposed. Group g holds local heads ``[g*H/G, (g+1)*H/G)`` of every rank's block
+and the matching k/v heads, so GQA pairs stay together; the saved q, k, v, out and log-sum-exp
+are sliced per group (views). A forward region is split the same way (q,k,v in, out back) when
+``head_partition_forward`` is set; its q, k, v, out and log-sum-exp are saved for the backward,
+so their pieces are concatenated back (copies).
 
 This rewrite builds on fused_a2a's buffers (one pack kernel for all groups, attention reading
-strided views): it needs fused_a2a to apply and rewrites the region in its place. The forward
-output and log-sum-exp are saved for the backward, so the groups' pieces are concatenated back
-(one copy of the output per layer, on the compute stream, after the last group).
+strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
+order (every incoming collective first, then per group: wait, attention, send) is what overlaps,
+so graphs it rewrites are compiled without Inductor's peak-memory reordering
+(``pipeline.INDUCTOR_PATCHES``).
 """
-
 from __future__ import annotations
 
 import operator
@@ -45,13 +48,13 @@ c10d = torch.ops._c10d_functional
 NAME = "head_partition"
 
 # Attention arguments that carry query heads / key-value heads on dim 1 (forward and backward).
-_Q_HEAD_ARGS = ("query", "grad_out", "grad_out_", "out", "logsumexp")
+_Q_HEAD_ARGS = ("query", "grad_out", "out", "logsumexp")
 _KV_HEAD_ARGS = ("key", "value")
 
-# Most groups the automatic choice takes: every group adds a launch per collective and per
-# attention call, and the exposed share of the collectives is already 1/G (measured curve in
-# the README).
-AUTO_MAX_GROUPS = 4
+# Most groups the automatic choice takes. Each split costs attention time (one more tail wave
+# and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
+# of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower (README).
+AUTO_MAX_GROUPS = 2
 
 
 @dataclass
@@ -92,8 +95,10 @@ def ineligible(region: A2ARegion) -> str | None:
         return "attention mask or bias (not split by heads)"
     if region.dropout_p:
         return "dropout (each group would draw its own mask)"
-    incoming, _ = fused_a2a.crossing_groups(region)
-    for c, arg in zip(*incoming):
+    groups = fused_a2a.crossing_groups(region)
+    if len(groups) != 2:  # the lone dO / out crossing is only fused with strided views
+        return "attention does not read the received buffer as a view (fused_a2a_strided=False)"
+    for c, arg in zip(*groups[0]):
         if not fused_a2a.reads_as_view(fused_a2a.pack_layout(c, region.cp), c, region.cp, arg):
             return "attention does not read the received buffer as a view"
     outs = tuple_outputs(region.attention)
@@ -105,8 +110,7 @@ def ineligible(region: A2ARegion) -> str | None:
                 return "attention gradients used outside their all_to_all"
         if any(outs[i].users for i in outs if i > 2):
             return "attention returns a gradient the rewrite does not rebuild"
-    groups, why = choose_groups(region)
-    return why
+    return choose_groups(region)[1]
 
 
 def _grouped(lay: Layout, groups: int) -> Layout:
@@ -136,6 +140,7 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
     """``node`` (an attention op) on the heads of group ``g``: ``inputs`` replaces some arguments,
     the rest are sliced on their head dim or passed as they are."""
     args, kwargs = list(node.args), dict(node.kwargs)
+    schema = node.target._schema.arguments
     for i, (name, value) in enumerate(bound_args(node).items()):
         if name in inputs:
             value = inputs[name]
@@ -148,24 +153,15 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
         if i < len(args):
             args[i] = value
         else:
-            kwargs[name] = value
+            kwargs[schema[i].name] = value
     return emit(node.target, *args, **kwargs)
-
-
-def _arg_index(node: torch.fx.Node, name: str) -> int:
-    index = [a.name for a in node.target._schema.arguments].index(name)
-    if index >= len(node.args):
-        raise ValueError(f"{name} is not positional")
-    return index
 
 
 def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
     cp, group, node = region.cp, region.group_name, region.attention
     (inc, inc_args), (outc, _) = fused_a2a.crossing_groups(region)
     backward = "dq" in region.outgoing
-    arg_names = ("grad_out",) if backward else ("query", "key", "value")
-    if backward and "grad_out" not in bound_args(node):
-        arg_names = ("grad_out_",)
+    inputs_by_name = ("grad_out",) if backward else ("query", "key", "value")
 
     # 1. One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
     #    back while the groups' attention waits only for its own.
@@ -185,7 +181,7 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
     for g in range(p.groups):
         recv = emit(c10d.wait_tensor.default, sent[g])
         inputs, offset = {}, 0
-        for name, lay in zip(arg_names, layouts):
+        for name, lay in zip(inputs_by_name, layouts):
             heads = lay.shape[4]
             part = recv if len(layouts) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
             inputs[name] = fused_a2a.heads_view(emit, part)
@@ -211,9 +207,9 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
 
     # 4. What else reads the full tensors (the forward saves q, k, v, out and log-sum-exp for
     #    the backward) gets them back concatenated: one copy each, after the last group.
-    for name, arg in zip(arg_names, inc_args):
+    for name, arg in zip(inputs_by_name, inc_args):
         if any(u is not node for u in arg.users):
-            full = _cat_like(emit, [call.args[_arg_index(node, name)] for call in calls], 1, arg.meta["val"])
+            full = _cat_like(emit, [bound_args(call)[name] for call in calls], 1, arg.meta["val"])
             arg.replace_all_uses_with(full, delete_user_cb=lambda u: u is not node)
     if not backward:
         for idx in (0, 1):

@@ -30,16 +30,26 @@ SDPA_BACKWARD = _ops(
 )
 
 
+# The memory-efficient backward calls its first argument ``grad_out_``; everything else says
+# ``grad_out``.
+_ALIASES = {"grad_out_": "grad_out"}
+
+
+def arg_names(node: torch.fx.Node) -> list[str]:
+    """Schema argument names of an attention op, in order, with one spelling per role."""
+    return [_ALIASES.get(a.name, a.name) for a in node.target._schema.arguments]
+
+
 def bound_args(node: torch.fx.Node) -> dict:
-    """The node's arguments by schema name, defaults filled in."""
+    """The node's arguments by (normalized) schema name, defaults filled in."""
     out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
+    for i, (arg, name) in enumerate(zip(node.target._schema.arguments, arg_names(node))):
         if i < len(node.args) and not arg.kwarg_only:
-            out[arg.name] = node.args[i]
+            out[name] = node.args[i]
         elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
+            out[name] = node.kwargs[arg.name]
         elif arg.has_default_value():
-            out[arg.name] = arg.default_value
+            out[name] = arg.default_value
     return out
 
 

@@ -1,0 +1,216 @@
+"""head_partition: golden schedules (collectives, waits and attention calls in order), the order
+Inductor keeps in its generated code, eligibility reasons, numerics on gloo."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from expecttest import TestCase
+
+import cp_inductor
+import variants
+from cp_inductor.checks import AttentionCase, check_cp_attention
+from cp_inductor.launch import run_on_ranks
+from cp_inductor.passes import pipeline
+from graph_utils import aot_graphs, fake_pg, report_text, schedule
+from test_fused_a2a import qkv, ulysses
+
+
+def run_passes(graph):
+    for p in pipeline.HOOKS["post_grad_custom_pre_pass"]:
+        p(graph)
+
+
+def partitioned(cp, fn, *inputs, **cfg) -> str:
+    """Each graph's schedule after the post-grad passes, with head_partition on."""
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, **cfg):
+        graphs = aot_graphs(fn, *inputs)
+        lines = []
+        for kind, gm in graphs.items():
+            run_passes(gm.graph)
+            lines.append(f"{kind}: {schedule(gm)}")
+    return "\n".join(lines)
+
+
+class TestGolden(TestCase):
+    def test_backward_in_two_groups_forward_fused_only(self):
+        # Default: the forward stays one fused region; the backward sends dO in two collectives
+        # at once, then each group's dq/dk/dv right after its attention.
+        text = partitioned(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+        self.assertExpectedInline(text, """\
+forward: a2a#0[2, 8, 2, 8, 16] wait#0 attn(h=4) a2a#1[2, 8, 2, 4, 16] wait#1
+backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 4, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 4, 16] wait#2 wait#3""")
+
+    def test_forward_too_cp4_four_groups(self):
+        text = partitioned(
+            4, ulysses(is_causal=True), *qkv((1, 8, 16, 8), (1, 8, 16, 8)), head_groups=4, head_partition_forward=True
+        )
+        self.assertExpectedInline(text, """\
+forward: a2a#0[4, 8, 1, 3, 8] a2a#1[4, 8, 1, 3, 8] a2a#2[4, 8, 1, 3, 8] a2a#3[4, 8, 1, 3, 8] wait#0 attn(h=1) a2a#4[4, 8, 1, 1, 8] wait#1 attn(h=1) a2a#5[4, 8, 1, 1, 8] wait#2 attn(h=1) a2a#6[4, 8, 1, 1, 8] wait#3 attn(h=1) a2a#7[4, 8, 1, 1, 8] wait#4 wait#5 wait#6 wait#7
+backward: a2a#0[4, 8, 1, 1, 8] a2a#1[4, 8, 1, 1, 8] a2a#2[4, 8, 1, 1, 8] a2a#3[4, 8, 1, 1, 8] wait#0 attn(h=1) a2a#4[4, 8, 1, 3, 8] wait#1 attn(h=1) a2a#5[4, 8, 1, 3, 8] wait#2 attn(h=1) a2a#6[4, 8, 1, 3, 8] wait#3 attn(h=1) a2a#7[4, 8, 1, 3, 8] wait#4 wait#5 wait#6 wait#7""")
+
+    def test_bhsd_gqa_cp8(self):
+        text = partitioned(8, ulysses(layout="bhsd"), *qkv((1, 32, 16, 8), (1, 16, 16, 8)))
+        self.assertExpectedInline(text, """\
+forward: a2a#0[8, 16, 1, 8, 8] wait#0 attn(h=4) a2a#1[8, 16, 1, 4, 8] wait#1
+backward: a2a#0[8, 16, 1, 2, 8] a2a#1[8, 16, 1, 2, 8] wait#0 attn(h=2) a2a#2[8, 16, 1, 4, 8] wait#1 attn(h=2) a2a#3[8, 16, 1, 4, 8] wait#2 wait#3""")
+
+    def test_hand_written_transpose_then_reshape(self):
+        text = partitioned(2, variants.transpose_then_reshape, *qkv((2, 4, 8, 16), (2, 4, 8, 16)))
+        self.assertExpectedInline(text, """\
+forward: a2a#0[2, 4, 2, 12, 16] wait#0 attn(h=4) a2a#1[2, 4, 2, 4, 16] wait#1
+backward: a2a#0[2, 4, 2, 2, 16] a2a#1[2, 4, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 4, 2, 6, 16] wait#1 attn(h=2) a2a#3[2, 4, 2, 6, 16] wait#2 wait#3""")
+
+    def test_memory_efficient_attention(self):
+        # CUDA's fp32 kernel: its backward names dO ``grad_out_`` and returns a bias gradient.
+        # Traced on meta tensors: the CPU has no kernel for it.
+        inputs = [torch.randn(2, 8, 8, 16, device="meta", requires_grad=True) for _ in range(3)]
+        text = partitioned(2, efficient_ulysses, *inputs, head_partition_forward=True)
+        self.assertExpectedInline(text, """\
+forward: a2a#0[2, 8, 2, 6, 16] a2a#1[2, 8, 2, 6, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 2, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 2, 16] wait#2 wait#3
+backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 6, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 6, 16] wait#2 wait#3""")
+
+
+def efficient_ulysses(q, k, v):
+    """Ulysses by hand around the memory-efficient attention op."""
+    group, cp = dist.group.WORLD, dist.get_world_size()
+
+    def scatter(x):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+
+    o = torch.ops.aten._scaled_dot_product_efficient_attention(scatter(q), scatter(k), scatter(v), None, True, is_causal=True)[0]
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+def masked_ulysses(q, k, v):
+    """Ulysses with an explicit boolean mask: the rewrite does not split masks by heads."""
+    group, cp = dist.group.WORLD, dist.get_world_size()
+
+    def scatter(x):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+
+    s = q.shape[1] * cp
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    o = torch.nn.functional.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), attn_mask=mask)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+def skip_reasons(cp, fn, *inputs, **cfg) -> str:
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, **cfg):
+        graphs = aot_graphs(fn, *inputs)
+        lines = []
+        for kind, gm in graphs.items():
+            for r in pipeline.analyze(gm.graph, kind):
+                lines.append(f"{kind}: {r.skipped.get('head_partition', 'applied')}")
+    return "\n".join(lines)
+
+
+class TestEligibility(TestCase):
+    def test_reasons(self):
+        gqa = qkv((2, 8, 8, 16), (2, 8, 4, 16))
+        cases = {
+            "default (forward off)": skip_reasons(2, ulysses(is_causal=True), *gqa),
+            "head_groups=3": skip_reasons(2, ulysses(is_causal=True), *gqa, head_groups=3),
+            "one kv head per rank": skip_reasons(4, ulysses(), *qkv((1, 8, 8, 16), (1, 8, 4, 16))),
+            "fused_a2a off": skip_reasons(2, ulysses(), *gqa, fused_a2a=False),
+            "unpack copies": skip_reasons(2, ulysses(), *gqa, fused_a2a_strided=False),
+            "mask": skip_reasons(2, masked_ulysses, *qkv((1, 8, 4, 16), (1, 8, 4, 16)), head_partition_forward=True),
+        }
+        text = "\n".join(f"# {name}\n{reasons}" for name, reasons in cases.items())
+        self.assertExpectedInline(text, """\
+# default (forward off)
+forward: forward region (head_partition_forward=False)
+backward: applied
+# head_groups=3
+forward: forward region (head_partition_forward=False)
+backward: head_groups=3 does not divide the local heads (Hq/cp=4, Hkv/cp=2)
+# one kv head per rank
+forward: forward region (head_partition_forward=False)
+backward: local heads Hq/cp=2, Hkv/cp=1 have no common divisor in 2..2
+# fused_a2a off
+forward: needs fused_a2a (disabled by config)
+backward: needs fused_a2a (disabled by config)
+# unpack copies
+forward: forward region (head_partition_forward=False)
+backward: attention does not read the received buffer as a view (fused_a2a_strided=False)
+# mask
+forward: attention mask or bias (not split by heads)
+backward: attention mask or bias (not split by heads)""")
+
+
+def _generated_order(codes) -> list[str]:
+    """all_to_all / wait / attention calls in the order Inductor's wrapper code makes them."""
+    order = []
+    for code in codes:
+        calls = re.findall(r"(all_to_all_single|wait_tensor|_scaled_dot_product\w+)\.default\(", code)
+        names = {"all_to_all_single": "a2a", "wait_tensor": "wait"}
+        order.append(" ".join(names.get(c, "attn") for c in calls))
+    return order
+
+
+def test_inductor_keeps_the_overlapping_order():
+    """Inductor's CPU code issues collectives in the order the pass emitted (its peak-memory
+    reordering, which would sink each collective to its wait, is off for these graphs)."""
+    from torch._inductor.utils import run_and_get_code
+
+    with fake_pg(2), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        q, k, v = qkv((2, 8, 8, 16), (2, 8, 4, 16))
+        f = torch.compile(
+            ulysses(is_causal=True), backend="cp_inductor", fullgraph=True,
+            options={"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True},
+        )
+        _, codes = run_and_get_code(lambda: f(q, k, v).sum().backward())
+    assert _generated_order(codes) == [
+        "a2a a2a wait attn a2a wait attn a2a wait wait",
+        "a2a a2a wait attn a2a wait attn a2a wait wait",
+    ]
+
+
+HP_ALL = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+
+
+def _assert_partitioned(results):
+    for r in results:
+        for key in ("eager_vs_ref", "compiled_vs_ref"):
+            for name, err in r[key].items():
+                assert err < 1e-5, f"{r['case']} {key} {name}: {err:.2e}"
+        assert r["applied"] == ["fused_a2a", "head_partition"], r
+        assert r["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, r
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_numerics_gloo(cp):
+    cases = [
+        AttentionCase(layout="bshd", causal=True, heads_q=16, heads_kv=8),
+        AttentionCase(layout="bhsd", causal=False, heads_q=8, heads_kv=8),
+    ]
+    for rank_results in run_on_ranks(check_cp_attention, cp, cases, None, "cp_inductor", "cpu", HP_ALL):
+        _assert_partitioned(rank_results)
+
+
+def test_numerics_gloo_hand_written_and_backward_only():
+    import functools
+
+    case = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4)
+    fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
+    _assert_partitioned(run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cpu", HP_ALL)[0])
+    # Default: only the backward region is partitioned.
+    options = {"cp_inductor.head_partition": True}
+    for r in run_on_ranks(check_cp_attention, 2, [case], None, "cp_inductor", "cpu", options)[0]:
+        assert max(r["compiled_vs_ref"].values()) < 1e-5
+        assert r["rewritten"] == {"fused_a2a": 2, "head_partition": 1}, r
