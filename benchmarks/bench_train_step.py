@@ -14,6 +14,7 @@ Every arm's losses are checked against the eager arm's.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from common import alternating_rounds, paired_ratio, teardown
 
+import cp_inductor
 from cp_inductor.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
 HP = {"cp_inductor.head_partition": True}
@@ -91,12 +93,16 @@ def main() -> int:
     x, y = (t.to(dtype) for t in step_inputs(cfg, rank, cp, device=device))
 
     arms = [a for a in args.arms.split(",") if a in ARMS]
-    steps, first_losses, memory = {}, {}, {}
+    steps, first_losses, memory, rewritten = {}, {}, {}, {}
     for name in arms:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        cp_inductor.clear_report()
         steps[name] = build(name, cfg, device, dtype)
         first_losses[name] = [float(steps[name](x, y)) for _ in range(3)]  # compile + check
+        # What the passes did to the step graph (from the report, which a warm FX cache also
+        # fills): an arm without rewrites measures nothing of ours.
+        rewritten[name] = dict(Counter(a for r in cp_inductor.report().regions for a in r.applied))
         if cuda:
             memory[name] = torch.cuda.max_memory_allocated() / 2**30
     medians = alternating_rounds(
@@ -108,16 +114,16 @@ def main() -> int:
         ref = first_losses.get("eager", first_losses[arms[0]])
         print(f"\nCP training step, cp={cp}, B{args.batch} S{args.seq} dim{args.dim} H{args.heads} "
               f"Hkv{cfg.kv_heads} {args.dtype}, {args.rounds} rounds x {args.iters} iters, slowest rank")
-        print(f"{'arm':24s} {'median ms':>10s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'loss diff':>10s}")
+        print(f"{'arm':24s} {'median ms':>10s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'loss diff':>10s}  rewrites")
         for n in arms:
             med = statistics.median(medians[n])
             paired = paired_ratio(medians, n, base)
             diff = max(abs(a - b) / abs(b) for a, b in zip(first_losses[n], ref))
-            print(f"{n:24s} {med:10.3f} {paired:22.3f} {memory.get(n, float('nan')):9.2f} {diff:10.2e}")
+            print(f"{n:24s} {med:10.3f} {paired:22.3f} {memory.get(n, float('nan')):9.2f} {diff:10.2e}  {rewritten[n]}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "cp": cp, "round_medians_ms": medians, "peak_gib": memory,
-                           "first_losses": first_losses}, f, indent=1)
+                           "first_losses": first_losses, "rewritten": rewritten}, f, indent=1)
     teardown()
     return 0
 

@@ -172,6 +172,7 @@ class Bench:
             prof.export_chrome_trace(trace)
         kinds = {"nccl": 0.0, "attention": 0.0, "other": 0.0}
         spans = {"nccl": [], "compute": []}
+        copies: dict = {}  # "other" kernels by name: ms per iteration (pack/unpack bandwidth)
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -179,9 +180,13 @@ class Bench:
             kind = "nccl" if "nccl" in name else (
                 "attention" if any(w in name for w in ("attn", "attention", "cudnn", "flash", "fmha", "sm90")) else "other"
             )
-            kinds[kind] += (e.time_range.end - e.time_range.start) / 1000 / iters
+            ms = (e.time_range.end - e.time_range.start) / 1000 / iters
+            kinds[kind] += ms
+            if kind == "other":
+                copies[e.name] = copies.get(e.name, 0.0) + ms
             spans["nccl" if kind == "nccl" else "compute"].append((e.time_range.start, e.time_range.end))
         kinds["exposed_nccl"] = _uncovered(spans["nccl"], spans["compute"]) / 1000 / iters
+        kinds["other_kernels"] = copies
         return kinds
 
     def reference(self) -> dict:
@@ -204,15 +209,15 @@ ARMS = {
     "cp_off": ("cp_inductor", {"cp_inductor.fused_a2a": False}),
     "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_strided": False}),  # fused, unpack copied
     "cp_inductor": ("cp_inductor",),
-    # head_partition with G head groups (0: the rewrite's own choice)
+    # head_partition with G head groups (0: the rewrite's choice); backward regions only, the default
     **{
         f"cp_hp{g or ''}": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": g})
         for g in (0, 2, 4, 8)
     },
-    # backward regions only (the forward keeps one group: no copies for the saved tensors)
+    # ... and forward regions too
     **{
-        f"cp_hpb{g}": ("cp_inductor", {
-            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": False,
+        f"cp_hpf{g}": ("cp_inductor", {
+            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": True,
         })
         for g in (2, 4)
     },
@@ -228,13 +233,13 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", default="bshd", choices=parallel.LAYOUTS)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--arms", default="eager,inductor,cp_off,cp_inductor,cp_hp2,cp_hp4,native,floor")
+    p.add_argument("--arms", default="eager,inductor,cp_off,cp_inductor,cp_hp,native,floor")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
-    p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp2,cp_hp4,floor", help="arms to break down by kernel kind")
+    p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
 
@@ -313,7 +318,10 @@ def main() -> int:
                   "iteration - (attention + exposed nccl + other)")
             for n, k in kernels.items():
                 gap = med[n] - k["attention"] - k["exposed_nccl"] - k["other"]
-                print(f"  {n:12s} {k['attention']:8.2f} {k['nccl']:8.2f} {k['exposed_nccl']:8.2f} {k['other']:8.2f} {gap:8.2f}")
+                top = sorted(k["other_kernels"].items(), key=lambda kv: -kv[1])[:4]
+                top = ", ".join(f"{name[:32]} {ms:.3f}" for name, ms in top)
+                print(f"  {n:12s} {k['attention']:8.2f} {k['nccl']:8.2f} {k['exposed_nccl']:8.2f} {k['other']:8.2f} {gap:8.2f}"
+                      f"   largest other: {top}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({

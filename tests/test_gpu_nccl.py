@@ -44,7 +44,9 @@ def test_head_partition_nccl_bf16(groups):
         AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
     ]
-    options = {"cp_inductor.head_partition": True, "cp_inductor.head_groups": groups}
+    options = {
+        "cp_inductor.head_partition": True, "cp_inductor.head_groups": groups, "cp_inductor.head_partition_forward": True,
+    }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
         _check(rank_results, 2, applied=("fused_a2a", "head_partition"))
@@ -74,7 +76,7 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
     from cp_inductor.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
-    options = {"cp_inductor.head_partition": head_partition}
+    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition}
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, dtype, pg_backend="nccl"
     )
