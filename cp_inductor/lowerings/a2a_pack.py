@@ -1,0 +1,60 @@
+"""``cp_inductor::a2a_pack``: a hand-written Triton pack for the Ulysses all-to-all, kept to
+measure Inductor's own pack against (issue: "Triton kernels with 16-byte accesses, or Inductor
+lowerings that fuse into one kernel: show which is faster").
+
+    a2a_pack([q, k, v], cp) -> buf[cp, S/cp, B, sum(H_i)/cp, D]
+    buf[r, s, b, offset_i + j, :] = x_i[b, s, r * H_i/cp + j, :]
+
+the buffer fused_a2a sends. Every destination row ``(r, s, b)`` is one contiguous run of
+``H_i/cp * D`` elements per input, so the kernel is a gather of long contiguous runs: each
+program copies ``BLOCK`` elements of one run, which Triton turns into 16-byte vector loads and
+stores when the run is 16-byte aligned.
+
+fused_a2a does not use this op: Inductor's generated pack (a ``cat`` of relaid views, one Triton
+kernel) runs at the copy roofline on H200 (README, "Measured"), and an opaque op would also stop
+Inductor from fusing the pack with whatever produces q, k, v. ``benchmarks/bench_pack.py``
+compares the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check(tensors, cp):
+    b, s_l, _, d = tensors[0].shape
+    for x in tensors:
+        if x.dim() != 4 or x.shape[0] != b or x.shape[1] != s_l or x.shape[3] != d or x.shape[2] % cp:
+            raise ValueError(f"a2a_pack wants [B, S/cp, H, D] tensors with H divisible by cp={cp}")
+        if x.dtype != tensors[0].dtype:
+            raise ValueError("a2a_pack wants one dtype")
+
+
+def reference(tensors: list[torch.Tensor], cp: int) -> torch.Tensor:
+    """The pack in ATen ops (what fused_a2a emits and Inductor lowers)."""
+    parts = []
+    for x in tensors:
+        b, s_l, h, d = x.shape
+        parts.append(x.reshape(b, s_l, cp, h // cp, d).permute(2, 1, 0, 3, 4))
+    return torch.cat(parts, dim=3)
+
+
+@torch.library.custom_op("cp_inductor::a2a_pack", mutates_args=())
+def a2a_pack(tensors: list[torch.Tensor], cp: int) -> torch.Tensor:
+    check(tensors, cp)
+    return reference(tensors, cp)
+
+
+@a2a_pack.register_fake
+def _(tensors, cp):
+    check(tensors, cp)
+    b, s_l, _, d = tensors[0].shape
+    heads = sum(x.shape[2] for x in tensors) // cp
+    return tensors[0].new_empty((cp, s_l, b, heads, d))
+
+
+@a2a_pack.register_kernel("cuda")
+def _(tensors, cp):
+    from . import a2a_pack_triton
+
+    return a2a_pack_triton.pack(tensors, cp)
