@@ -45,7 +45,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    compiled = torch.compile(reference, fullgraph=True)
+    compiled = torch.compile(reference, fullgraph=True, dynamic=False)
     rows = {}
     print(f"{'shape':28s} {'arm':10s} {'ms':>8s} {'GB/s':>8s} {'vs copy':>8s}")
     for name, (b, s_l, hq, hkv, d, cp) in SHAPES.items():
