@@ -5,8 +5,7 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from expecttest import TestCase
 
 import cp_inductor
@@ -14,7 +13,7 @@ import variants
 from cp_inductor.checks import AttentionCase, check_cp_attention
 from cp_inductor.launch import run_on_ranks
 from cp_inductor.passes import pipeline
-from graph_utils import aot_graphs, fake_pg, report_text, schedule
+from graph_utils import aot_graphs, fake_pg, schedule
 from test_fused_a2a import qkv, ulysses
 
 
@@ -64,8 +63,7 @@ forward: a2a#0[2, 4, 2, 12, 16] wait#0 attn(h=4) a2a#1[2, 4, 2, 4, 16] wait#1
 backward: a2a#0[2, 4, 2, 2, 16] a2a#1[2, 4, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 4, 2, 6, 16] wait#1 attn(h=2) a2a#3[2, 4, 2, 6, 16] wait#2 wait#3""")
 
     def test_memory_efficient_attention(self):
-        # CUDA's fp32 kernel: its backward names dO ``grad_out_`` and returns a bias gradient.
-        # Traced on meta tensors: the CPU has no kernel for it.
+        # Traced on meta tensors: the CPU has no kernel for the memory-efficient op.
         inputs = [torch.randn(2, 8, 8, 16, device="meta", requires_grad=True) for _ in range(3)]
         text = partitioned(2, efficient_ulysses, *inputs, head_partition_forward=True)
         self.assertExpectedInline(text, """\
@@ -73,40 +71,16 @@ forward: a2a#0[2, 8, 2, 6, 16] a2a#1[2, 8, 2, 6, 16] wait#0 attn(h=2) a2a#2[2, 8
 backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 6, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 6, 16] wait#2 wait#3""")
 
 
-def efficient_ulysses(q, k, v):
-    """Ulysses by hand around the memory-efficient attention op."""
-    group, cp = dist.group.WORLD, dist.get_world_size()
-
-    def scatter(x):
-        b, s_l, h, d = x.shape
-        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = funcol.all_to_all_single_autograd(send, None, None, group)
-        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
-
-    o = torch.ops.aten._scaled_dot_product_efficient_attention(scatter(q), scatter(k), scatter(v), None, True, is_causal=True)[0]
-    b, hl, s, d = o.shape
-    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
-
-
-def masked_ulysses(q, k, v):
-    """Ulysses with an explicit boolean mask: the rewrite does not split masks by heads."""
-    group, cp = dist.group.WORLD, dist.get_world_size()
-
-    def scatter(x):
-        b, s_l, h, d = x.shape
-        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = funcol.all_to_all_single_autograd(send, None, None, group)
-        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
-
-    s = q.shape[1] * cp
-    mask = torch.ones(s, s, dtype=torch.bool).tril()
-    o = torch.nn.functional.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), attn_mask=mask)
-    b, hl, s, d = o.shape
-    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+# CUDA's fp32 kernel; its backward names dO ``grad_out_`` and also returns a bias gradient.
+efficient_ulysses = variants.around(
+    lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, is_causal=True)[0]
+)
+# An explicit boolean mask: the rewrite does not split masks by heads.
+masked_ulysses = variants.around(
+    lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+    )
+)
 
 
 def skip_reasons(cp, fn, *inputs, **cfg) -> str:

@@ -69,6 +69,29 @@ def seq_first(q, k, v, group=None, is_causal=True):
     return recv.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * hl, d)
 
 
+def around(attend):
+    """BSHD Ulysses by hand around ``attend(q, k, v) -> out`` (each [B, H/cp, S, D]): for
+    attention calls the helpers do not make (another kernel, a mask)."""
+
+    def ulysses(q, k, v, group=None):
+        group = group or dist.group.WORLD
+        cp = _cp(group)
+
+        def scatter(x):  # [B, S/cp, H, D] -> [B, H/cp, S, D]
+            b, s_l, h, d = x.shape
+            send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+            recv = a2a(send, None, None, group)
+            return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+
+        o = attend(scatter(q), scatter(k), scatter(v))
+        b, hl, s, d = o.shape
+        send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+        recv = a2a(send, None, None, group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+    return ulysses
+
+
 def moe_dispatch(tokens, w, group=None):
     """Not attention: tokens to experts and back."""
     group = group or dist.group.WORLD
