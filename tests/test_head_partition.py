@@ -183,6 +183,9 @@ def test_numerics_gloo_hand_written_and_backward_only():
     case = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
     _assert_partitioned(run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cpu", HP_ALL)[0])
+    bhsd = AttentionCase(layout="bhsd", causal=True, heads_q=4, heads_kv=4)
+    fn = functools.partial(variants.flattened_buffer, is_causal=True)
+    _assert_partitioned(run_on_ranks(check_cp_attention, 2, [bhsd], fn, "cp_inductor", "cpu", HP_ALL)[0])
     # Default: only the backward region is partitioned.
     options = {"cp_inductor.head_partition": True}
     for r in run_on_ranks(check_cp_attention, 2, [case], None, "cp_inductor", "cpu", options)[0]:

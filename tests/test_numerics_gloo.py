@@ -126,3 +126,20 @@ def test_demo_main_job():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
     assert "forward   a2a    2   bshd" in proc.stdout and "backward  a2a    2   bshd" in proc.stdout
+
+
+def test_cp8_fused_and_head_partition():
+    """cp = 8 on 8 gloo processes (the GPU machines with 8 GPUs are not always lent): GQA with one
+    KV head per rank (fused_a2a only; head_partition says why not) and MHA in two head groups."""
+    cases = [
+        AttentionCase(layout="bshd", causal=True, heads_q=16, heads_kv=8),
+        AttentionCase(layout="bhsd", causal=False, heads_q=16, heads_kv=16),
+    ]
+    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+    gqa, mha = run_on_ranks(check_cp_attention, 8, cases, None, "cp_inductor", "cpu", options)[0]
+    for r in (gqa, mha):
+        for key in ("eager_vs_ref", "compiled_vs_ref"):
+            assert max(r[key].values()) < TOL, (r["case"], key, r[key])
+    assert gqa["applied"] == ["fused_a2a"] and gqa["rewritten"] == {"fused_a2a": 2}, gqa
+    assert mha["applied"] == ["fused_a2a", "head_partition"], mha
+    assert mha["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, mha
