@@ -11,7 +11,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   torchrun --nproc-per-node "$NGPU" -m cp_inductor.demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v Warning | tail -12
 fi
 IFS=';' read -ra TRAIN_SHAPES <<< "${TRAIN:-}"

@@ -1,0 +1,50 @@
+"""CP4 and CP8 on NCCL: the 2-GPU checks of test_gpu_nccl.py at the sizes of the 4- and 8-GPU
+H200 machines (skipped where fewer GPUs exist; heads scaled so every cp divides them)."""
+
+import pytest
+import torch
+
+from cp_inductor.checks import AttentionCase, check_cp_attention
+from cp_inductor.launch import run_on_ranks
+from test_gpu_nccl import TOL, _check
+
+
+def on(cp):
+    return pytest.param(cp, marks=pytest.mark.skipif(torch.cuda.device_count() < cp, reason=f"needs {cp} GPUs"), id=f"cp{cp}")
+
+
+def cases():
+    bf16 = torch.bfloat16
+    return [
+        AttentionCase(batch=2, seq=1024, heads_q=16, heads_kv=16, head_dim=64, layout="bshd", dtype=bf16),
+        AttentionCase(batch=1, seq=2048, heads_q=32, heads_kv=16, head_dim=128, layout="bshd", dtype=bf16),
+        AttentionCase(batch=2, seq=1024, heads_q=16, heads_kv=16, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
+    ]
+
+
+@pytest.mark.parametrize("cp", [on(4), on(8)])
+@pytest.mark.parametrize("head_partition", [False, True])
+def test_ulysses_nccl_bf16(cp, head_partition):
+    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition}
+    results = run_on_ranks(check_cp_attention, cp, cases(), None, "cp_inductor", "cuda", options, pg_backend="nccl")
+    applied = ("fused_a2a", "head_partition") if head_partition else ("fused_a2a",)
+    for rank_results in results:
+        _check(rank_results, cp, applied)
+
+
+@pytest.mark.parametrize("cp", [on(4)])
+def test_cuda_graph_training_step(cp):
+    from cp_inductor.train_step import StepConfig, compare_with_eager
+
+    cfg = StepConfig(batch=2, seq=2048, dim=512, heads=16, kv_heads=8, lr=0.01)
+    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+    results = run_on_ranks(
+        compare_with_eager, cp, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16,
+        pg_backend="nccl",
+    )
+    for r in results:
+        assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
+        assert r["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, r
+        for e, c in zip(r["eager"], r["compiled"]):
+            assert abs(e - c) <= TOL * abs(e), (r["eager"], r["compiled"])
+        assert r["max_param_diff"] < TOL, r["max_param_diff"]
