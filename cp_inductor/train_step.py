@@ -131,9 +131,10 @@ def compare_with_eager(
     cp_inductor.clear_report()
     eager_losses = [float(eager_step(x, y)) for _ in range(steps)]
     compiled_losses = [float(compiled_step(x, y)) for _ in range(steps)]
-    diff = max(
-        float((a - b).abs().max()) for a, b in zip(eager_model.parameters(), compiled_model.parameters())
-    )
+    with torch.no_grad():
+        diff = max(
+            float((a - b).abs().max()) for a, b in zip(eager_model.parameters(), compiled_model.parameters())
+        )
     return {
         "eager": eager_losses, "compiled": compiled_losses, "max_param_diff": diff,
         "report": cp_inductor.report(), "rewritten": dict(counters["cp_inductor"]),
