@@ -128,7 +128,29 @@ def compressed_wire(q, k, v, wire=(torch.float32, torch.bfloat16, torch.bfloat16
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
 
 
+def uneven_splits(q, k, v):
+    """The sequence split 3:1 between two ranks: the all-to-alls carry explicit uneven sizes
+    (only the way in: enough to be rejected)."""
+    group = torch.distributed.group.WORLD
+
+    def scatter(x):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, 2, h // 2, d).permute(2, 0, 1, 3, 4).reshape(2 * b * s_l, h // 2, d)
+        rows = b * s_l
+        recv = funcol.all_to_all_single_autograd(send, [3 * rows // 2, rows // 2], [rows, rows], group)
+        return recv.reshape(b, -1, h // 2, d).transpose(1, 2)
+
+    return F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=True)
+
+
 class TestEligibility(TestCase):
+    def test_uneven_splits_are_not_a_region(self):
+        with fake_pg(2):
+            text = report_text(aot_graphs(uneven_splits, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+        self.assertExpectedInline(text, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: uneven all_to_all splits [12, 4]
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: input does not come from an all_to_all""")
+
     def test_different_wire_dtypes_are_skipped_with_a_reason(self):
         with fake_pg(2):
             text = report_text(aot_graphs(compressed_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))

@@ -75,6 +75,10 @@ backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
 efficient_ulysses = variants.around(
     lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, is_causal=True)[0]
 )
+# Dropout: each group would draw its own random mask.
+dropout_ulysses = variants.around(
+    lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.1, True)[0]
+)
 # An explicit boolean mask: the rewrite does not split masks by heads.
 masked_ulysses = variants.around(
     lambda q, k, v: F.scaled_dot_product_attention(
@@ -103,6 +107,10 @@ class TestEligibility(TestCase):
             "fused_a2a off": skip_reasons(2, ulysses(), *gqa, fused_a2a=False),
             "unpack copies": skip_reasons(2, ulysses(), *gqa, fused_a2a_strided=False),
             "mask": skip_reasons(2, masked_ulysses, *qkv((1, 8, 4, 16), (1, 8, 4, 16)), head_partition_forward=True),
+            "dropout (meta tensors)": skip_reasons(
+                2, dropout_ulysses, *[torch.randn(1, 8, 4, 16, device="meta", requires_grad=True) for _ in range(3)],
+                head_partition_forward=True,
+            ),
         }
         text = "\n".join(f"# {name}\n{reasons}" for name, reasons in cases.items())
         self.assertExpectedInline(text, """\
@@ -123,7 +131,10 @@ forward: forward region (head_partition_forward=False)
 backward: attention does not read the received buffer as a view (fused_a2a_strided=False)
 # mask
 forward: attention mask or bias (not split by heads)
-backward: attention mask or bias (not split by heads)""")
+backward: attention mask or bias (not split by heads)
+# dropout (meta tensors)
+forward: dropout (each group would draw its own mask)
+backward: dropout (each group would draw its own mask)""")
 
 
 def _generated_order(codes) -> list[str]:
