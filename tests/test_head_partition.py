@@ -1,6 +1,7 @@
 """head_partition: golden schedules (collectives, waits and attention calls in order), the order
 Inductor keeps in its generated code, eligibility reasons, numerics on gloo."""
 
+import functools
 import re
 
 import pytest
@@ -189,8 +190,6 @@ def test_numerics_gloo(cp):
 
 
 def test_numerics_gloo_hand_written_and_backward_only():
-    import functools
-
     case = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
     _assert_partitioned(run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cpu", HP_ALL)[0])
