@@ -9,6 +9,7 @@ Patch it like Inductor's config::
 or per compile: ``torch.compile(fn, backend="cp_inductor", options={"cp_inductor.fused_a2a": False})``.
 """
 
+import os
 import sys
 
 from torch.utils._config_module import install_config_module
@@ -35,5 +36,9 @@ head_partition_forward: bool = False
 
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True
+
+# Raise unexpected errors of detection and eligibility instead of leaving the op to Inductor
+# with the error in the report (the tests turn it on).
+strict: bool = os.environ.get("CP_INDUCTOR_STRICT", "") == "1"
 
 install_config_module(sys.modules[__name__])

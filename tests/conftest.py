@@ -32,3 +32,8 @@ def cold_fx_graph_cache(monkeypatch):
     """The passes must run (a warm FX-graph cache would skip them); spawned workers inherit it.
     The warm-cache test turns it back on for itself."""
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+
+
+# Our own bugs must fail the tests, not turn into "internal error" skip reasons (spawned workers
+# inherit the variable; cp_inductor.config reads it at import).
+os.environ["CP_INDUCTOR_STRICT"] = "1"

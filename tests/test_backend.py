@@ -140,3 +140,29 @@ def test_torch_logs_artifact():
     assert "sdpa_backward is not a CP region: dynamic shapes" in proc.stderr
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "region" not in quiet.stderr
+
+
+def test_a_bug_in_our_analysis_costs_the_rewrite_not_the_compile(monkeypatch):
+    """An unexpected error in detection or eligibility leaves the op to Inductor with the error
+    as its reason; strict mode (what the tests run with) raises it instead."""
+    from cp_inductor.passes import detect_a2a, fused_a2a
+
+    def broken(*args, **kwargs):
+        raise KeyError("grad_out")
+
+    monkeypatch.setattr(detect_a2a, "_backward_region", broken)
+    monkeypatch.setattr(fused_a2a, "_group_ineligible", broken)
+    with fake_pg(2), cp_inductor.config.patch(strict=False):
+        cp_inductor.clear_report()
+        q, k, v = _qkv()
+        f = torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)
+        out = f(q, k, v)
+        out.sum().backward()
+        assert torch.allclose(out, _ulysses(q, k, v), atol=1e-6)  # plain Inductor's answer
+        report = cp_inductor.report()
+        (fwd,) = report.regions
+        assert fwd.skipped["fused_a2a"] == "internal error, left to Inductor: KeyError: 'grad_out'"
+        assert [r.reason for r in report.rejected] == ["internal error, left to Inductor: KeyError: 'grad_out'"]
+    with fake_pg(2), pytest.raises(Exception, match="grad_out"):
+        assert cp_inductor.config.strict
+        torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from .guard import internal_error
 from .layout_algebra import (
     LAYOUT_OPS,
     RANK_AXIS,
@@ -271,6 +272,10 @@ def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARe
         except LayoutError as e:
             if log is not None:
                 log(node, str(e))
+        except Exception as e:  # noqa: BLE001 - see guard.py
+            reason = internal_error(e)
+            if log is not None:
+                log(node, reason)
     return regions
 
 

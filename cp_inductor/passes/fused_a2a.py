@@ -35,6 +35,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from .. import config
 from .detect_a2a import A2ACrossing, A2ARegion, find_regions
 from .fx_emit import Emitter
+from .guard import why_not
 from .layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
 
 aten = torch.ops.aten
@@ -189,7 +190,7 @@ def fused_a2a_pass(graph: torch.fx.Graph) -> None:
         return
     changed = False
     for region in find_regions(graph, "post_grad"):
-        if ineligible(region) is not None:
+        if why_not(ineligible, region) is not None:
             continue
         for crossings, attn_args in crossing_groups(region):
             _rewrite(graph, region, crossings, attn_args)

@@ -40,6 +40,7 @@ from .. import config
 from . import fused_a2a
 from .detect_a2a import A2ARegion, find_regions
 from .fx_emit import Emitter
+from .guard import why_not
 from .layout_algebra import Factor, Layout, plan_relayout
 from .sdpa_ops import bound_args, tuple_outputs
 
@@ -233,7 +234,7 @@ def head_partition_pass(graph: torch.fx.Graph) -> None:
         return
     changed = False
     for region in find_regions(graph, "post_grad"):
-        if ineligible(region) is not None:
+        if why_not(ineligible, region) is not None:
             continue
         groups, _ = choose_groups(region)
         p = Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups)

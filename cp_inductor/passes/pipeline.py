@@ -18,6 +18,7 @@ import torch.fx
 from .. import config
 from ..reporting import Region, Rejected
 from . import detect_a2a, fused_a2a, head_partition
+from .guard import why_not
 
 # Which rewrites of the catalogue (DESIGN.md section 3) concern a region of each CP style.
 REWRITES_BY_STYLE = {
@@ -58,7 +59,7 @@ def _decide(style: str, region) -> tuple[list, dict]:
             skipped[name] = "disabled by config"
         elif name not in ELIGIBILITY:
             skipped[name] = "not implemented yet"
-        elif (reason := ELIGIBILITY[name](region)) is not None:
+        elif (reason := why_not(ELIGIBILITY[name], region)) is not None:
             skipped[name] = reason
         else:
             applied.append(name)
