@@ -71,6 +71,15 @@ forward after:  a2a[2, 8, 1, 6, 16], a2a[2, 8, 1, 2, 16] (all_to_all=2 clone=1)
 backward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
 backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
 
+    def test_expanded_kv_heads_cp4(self):
+        # Backward: dk/dv are packed from the sums over the replicas (4 all-to-alls -> 2).
+        text = fused(4, variants.expanded_kv_heads, *qkv((1, 8, 8, 16), (1, 8, 4, 16)))
+        self.assertExpectedInline(text, """\
+forward before: a2a[4, 1, 8, 2, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 2, 16] (all_to_all=4 clone=4)
+forward after:  a2a[4, 8, 1, 4, 16], a2a[4, 8, 1, 2, 16] (all_to_all=2 clone=4)
+backward before: a2a[4, 1, 8, 2, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 2, 16] (all_to_all=4 clone=2)
+backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 4, 16] (all_to_all=2 clone=4)""")
+
     def test_copy_path_when_strided_inputs_are_off(self):
         # Unpack stays a copy into the layout the old all-to-all delivered; grad_out keeps its own.
         with cp_inductor.config.patch(fused_a2a_strided=False):
@@ -89,25 +98,6 @@ forward before: a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a
 forward after:  a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
 backward before: a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)
 backward after:  a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16], a2a[2, 1, 8, 2, 16] (all_to_all=4 clone=4)""")
-
-
-def expanded_kv_heads(q, k, v):
-    """GQA done by hand: k/v heads replicated after the all-to-all, before attention."""
-    group = torch.distributed.group.WORLD
-    cp = torch.distributed.get_world_size()
-
-    def scatter(x, rep):
-        b, s_l, h, d = x.shape
-        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = funcol.all_to_all_single_autograd(send, None, None, group)
-        y = recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, 1, cp * s_l, d)
-        return y.expand(b, h // cp, rep, cp * s_l, d).reshape(b, h // cp * rep, cp * s_l, d)
-
-    o = F.scaled_dot_product_attention(scatter(q, 1), scatter(k, 2), scatter(v, 2), is_causal=True)
-    b, hl, s, d = o.shape
-    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
 
 
 def compressed_wire(q, k, v, wire=(torch.float32, torch.bfloat16, torch.bfloat16)):
@@ -159,13 +149,13 @@ forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradient
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
     def test_expanded_kv_heads_still_fuse(self):
-        # The replication happens after the collectives, which is all fused_a2a touches. Its
-        # backward sums the replicas before dk/dv leave, so that graph has no region.
+        # The replication happens after the collectives: the forward keeps it (unpack copies);
+        # the backward sums the replicas' dk/dv, and the reduced tensors are what crosses.
         with fake_pg(2):
-            text = report_text(aot_graphs(expanded_kv_heads, *qkv((1, 8, 4, 16), (1, 8, 2, 16))))
+            text = report_text(aot_graphs(variants.expanded_kv_heads, *qkv((1, 8, 4, 16), (1, 8, 2, 16))))
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: output reaches 0 all_to_alls""")
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
     def test_self_attention_on_one_tensor_is_skipped(self):
         # q = k = v: AOTAutograd's CSE leaves one all-to-all feeding all three inputs.

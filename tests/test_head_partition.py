@@ -108,6 +108,9 @@ class TestEligibility(TestCase):
             "fused_a2a off": skip_reasons(2, ulysses(), *gqa, fused_a2a=False),
             "unpack copies": skip_reasons(2, ulysses(), *gqa, fused_a2a_strided=False),
             "mask": skip_reasons(2, masked_ulysses, *qkv((1, 8, 4, 16), (1, 8, 4, 16)), head_partition_forward=True),
+            "GQA by expand": skip_reasons(
+                2, variants.expanded_kv_heads, *qkv((1, 8, 8, 16), (1, 8, 4, 16)), head_partition_forward=True
+            ),
             "dropout (meta tensors)": skip_reasons(
                 2, dropout_ulysses, *[torch.randn(1, 8, 4, 16, device="meta", requires_grad=True) for _ in range(3)],
                 head_partition_forward=True,
@@ -133,6 +136,9 @@ backward: attention does not read the received buffer as a view (fused_a2a_strid
 # mask
 forward: attention mask or bias (not split by heads)
 backward: attention mask or bias (not split by heads)
+# GQA by expand
+forward: attention does not read the received buffer as a view
+backward: a gradient is summed over replicated heads before its all_to_all
 # dropout (meta tensors)
 forward: dropout (each group would draw its own mask)
 backward: dropout (each group would draw its own mask)""")

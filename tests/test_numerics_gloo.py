@@ -143,3 +143,14 @@ def test_cp8_fused_and_head_partition():
     assert gqa["applied"] == ["fused_a2a"] and gqa["rewritten"] == {"fused_a2a": 2}, gqa
     assert mha["applied"] == ["fused_a2a", "head_partition"], mha
     assert mha["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, mha
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gqa_by_expand(cp):
+    """K/V heads replicated by expand after the all-to-all: the forward is fused with unpack
+    copies, the backward packs dk/dv from the sums over the replicas."""
+    case = AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)
+    for r in run_on_ranks(check_cp_attention, cp, [case], variants.expanded_kv_heads)[0]:
+        for key in ("eager_vs_ref", "compiled_vs_ref"):
+            assert max(r[key].values()) < TOL, (key, r[key])
+        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r

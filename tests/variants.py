@@ -69,6 +69,26 @@ def seq_first(q, k, v, group=None, is_causal=True):
     return recv.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * hl, d)
 
 
+def expanded_kv_heads(q, k, v):
+    """GQA done by hand (Hq = 2 Hkv): k/v heads replicated by ``expand`` after the all-to-all;
+    the backward sums the replicas' gradients before they cross back."""
+    group = dist.group.WORLD
+    cp = dist.get_world_size()
+
+    def scatter(x, rep):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = a2a(send, None, None, group)
+        y = recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, 1, cp * s_l, d)
+        return y.expand(b, h // cp, rep, cp * s_l, d).reshape(b, h // cp * rep, cp * s_l, d)
+
+    o = F.scaled_dot_product_attention(scatter(q, 1), scatter(k, 2), scatter(v, 2), is_causal=True)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    recv = a2a(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
 def around(attend):
     """BSHD Ulysses by hand around ``attend(q, k, v) -> out`` (each [B, H/cp, S, D]): for
     attention calls the helpers do not make (another kernel, a mask)."""

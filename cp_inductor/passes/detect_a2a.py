@@ -11,7 +11,9 @@ leave through one each. Which reshapes/permutes/copies sit around the collective
 each chain is run through :mod:`layout_algebra` and accepted iff attention sees
 ``[batch, head block of this rank, (source rank, local position), head_dim]`` and what leaves is
 the full head set of this rank's sequence slice again. An all-to-all that does not produce that
-(an MoE dispatch, a batch exchange) is not a region.
+(an MoE dispatch, a batch exchange) is not a region. On the way out one ``sum`` over head factors
+may sit in the chain (a GQA backward that replicated K/V heads by ``expand`` sums the replicas'
+gradients): then the reduced tensor is the crossing's source.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .layout_algebra import (
 )
 from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 ROLE_NAMES = "bhsd"  # roles of the four attention dims
 
@@ -193,24 +196,53 @@ def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     return crossing, roles, post[-1], cp, a2a.args[3]
 
 
+def _summed_over_heads(lay: Layout, node: torch.fx.Node, roles: dict) -> Layout:
+    """The layout after ``aten.sum.dim_IntList`` over head factors only, or raise.
+
+    A GQA backward that replicated K/V heads by ``expand`` sums the replicas' gradients before
+    they leave: the reduced tensor, not attention's output, is what crosses."""
+    dims, keepdim = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if node.kwargs.get("dtype") is not None or not dims:
+        raise LayoutError("sum with a dtype or over every dim")
+    summed = {d % len(lay.dims) for d in dims}
+    for d in summed:
+        if any(_role_of(f, roles) != "h" for f in canonical(lay.dims[d])):
+            raise LayoutError("sum over something other than heads")
+    kept = tuple(() if i in summed else dim for i, dim in enumerate(lay.dims) if keepdim or i not in summed)
+    return Layout(kept, lay.pinned)
+
+
 def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
-    """Attention output -> its crossing, if some chain of layout ops reaches an all-to-all."""
+    """Attention output -> its crossing, if some chain of layout ops (and at most one sum over
+    replicated heads) reaches an all-to-all."""
     found = []
 
-    def visit(n, chain, lay):
+    def visit(n, chain, lay, source, source_lay):
         for user in n.users:
-            if user.target is c10d.all_to_all_single.default and user.args[0] is n:
-                found.append((user, chain, lay))
-            elif _is_layout_op(user) and user.args[0] is n:
+            if user.args[0] is not n:
+                continue
+            if user.target is c10d.all_to_all_single.default:
+                found.append((user, chain, lay, source, source_lay))
+            elif _is_layout_op(user):
                 try:
-                    visit(user, chain + [user], LAYOUT_OPS[user.target](lay, user))
+                    visit(user, chain + [user], LAYOUT_OPS[user.target](lay, user), source, source_lay)
                 except LayoutError:
                     pass
+            elif user.target is aten.sum.dim_IntList and source is node:
+                try:
+                    reduced = _summed_over_heads(lay, user, roles)
+                except LayoutError:
+                    continue
+                visit(user, [], reduced, user, reduced)
 
-    visit(node, [], start)
+    visit(node, [], start, node, start)
     if len(found) != 1:
         raise LayoutError(f"output reaches {len(found)} all_to_alls")
-    a2a, before, lay = found[0]
+    a2a, before, lay, source, source_lay = found[0]
+    if source is not node:
+        # Roles of the reduced tensor's own factors (pack layouts are built from them).
+        flat = [f for dim in source_lay.dims for f in canonical(dim)]
+        roles = {**{f: _role_of(f, roles) for f in flat}, source_lay.pinned: "h"}
     send = lay
     if _equal_split_cp(a2a) != cp:
         raise LayoutError("return all_to_all on another group size")
@@ -236,7 +268,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
             break
     if best is None:
         raise LayoutError("return all_to_all does not give back the sequence slice")
-    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles, node, start)
+    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles, source, source_lay)
     return crossing, a2a.args[3]
 
 

@@ -105,6 +105,8 @@ def ineligible(region: A2ARegion) -> str | None:
     outs = tuple_outputs(region.attention)
     if "dq" in region.outgoing:
         for idx, name in enumerate(("dq", "dk", "dv")):
+            if region.outgoing[name].source is not outs[idx]:
+                return "a gradient is summed over replicated heads before its all_to_all"
             chain = region.outgoing[name].before
             first = chain[0] if chain else region.outgoing[name].a2a
             if set(outs[idx].users) != {first}:
