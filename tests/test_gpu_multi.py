@@ -6,7 +6,8 @@ import torch
 
 from cp_inductor.checks import AttentionCase, check_cp_attention
 from cp_inductor.launch import run_on_ranks
-from test_gpu_nccl import TOL, _check
+from cp_results import assert_cp_results
+from test_gpu_nccl import TOL
 
 
 def on(cp):
@@ -29,7 +30,7 @@ def test_ulysses_nccl_bf16(cp, head_partition):
     results = run_on_ranks(check_cp_attention, cp, cases(), None, "cp_inductor", "cuda", options, pg_backend="nccl")
     applied = ("fused_a2a", "head_partition") if head_partition else ("fused_a2a",)
     for rank_results in results:
-        _check(rank_results, cp, applied)
+        assert_cp_results(rank_results, TOL, applied, cp=cp)
 
 
 @pytest.mark.parametrize("cp", [on(4)])

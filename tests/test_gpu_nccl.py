@@ -9,18 +9,10 @@ import torch
 import variants
 from cp_inductor.checks import AttentionCase, check_cp_attention
 from cp_inductor.launch import run_on_ranks
+from cp_results import assert_cp_results
 
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2
-
-
-def _check(results, cp, applied=("fused_a2a",)):
-    for r in results:
-        for key in ("eager_vs_ref", "compiled_vs_ref"):
-            for name, err in r[key].items():
-                assert err < TOL, f"{r['case']} {key} {name}: {err:.2e}"
-        assert r["applied"] == list(applied) and r["rewritten"] == {name: 2 for name in applied}, r
-        assert [x[:3] for x in r["report"]] == [("forward", "a2a", cp), ("backward", "a2a", cp)]
 
 
 @needs_gpus
@@ -32,7 +24,7 @@ def test_ulysses_nccl_bf16():
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
     ]
     for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", pg_backend="nccl"):
-        _check(rank_results, 2)
+        assert_cp_results(rank_results, TOL, cp=2)
 
 
 @needs_gpus
@@ -49,7 +41,7 @@ def test_head_partition_nccl_bf16(groups):
     }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
-        _check(rank_results, 2, applied=("fused_a2a", "head_partition"))
+        assert_cp_results(rank_results, TOL, ("fused_a2a", "head_partition"), cp=2)
 
 
 @needs_gpus
@@ -57,7 +49,7 @@ def test_hand_written_nccl_bf16():
     case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, dtype=torch.bfloat16)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
     for rank_results in run_on_ranks(check_cp_attention, 2, [case], fn, "cp_inductor", "cuda", pg_backend="nccl"):
-        _check(rank_results, 2)
+        assert_cp_results(rank_results, TOL, cp=2)
 
 
 @needs_gpus

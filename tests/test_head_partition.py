@@ -14,6 +14,7 @@ import variants
 from cp_inductor.checks import AttentionCase, check_cp_attention
 from cp_inductor.launch import run_on_ranks
 from cp_inductor.passes import pipeline
+from cp_results import assert_cp_results
 from graph_utils import aot_graphs, fake_pg, schedule
 from test_fused_a2a import qkv, ulysses
 
@@ -177,12 +178,7 @@ HP_ALL = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forwar
 
 
 def _assert_partitioned(results):
-    for r in results:
-        for key in ("eager_vs_ref", "compiled_vs_ref"):
-            for name, err in r[key].items():
-                assert err < 1e-5, f"{r['case']} {key} {name}: {err:.2e}"
-        assert r["applied"] == ["fused_a2a", "head_partition"], r
-        assert r["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, r
+    assert_cp_results(results, 1e-5, ("fused_a2a", "head_partition"))
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -12,20 +12,9 @@ import torch
 import variants
 from cp_inductor.checks import AttentionCase, check_cp_attention, full_inputs, run_cp, ulysses_fn
 from cp_inductor.launch import run_on_ranks
+from cp_results import assert_cp_results
 
 TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
-
-
-def assert_close(results, layout_of=lambda case: case.layout, cp=None):
-    for r in results:
-        case = r["case"]
-        for key in ("eager_vs_ref", "compiled_vs_ref"):
-            for name, err in r[key].items():
-                assert err < TOL, f"{case} {key} {name}: {err:.2e}"
-        kinds = [(g, style, n, lay) for g, style, n, lay in r["report"]]
-        assert kinds == [("forward", "a2a", cp, layout_of(case)), ("backward", "a2a", cp, layout_of(case))], kinds
-        # The report and the passes agree: fused_a2a rewrote the forward and the backward region.
-        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -36,16 +25,16 @@ def test_ulysses_helpers(cp):
     ]
     results = run_on_ranks(check_cp_attention, cp, cases)
     for rank_results in results:
-        assert_close(rank_results, cp=cp)
+        assert_cp_results(rank_results, TOL, cp=cp, check_layout=True)
 
 
 def test_hand_written_variants_cp2():
     cases = [AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4)]
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)
-    assert_close(run_on_ranks(check_cp_attention, 2, cases, fn)[0], cp=2)
+    assert_cp_results(run_on_ranks(check_cp_attention, 2, cases, fn)[0], TOL, cp=2, check_layout=True)
     cases = [AttentionCase(layout="bhsd", causal=True, heads_q=4, heads_kv=4)]
     fn = functools.partial(variants.flattened_buffer, is_causal=True)
-    assert_close(run_on_ranks(check_cp_attention, 2, cases, fn)[0], cp=2)
+    assert_cp_results(run_on_ranks(check_cp_attention, 2, cases, fn)[0], TOL, cp=2, check_layout=True)
 
 
 def _dynamic_shapes(rank, cp, case):
@@ -137,12 +126,8 @@ def test_cp8_fused_and_head_partition():
     ]
     options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
     gqa, mha = run_on_ranks(check_cp_attention, 8, cases, None, "cp_inductor", "cpu", options)[0]
-    for r in (gqa, mha):
-        for key in ("eager_vs_ref", "compiled_vs_ref"):
-            assert max(r[key].values()) < TOL, (r["case"], key, r[key])
-    assert gqa["applied"] == ["fused_a2a"] and gqa["rewritten"] == {"fused_a2a": 2}, gqa
-    assert mha["applied"] == ["fused_a2a", "head_partition"], mha
-    assert mha["rewritten"] == {"fused_a2a": 2, "head_partition": 2}, mha
+    assert_cp_results([gqa], TOL)
+    assert_cp_results([mha], TOL, ("fused_a2a", "head_partition"))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -150,7 +135,4 @@ def test_gqa_by_expand(cp):
     """K/V heads replicated by expand after the all-to-all: the forward is fused with unpack
     copies, the backward packs dk/dv from the sums over the replicas."""
     case = AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)
-    for r in run_on_ranks(check_cp_attention, cp, [case], variants.expanded_kv_heads)[0]:
-        for key in ("eager_vs_ref", "compiled_vs_ref"):
-            assert max(r[key].values()) < TOL, (key, r[key])
-        assert r["applied"] == ["fused_a2a"] and r["rewritten"] == {"fused_a2a": 2}, r
+    assert_cp_results(run_on_ranks(check_cp_attention, cp, [case], variants.expanded_kv_heads)[0], TOL)

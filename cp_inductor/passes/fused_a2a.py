@@ -29,14 +29,12 @@ import operator
 
 import torch
 import torch.fx
-from torch._dynamo.utils import counters
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import config
-from .detect_a2a import A2ACrossing, A2ARegion, find_regions
+from .detect_a2a import A2ACrossing, A2ARegion
 from .fx_emit import Emitter
-from .guard import why_not
 from .layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
+from .region_rewrite import rewrite_regions
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -185,21 +183,14 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
             graph.erase_node(node)
 
 
+def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> None:
+    for crossings, attn_args in crossing_groups(region):
+        _rewrite(graph, region, crossings, attn_args)
+
+
 def fused_a2a_pass(graph: torch.fx.Graph) -> None:
-    if not config.fused_a2a:
-        return
-    changed = False
-    for region in find_regions(graph, "post_grad"):
-        if why_not(ineligible, region) is not None:
-            continue
-        for crossings, attn_args in crossing_groups(region):
-            _rewrite(graph, region, crossings, attn_args)
-        counters["cp_inductor"][NAME] += 1
-        changed = True
-    if changed:
-        stable_topological_sort(graph)
-        graph.eliminate_dead_code()
-        graph.lint()
+    if config.fused_a2a:
+        rewrite_regions(graph, ineligible, _rewrite_region, (NAME,))
 
 
 fused_a2a_pass.rewrite = NAME

@@ -33,15 +33,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._dynamo.utils import counters
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import config
 from . import fused_a2a
-from .detect_a2a import A2ARegion, find_regions
+from .detect_a2a import A2ARegion
 from .fx_emit import Emitter
-from .guard import why_not
 from .layout_algebra import Factor, Layout, plan_relayout
+from .region_rewrite import rewrite_regions
 from .sdpa_ops import bound_args, tuple_outputs
 
 aten = torch.ops.aten
@@ -231,23 +229,15 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
             graph.erase_node(n)
 
 
+def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> None:
+    groups, _ = choose_groups(region)
+    _rewrite(graph, region, Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups))
+
+
 def head_partition_pass(graph: torch.fx.Graph) -> None:
-    if not config.head_partition:
-        return
-    changed = False
-    for region in find_regions(graph, "post_grad"):
-        if why_not(ineligible, region) is not None:
-            continue
-        groups, _ = choose_groups(region)
-        p = Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups)
-        _rewrite(graph, region, p)
-        counters["cp_inductor"][NAME] += 1
-        counters["cp_inductor"][fused_a2a.NAME] += 1
-        changed = True
-    if changed:
-        stable_topological_sort(graph)
-        graph.eliminate_dead_code()
-        graph.lint()
+    # The region is fused as well (its buffers are fused_a2a's): it counts for both.
+    if config.head_partition:
+        rewrite_regions(graph, ineligible, _rewrite_region, (NAME, fused_a2a.NAME))
 
 
 head_partition_pass.rewrite = NAME
