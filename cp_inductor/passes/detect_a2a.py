@@ -18,11 +18,14 @@ gradients): then the reduced tensor is the crossing's source.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
+from .collectives import Collective, collective_at, collective_of
 from .guard import internal_error
 from .layout_algebra import (
     LAYOUT_OPS,
@@ -33,6 +36,7 @@ from .layout_algebra import (
     apply_chain,
     canonical,
     is_broadcast,
+    is_layout_op,
 )
 from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
@@ -54,6 +58,12 @@ class A2ACrossing:
     roles: dict  # factor -> "b" | "h" | "s" | "d" (batch factors in attention order)
     source: torch.fx.Node  # where ``before`` starts: the rank-local tensor, or attention's output
     source_layout: Layout
+    opaque: str | None = None  # why the collective cannot be replaced (a third-party op), or None
+
+    @property
+    def pure(self) -> bool:
+        """``after`` only relabels indices (no pointwise op between the wait and attention)."""
+        return all(is_layout_op(n) for n in self.after)
 
 
 @dataclass
@@ -76,16 +86,31 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def _is_layout_op(node) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LAYOUT_OPS
+def _is_value_op(node) -> bool:
+    """A pointwise op on the tracked tensor (its first argument) that keeps its shape: a scale,
+    a cast, an activation. It changes values, not where they sit."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if torch.Tag.pointwise not in getattr(node.target, "tags", ()) or not node.args:
+        return False
+    src, out = _val(node.args[0]), _val(node)
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
 
 
-def _a2a_behind_wait(node):
-    if isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default:
-        src = node.args[0]
-        if isinstance(src, torch.fx.Node) and src.target is c10d.all_to_all_single.default:
-            return src
-    return None
+def _next_layout(lay: Layout, node) -> Layout:
+    return lay if _is_value_op(node) and not is_layout_op(node) else LAYOUT_OPS[node.target](lay, node)
+
+
+def _equal_split_cp(coll: Collective) -> int:
+    cp = _group_size(coll.group_name)
+    n0 = _val(coll.input).shape[0]
+    # Comparing symbolic sizes would add guards: the compiler must not specialize the user's graph.
+    if any(isinstance(x, torch.SymInt) for x in [n0, *(coll.splits[0] or ()), *(coll.splits[1] or ())]):
+        raise LayoutError("dynamic shapes")
+    for splits in coll.splits:
+        if splits is not None and (len(splits) != cp or any(s * cp != n0 for s in splits)):
+            raise LayoutError(f"uneven all_to_all splits {splits}")
+    return cp
 
 
 def _group_size(group_name: str) -> int:
@@ -94,28 +119,40 @@ def _group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
-def _equal_split_cp(a2a: torch.fx.Node) -> int:
-    inp, out_splits, in_splits, group_name = a2a.args[:4]
-    cp = _group_size(group_name)
-    n0 = _val(inp).shape[0]
-    # Comparing symbolic sizes would add guards: the compiler must not specialize the user's graph.
-    if any(isinstance(x, torch.SymInt) for x in [n0, *(out_splits or ()), *(in_splits or ())]):
-        raise LayoutError("dynamic shapes")
-    for splits in (out_splits, in_splits):
-        if splits is not None and (len(splits) != cp or any(s * cp != n0 for s in splits)):
-            raise LayoutError(f"uneven all_to_all splits {splits}")
-    return cp
-
-
-def _walk_up(node):
+def _walk_up(node, pieces: bool = True):
+    """Up through layout ops to where the chain starts. With ``pieces=False`` a select, slice or
+    split piece starts the chain (a pack copies that piece, not the tensor it was cut from)."""
     chain = []
-    while _is_layout_op(node):
+    while is_layout_op(node) and (pieces or node.target not in _PIECE_OPS):
         chain.append(node)
         node = node.args[0]
     return node, chain[::-1]
 
 
+_PIECE_OPS = (aten.select.int, aten.slice.Tensor, operator.getitem)
+
+
+def _walk_to_collective(node):
+    """Attention input -> (collective, nodes from its received tensor to ``node``). Layout ops
+    and pointwise ops may sit between."""
+    after = []
+    while True:
+        node, chain = _walk_up(node)
+        after = chain + after
+        coll = collective_at(node)
+        if coll is not None:
+            return coll, after
+        if not _is_value_op(node):
+            raise LayoutError("input does not come from an all_to_all")
+        after.insert(0, node)
+        node = node.args[0]
+
+
 # --- roles ---------------------------------------------------------------------------------
+
+
+def _axes(factors) -> set:
+    return {f.axis for f in factors}
 
 
 def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
@@ -133,7 +170,14 @@ def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
     p = lay.pinned
     if p.axis == RANK_AXIS or len(heads) > 1:
         raise LayoutError("head dim is not one run of heads")
-    # One local head (H == cp) leaves no head factor: the pinned block is the head.
+    # Each source axis must lie in one role: a rank's block of the sequence, of head_dim or of a
+    # token list shares its axis with what attention sees as sequence or head_dim, a head block
+    # never does. This holds also with one local head, where no head factor is left to compare.
+    by_role = {"b": _axes(b), "h": _axes(heads) | {p.axis}, "s": _axes(s[1:]), "d": _axes(d)}
+    for r1, r2 in itertools.combinations(by_role, 2):
+        if by_role[r1] & by_role[r2]:
+            what = {"b": "batch", "h": "the head block", "s": "sequence", "d": "head_dim"}
+            raise LayoutError(f"{what[r1]} and {what[r2]} share a source axis: not a Ulysses head split")
     if heads and not (p.axis == heads[0].axis and p.stride == heads[0].end):
         raise LayoutError("this rank's head block is not the outer split of the heads")
     roles = {f: "b" for f in b}
@@ -162,15 +206,22 @@ def _layout_name(lay: Layout, roles: dict) -> str | None:
 
 
 def _gathered(lay: Layout, roles: dict) -> bool:
-    """After the return all-to-all: this rank's sequence slice again, every role in natural order."""
+    """After the return all-to-all: this rank's sequence slice again, with the heads in their
+    natural order. In the flattened order of the dims each role is one stretch that merges into
+    one run (heads may be gone, summed over replicas); factors of no role (the piece index of a
+    packed q/k/v gradient) may sit between roles."""
     if lay.pinned.axis != RANK_AXIS:
         return False
     flat = [f for dim in lay.dims for f in canonical(dim)]
     if any(f.axis == RANK_AXIS for f in flat):
         return False
-    for role in "hsd":
-        mine = [f for f in flat if _role_of(f, roles) == role]
-        if len(canonical(mine)) != 1:
+    seq = [_role_of(f, roles) for f in flat]
+    for role in "bhsd":
+        idx = [i for i, r in enumerate(seq) if r == role]
+        if idx and idx != list(range(idx[0], idx[-1] + 1)):
+            return False  # another role sits inside this one's stretch
+        runs = len(canonical([flat[i] for i in idx]))
+        if runs > 1 or (role in "sd" and runs != 1):
             return False
     return True
 
@@ -180,27 +231,29 @@ def _gathered(lay: Layout, roles: dict) -> bool:
 
 def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     """Attention input -> (crossing, roles, layout at attention, cp, group) or raise LayoutError."""
-    wait, after = _walk_up(node)
-    a2a = _a2a_behind_wait(wait)
-    if a2a is None:
-        raise LayoutError("input does not come from an all_to_all")
-    cp = _equal_split_cp(a2a)
-    source, before = _walk_up(a2a.args[0])
+    coll, after = _walk_to_collective(node)
+    cp = _equal_split_cp(coll)
+    source, before = _walk_up(coll.input, pieces=False)
     if _val(source) is None:
         raise LayoutError("no shape on the rank-local tensor")
     pre = apply_chain(Layout.source(_val(source).shape, source.name, cp), before)
-    post = apply_chain(pre[-1].all_to_all(cp), after)
+    post = [pre[-1].all_to_all(cp)]
+    for n in after:
+        post.append(_next_layout(post[-1], n))
     roles = _roles_at_attention(post[-1], allow_broadcast)
     names = [n for n in (_layout_name(x, roles) for x in pre) if n]
-    crossing = A2ACrossing(a2a, wait, before, after, names[0] if names else "?", pre[-1], roles, source, pre[0])
-    return crossing, roles, post[-1], cp, a2a.args[3]
+    crossing = A2ACrossing(
+        coll.node, coll.wait, before, after, names[0] if names else "?", pre[-1], roles, source, pre[0], coll.opaque,
+    )
+    return crossing, roles, post[-1], cp, coll.group_name
 
 
 def _summed_over_heads(lay: Layout, node: torch.fx.Node, roles: dict) -> Layout:
     """The layout after ``aten.sum.dim_IntList`` over head factors only, or raise.
 
-    A GQA backward that replicated K/V heads by ``expand`` sums the replicas' gradients before
-    they leave: the reduced tensor, not attention's output, is what crosses."""
+    A GQA backward that replicated K/V heads (by ``expand`` after the all-to-all, or by
+    ``repeat_interleave`` before it) sums the replicas' gradients: before the return all-to-all
+    the reduced tensor is what crosses; after it, the sum is part of the way back."""
     dims, keepdim = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if node.kwargs.get("dtype") is not None or not dims:
         raise LayoutError("sum with a dtype or over every dim")
@@ -209,67 +262,106 @@ def _summed_over_heads(lay: Layout, node: torch.fx.Node, roles: dict) -> Layout:
         if any(_role_of(f, roles) != "h" for f in canonical(lay.dims[d])):
             raise LayoutError("sum over something other than heads")
     kept = tuple(() if i in summed else dim for i, dim in enumerate(lay.dims) if keepdim or i not in summed)
-    return Layout(kept, lay.pinned)
+    return Layout(kept, lay.pinned, lay.fixed)
+
+
+def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node) -> Layout:
+    """The layout of the tracked tensor's elements in the result of a merge of gradients, or raise:
+    ``add`` of same-shaped tensors (q, k and v were one tensor) or ``cat`` of equal pieces (the
+    backward of a packed q/k/v cut by unbind, split or chunk)."""
+    if node.target is aten.add.Tensor:
+        vals = [_val(a) for a in node.args[:2]]
+        if node.kwargs.get("alpha", 1) != 1 or any(not isinstance(v, torch.Tensor) for v in vals):
+            raise LayoutError("add of a scaled or non-tensor operand")
+        if vals[0].shape != vals[1].shape:
+            raise LayoutError("add that broadcasts")
+        return lay
+    parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+    shapes = {tuple(_val(p).shape) for p in parts}
+    if len(shapes) != 1:
+        raise LayoutError("cat of pieces of different shapes")
+    dim = dim % len(lay.dims)
+    piece = Factor(("piece", node.name), 1, len(parts))
+    index = parts.index(tracked)
+    dims = lay.dims[:dim] + (((piece,) + tuple(lay.dims[dim])),) + lay.dims[dim + 1:]
+    return Layout(dims, lay.pinned, lay.fixed + ((piece, index),))
+
+
+_MERGE_OPS = (aten.add.Tensor, aten.cat.default)
+
+
+def _merges(node, tracked) -> bool:
+    if node.target is aten.cat.default:
+        return isinstance(node.args[0], (list, tuple)) and tracked in node.args[0]
+    return any(a is tracked for a in node.args[:2])
 
 
 def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
-    """Attention output -> its crossing, if some chain of layout ops (and at most one sum over
-    replicated heads) reaches an all-to-all."""
+    """Attention output -> its crossing, if a chain of layout ops reaches an all-to-all. On the
+    way: pointwise ops (the crossing then starts after them), one sum over replicated heads, and
+    merges with the other gradients (then the crossing is shared)."""
     found = []
 
-    def visit(n, chain, lay, source, source_lay):
+    def visit(n, chain, lay, source, source_lay, depth=0):
+        if depth > 64:
+            return
         for user in n.users:
-            if user.args[0] is not n:
-                continue
-            if user.target is c10d.all_to_all_single.default:
-                found.append((user, chain, lay, source, source_lay))
-            elif _is_layout_op(user):
+            coll = collective_of(user)
+            if coll is not None and coll.input is n:
+                found.append((coll, chain, lay, source, source_lay))
+            elif is_layout_op(user) and user.args[0] is n:
                 try:
-                    visit(user, chain + [user], LAYOUT_OPS[user.target](lay, user), source, source_lay)
+                    visit(user, chain + [user], LAYOUT_OPS[user.target](lay, user), source, source_lay, depth + 1)
                 except LayoutError:
                     pass
-            elif user.target is aten.sum.dim_IntList and source is node:
+            elif user.target in _MERGE_OPS and _merges(user, n):
+                try:
+                    merged = _merged(lay, user, n)
+                except LayoutError:
+                    continue
+                visit(user, [], merged, user, merged, depth + 1)
+            elif user.target is aten.sum.dim_IntList and user.args[0] is n:
                 try:
                     reduced = _summed_over_heads(lay, user, roles)
                 except LayoutError:
                     continue
-                visit(user, [], reduced, user, reduced)
+                visit(user, [], reduced, user, reduced, depth + 1)
+            elif _is_value_op(user) and user.args[0] is n:
+                visit(user, [], lay, user, lay, depth + 1)
 
     visit(node, [], start, node, start)
-    if len(found) != 1:
-        raise LayoutError(f"output reaches {len(found)} all_to_alls")
-    a2a, before, lay, source, source_lay = found[0]
+    if len({f[0].node for f in found}) != 1:
+        raise LayoutError(f"output reaches {len({f[0].node for f in found})} all_to_alls")
+    coll, before, lay, source, source_lay = found[0]
     if source is not node:
-        # Roles of the reduced tensor's own factors (pack layouts are built from them).
+        # Roles of the merged or reduced tensor's own factors (pack layouts are built from them).
         flat = [f for dim in source_lay.dims for f in canonical(dim)]
-        roles = {**{f: _role_of(f, roles) for f in flat}, source_lay.pinned: "h"}
+        roles = {**{f: r for f in flat if (r := _role_of(f, roles))}, source_lay.pinned: "h"}
     send = lay
-    if _equal_split_cp(a2a) != cp:
+    if _equal_split_cp(coll) != cp:
         raise LayoutError("return all_to_all on another group size")
-    waits = [u for u in a2a.users if u.target is c10d.wait_tensor.default]
-    if len(waits) != 1:
-        raise LayoutError("all_to_all without one wait")
     lay = lay.all_to_all(cp)
-    n, after, best = waits[0], [], None
-    while True:
-        # Follow the single-user layout chain; the crossing ends at its last named gathered state.
-        if _gathered(lay, roles):
-            name = _layout_name(lay, roles)
-            if best is None or name is not None:
-                best = (len(after), name or "?")
-        users = [u for u in n.users if _is_layout_op(u)]
-        if len(n.users) != 1 or len(users) != 1:
-            break
-        n = users[0]
-        after.append(n)
+    # Follow the way back (layout ops, a sum over replicated heads) while it is one path; where
+    # it ends, this rank's sequence slice must be whole again with its heads in order.
+    n, after = coll.wait, []
+    while len(n.users) == 1:
+        (user,) = n.users
         try:
-            lay = LAYOUT_OPS[n.target](lay, n)
+            if is_layout_op(user):
+                lay = LAYOUT_OPS[user.target](lay, user)
+            elif user.target is aten.sum.dim_IntList:
+                lay = _summed_over_heads(lay, user, roles)
+            else:
+                break
         except LayoutError:
             break
-    if best is None:
-        raise LayoutError("return all_to_all does not give back the sequence slice")
-    crossing = A2ACrossing(a2a, waits[0], before, after[: best[0]], best[1], send, roles, source, source_lay)
-    return crossing, a2a.args[3]
+        n = user
+        after.append(n)
+    if not _gathered(lay, roles):
+        raise LayoutError("return all_to_all does not give back the sequence slice with heads in order")
+    name = _layout_name(lay, roles) or "?"
+    crossing = A2ACrossing(coll.node, coll.wait, before, after, name, send, roles, source, source_lay, coll.opaque)
+    return crossing, coll.group_name
 
 
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:

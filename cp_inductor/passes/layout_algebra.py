@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,6 +78,8 @@ def dim_size(dim: Dim) -> int:
 class Layout:
     dims: tuple  # tuple[Dim, ...]
     pinned: Factor
+    # Factors fixed to one index by select/slice/split (which of a packed q/k/v this is).
+    fixed: tuple = ()  # tuple[tuple[Factor, int], ...]
 
     @staticmethod
     def source(shape, name: object, cp: int) -> "Layout":
@@ -90,7 +93,7 @@ class Layout:
 
     # --- view algebra ---
     def reshape(self, shape) -> "Layout":
-        shape = _static(shape)
+        shape = _infer_size(_static(shape), math.prod(self.shape))
         if math.prod(shape) != math.prod(self.shape):
             raise LayoutError(f"reshape {self.shape} -> {shape} changes numel")
         queue = [f for d in self.dims for f in canonical(d)]
@@ -143,7 +146,7 @@ class Layout:
         old = ((),) * lead + self.dims
         dims = []
         for d, n in zip(old, sizes):
-            if n in (-1, dim_size(d)):
+            if n == -1 or n == dim_size(d):
                 dims.append(d)
             elif dim_size(d) == 1:
                 # A broadcast factor: the same element repeated n times (GQA head replication).
@@ -151,6 +154,32 @@ class Layout:
             else:
                 raise LayoutError(f"expand {dim_size(d)} -> {n}")
         return replace(self, dims=tuple(dims))
+
+    def select(self, dim: int, index: int) -> "Layout":
+        """``x.select(dim, index)``: the dim's factors are fixed to the digits of ``index``."""
+        dim = dim % len(self.dims)
+        factors = canonical(self.dims[dim])
+        index = index % dim_size(factors) if factors else 0
+        fixed = []
+        for f in reversed(factors):  # inner to outer: mixed-radix digits
+            fixed.append((f, index % f.size))
+            index //= f.size
+        return Layout(self.dims[:dim] + self.dims[dim + 1:], self.pinned, self.fixed + tuple(fixed[::-1]))
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Layout":
+        """``x[..., start:end]`` along ``dim``: an aligned block of the dim (a split of it)."""
+        dim = dim % len(self.dims)
+        n = dim_size(self.dims[dim])
+        start = max(0, min(n, start + n if start < 0 else start))
+        end = max(start, min(n, end + n if end < 0 else end))
+        length = end - start
+        if step != 1 or length == 0 or n % length or start % length:
+            raise LayoutError(f"slice [{start}:{end}:{step}] of a dim of {n} is not an aligned block")
+        if length == n:
+            return self
+        shape = list(self.shape)
+        shape[dim:dim + 1] = [n // length, length]
+        return self.reshape(shape).select(dim, start // length)
 
     # --- the collective ---
     def all_to_all(self, cp: int) -> "Layout":
@@ -165,7 +194,7 @@ class Layout:
             raise LayoutError("the cp-chunks of dim 0 cut across a factor")
         outer = Factor(head.axis, head.stride * (head.size // cp), cp)
         rest = (Factor(head.axis, head.stride, head.size // cp),) + dim0[1:]
-        return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer)
+        return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
 
 
 def _static(shape) -> tuple:
@@ -175,6 +204,16 @@ def _static(shape) -> tuple:
             raise LayoutError("dynamic shapes")
         out.append(int(s))
     return tuple(out)
+
+
+def _infer_size(shape: tuple, numel: int) -> tuple:
+    """Resolve the one ``-1`` a view or reshape may hold."""
+    if -1 not in shape:
+        return shape
+    known = math.prod(s for s in shape if s != -1)
+    if shape.count(-1) != 1 or known == 0 or numel % known:
+        raise LayoutError(f"cannot infer {shape} from {numel} elements")
+    return tuple(numel // known if s == -1 else s for s in shape)
 
 
 def _same_shape_only(layout: Layout, node) -> Layout:
@@ -206,7 +245,54 @@ LAYOUT_OPS = {
     aten.detach.default: _same_shape_only,
     aten._to_copy.default: _dtype_cast,
     prims.convert_element_type.default: _same_shape_only,
+    aten.select.int: lambda l, n: l.select(n.args[1], n.args[2]),
+    aten.slice.Tensor: lambda l, n: l.slice(*_slice_args(n)),
+    # split/unbind return lists: the list keeps the layout, its getitem selects a piece.
+    aten.split.Tensor: _same_shape_only,
+    aten.split_with_sizes.default: _same_shape_only,
+    aten.unbind.int: _same_shape_only,
+    operator.getitem: lambda l, n: _piece(l, n),
 }
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+
+
+def is_layout_op(node) -> bool:
+    """Whether ``node`` only relabels the indices of its first argument (a getitem counts only
+    when it takes a piece of a split/unbind)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in LAYOUT_OPS:
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in SPLIT_OPS
+    return True
+
+
+def _slice_args(node) -> tuple:
+    args = list(node.args[1:]) + [None] * 4
+    dim, start, end, step = args[:4]
+    dim = node.kwargs.get("dim", dim if dim is not None else 0)
+    start = node.kwargs.get("start", start) or 0
+    end = node.kwargs.get("end", end)
+    step = node.kwargs.get("step", step) or 1
+    if any(isinstance(x, torch.SymInt) for x in (start, end, step)):
+        raise LayoutError("dynamic shapes")
+    return dim, int(start), int(end) if end is not None else 2**62, int(step)
+
+
+def _piece(layout: Layout, node) -> Layout:
+    """Piece ``i`` of ``split(x, size, dim)``, ``split_with_sizes(x, sizes, dim)`` or ``unbind(x, dim)``."""
+    src, i = node.args[0], node.args[1]
+    if src.target is aten.unbind.int:
+        return layout.select(src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0), i)
+    dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+    n = layout.shape[dim % len(layout.dims)]
+    if src.target is aten.split.Tensor:
+        size = src.args[1]
+        sizes = [min(size, n - j) for j in range(0, n, size)]
+    else:
+        sizes = list(src.args[1])
+    start = sum(sizes[:i])
+    return layout.slice(dim, start, start + sizes[i])
 
 
 def apply_chain(layout: Layout, nodes) -> list[Layout]:
