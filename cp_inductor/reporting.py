@@ -47,9 +47,19 @@ class Rejected:
 
 
 @dataclass
+class RewriteUndone:
+    """A rewrite that failed its check (or raised) and was not kept: the graph stays as it was."""
+
+    rewrite: str
+    attention: str  # the attention node's name in the post-grad graph
+    reason: str
+
+
+@dataclass
 class Report:
     regions: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
+    undone: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -62,6 +72,8 @@ class Report:
             lines.append("cp_inductor: no CP attention regions found")
         for r in self.rejected:
             lines.append(f"not a CP region ({r.graph}): {r.attention}: {r.reason}")
+        for u in self.undone:
+            lines.append(f"rewrite undone: {u.rewrite} at {u.attention}: {u.reason}")
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -71,6 +83,13 @@ class Report:
 _lock = threading.Lock()
 _regions: list[Region] = []
 _rejected: list[Rejected] = []
+_undone: list[RewriteUndone] = []
+
+
+def record_undone(undone: RewriteUndone) -> None:
+    with _lock:
+        _undone.append(undone)
+    log.warning("cp_inductor: %s at %s was undone: %s", undone.rewrite, undone.attention, undone.reason)
 
 
 def record_rejected(rejected: Rejected) -> None:
@@ -91,10 +110,11 @@ def record(region: Region) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions), list(_rejected))
+        return Report(list(_regions), list(_rejected), list(_undone))
 
 
 def clear_report() -> None:
     with _lock:
         _regions.clear()
         _rejected.clear()
+        _undone.clear()

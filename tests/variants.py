@@ -142,3 +142,11 @@ def interleaved_heads(q, k, v, group=None):
     b, hl, s, d = o.shape
     send = o.reshape(b, hl, s // cp, cp, d).permute(3, 0, 2, 1, 4).contiguous()
     return a2a(send, None, None, group).permute(1, 2, 3, 0, 4).reshape(b, s // cp, hl * cp, d)
+
+
+def chained_layers(q, k, v, group=None):
+    """Two Ulysses layers back to back; the second scatters the first's returned output again
+    (q1 = out0, k1 = out0 * 0.5, v1 = tanh(out0)): both regions share that output."""
+    layer = around(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out0 = layer(q, k, v, group)
+    return layer(out0, out0 * 0.5, torch.tanh(out0), group)

@@ -120,10 +120,12 @@ def _group_size(group_name: str) -> int:
 
 
 def _walk_up(node, pieces: bool = True):
-    """Up through layout ops to where the chain starts. With ``pieces=False`` a select, slice or
-    split piece starts the chain (a pack copies that piece, not the tensor it was cut from)."""
+    """Up through layout ops to where the chain starts. With ``pieces=False`` (the rank-local
+    side of a send) a select, slice or split piece starts the chain (a pack copies that piece,
+    not the tensor it was cut from), and so does a tensor the program uses elsewhere too (the
+    previous layer's output, in the shape the program gave it)."""
     chain = []
-    while is_layout_op(node) and (pieces or node.target not in _PIECE_OPS):
+    while is_layout_op(node) and (pieces or (node.target not in _PIECE_OPS and (not chain or len(node.users) == 1))):
         chain.append(node)
         node = node.args[0]
     return node, chain[::-1]
@@ -344,8 +346,15 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
     # Follow the way back (layout ops, a sum over replicated heads) while it is one path; where
     # it ends, this rank's sequence slice must be whole again with its heads in order.
     n, after = coll.wait, []
-    while len(n.users) == 1:
-        (user,) = n.users
+    while True:
+        # The way back ends where the program uses the tensor (saving it for the backward does
+        # not count): that is the layout it computes with.
+        users = [u for u in n.users if u.op != "output"]
+        if len(users) != 1 or users[0].args[0] is not n:
+            break
+        if not (is_layout_op(users[0]) or users[0].target is aten.sum.dim_IntList):
+            break
+        (user,) = users
         try:
             if is_layout_op(user):
                 lay = LAYOUT_OPS[user.target](lay, user)
@@ -386,13 +395,10 @@ def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARe
     not one."""
     regions = []
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in SDPA_FORWARD + SDPA_BACKWARD:
             continue
         try:
-            if node.target in SDPA_FORWARD:
-                regions.append(_forward_region(node, graph_kind))
-            elif node.target in SDPA_BACKWARD:
-                regions.append(_backward_region(node, graph_kind))
+            regions.append(_region(node, graph_kind))
         except LayoutError as e:
             if log is not None:
                 log(node, str(e))
@@ -401,6 +407,23 @@ def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARe
             if log is not None:
                 log(node, reason)
     return regions
+
+
+def region_at(node: torch.fx.Node, graph_kind: str) -> A2ARegion | None:
+    """The region of the attention op ``node``, or None (the reason is find_regions' to log)."""
+    try:
+        return _region(node, graph_kind)
+    except LayoutError:
+        return None
+    except Exception as e:  # noqa: BLE001 - see guard.py
+        internal_error(e)
+        return None
+
+
+def _region(node, graph_kind) -> A2ARegion:
+    if node.target in SDPA_FORWARD:
+        return _forward_region(node, graph_kind)
+    return _backward_region(node, graph_kind)
 
 
 def _attention_facts(args, cp: int) -> dict:

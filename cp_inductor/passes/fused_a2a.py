@@ -150,7 +150,7 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
             user.meta["val"] = node.meta["val"][user.args[1]]
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list) -> None:
+def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list) -> list:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
@@ -169,11 +169,11 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
         part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
         offset += heads
         if reads_as_view(lay, c, cp, attn_arg):
-            attn_arg.replace_all_uses_with(heads_view(emit, part))
+            emit.replace(attn_arg, heads_view(emit, part), strides=False)
             strided = True
             dead.extend(reversed(c.after))  # the old unpack chain
         else:
-            c.wait.replace_all_uses_with(as_delivered(emit, part, lay, c, cp))
+            emit.replace(c.wait, as_delivered(emit, part, lay, c, cp))
         dead += [c.wait, c.a2a] + c.before[::-1]
     if strided:
         _refresh_meta(region.attention, emit)
@@ -181,11 +181,11 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
     for node in dead:
         if not node.users:
             graph.erase_node(node)
+    return emit.replaced
 
 
-def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> None:
-    for crossings, attn_args in crossing_groups(region):
-        _rewrite(graph, region, crossings, attn_args)
+def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> list:
+    return [r for crossings, attn_args in crossing_groups(region) for r in _rewrite(graph, region, crossings, attn_args)]
 
 
 def fused_a2a_pass(graph: torch.fx.Graph) -> None:

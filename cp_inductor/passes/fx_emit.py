@@ -19,6 +19,15 @@ class Emitter:
         self.anchor = anchor
         vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         self.fake_mode = detect_fake_mode(vals)
+        # (old value, new node, strides kept?) per tensor handed on in place of an old one: what
+        # region_rewrite.check compares.
+        self.replaced: list = []
+
+    def replace(self, old: torch.fx.Node, new: torch.fx.Node, strides: bool = True, **kwargs) -> None:
+        """``old.replace_all_uses_with(new)``, recorded for the check. ``strides=False`` where the
+        new tensor is meant to have other strides (attention reading a view)."""
+        self.replaced.append((old.meta.get("val"), new, strides))
+        old.replace_all_uses_with(new, **kwargs)
 
     def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):

@@ -158,7 +158,7 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
     return emit(node.target, *args, **kwargs)
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
+def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> list:
     cp, group, node = region.cp, region.group_name, region.attention
     (inc, inc_args), (outc, _) = fused_a2a.crossing_groups(region)
     backward = "dq" in region.outgoing
@@ -204,22 +204,22 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
         # Post-grad graphs hold no aten.stack (it is decomposed): cat of unsqueezed parts.
         parts = [emit(aten.unsqueeze.default, x, 3) for x in parts]
         stacked = emit(aten.reshape.default, emit(aten.cat.default, parts, 3), list(lay.shape))
-        c.wait.replace_all_uses_with(fused_a2a.as_delivered(emit, stacked, lay, c, cp))
+        emit.replace(c.wait, fused_a2a.as_delivered(emit, stacked, lay, c, cp))
 
     # 4. What else reads the full tensors (the forward saves q, k, v, out and log-sum-exp for
     #    the backward) gets them back concatenated: one copy each, after the last group.
     for name, arg in zip(inputs_by_name, inc_args):
         if any(u is not node for u in arg.users):
             full = _cat_like(emit, [bound_args(call)[name] for call in calls], 1, arg.meta["val"])
-            arg.replace_all_uses_with(full, delete_user_cb=lambda u: u is not node)
+            emit.replace(arg, full, delete_user_cb=lambda u: u is not node)
     if not backward:
         for idx in (0, 1):
             if idx in outs and outs[idx].users:
                 pieces = [emit(operator.getitem, call, idx) for call in calls]
-                outs[idx].replace_all_uses_with(_cat_like(emit, pieces, 1, outs[idx].meta["val"]))
+                emit.replace(outs[idx], _cat_like(emit, pieces, 1, outs[idx].meta["val"]))
     for idx, item in outs.items():
         if idx > (1 if not backward else 2) and item.users:  # seeds, sizes: the same for every group
-            item.replace_all_uses_with(emit(operator.getitem, calls[0], idx))
+            emit.replace(item, emit(operator.getitem, calls[0], idx))
 
     dead = [c.wait for c in outc] + [n for c in outc for n in [c.a2a] + c.before[::-1]]
     dead += list(outs.values()) + [node]
@@ -227,11 +227,12 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> None:
     for n in dead:
         if not n.users:
             graph.erase_node(n)
+    return emit.replaced
 
 
-def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> None:
+def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> list:
     groups, _ = choose_groups(region)
-    _rewrite(graph, region, Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups))
+    return _rewrite(graph, region, Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups))
 
 
 def head_partition_pass(graph: torch.fx.Graph) -> None:
