@@ -1,38 +1,73 @@
-"""Attention fwd+bwd on one device with q, k, v in the memory layouts the Ulysses variants hand it.
+"""The cost map fused_a2a chooses from: attention fwd+bwd on one device with q, k, v (and dO) in
+the memory layouts each way of receiving a Ulysses all-to-all hands it, and the copy that turns
+the fused buffer into contiguous inputs.
 
-    python benchmarks/bench_attention_layouts.py --seq 32768 --heads 16 --head-dim 128
+    python benchmarks/bench_attention_layouts.py --grid --json out.json           # the grid
+    python benchmarks/bench_attention_layouts.py --seq 32768 --heads 16           # one shape
+    python benchmarks/bench_attention_layouts.py --grid --part 0/2                # half of it
 
-Question it answers: at B1 S32K H32 (cp=2, 16 local heads) fused_a2a's arm spends ~0.7 ms more in
-cuDNN attention than cp_off (README, "Measured"). The layouts differ only in strides:
+Layouts (fwd+bwd, same values in each):
 
-* ``bhsd``: contiguous [B, H, S, D] (what a plain transpose + contiguous gives);
-* ``bshd``: views of contiguous [B, S, H, D] (cp_off's unpack copy);
-* ``sbhd``: views of [S, B, H, D] per tensor (a sequence-major receive buffer per tensor);
-* ``fused``: views of ONE [S, B, Hq + 2 Hkv, D] buffer (fused_a2a's received q, k, v).
+* ``cp_off``: q, k, v and dO contiguous [B, H, S, D] (the user's unpack copies, default Inductor);
+* ``views``: q, k, v strided views of ONE received buffer [S, B, Hq + 2 Hkv, D], dO a view of its
+  own [S, B, Hq, D] buffer (fused_a2a reading the buffer in place);
+* ``copy``: q, k, v contiguous [B, H, S, D], dO a view of [S, B, Hq, D] (fused_a2a with one
+  unpack copy: attention sees what cp_off gives it);
+* ``seq_major``: q, k, v, dO views of one [S, B, H, D] buffer each (for reference).
 
-Same values in every layout; CUDA-event median per fwd+bwd, and the max difference to ``bhsd``.
+``unpack_ms``: the copy from the fused receive buffer ``[cp, S/cp, B, Hq + 2 Hkv, D]`` into
+contiguous q, k, v, compiled by Inductor (what the ``copy`` choice adds); ``unpack_gbps`` its
+bandwidth (read + write). Every layout's results are compared with ``cp_off``'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
+LAYOUTS = ("cp_off", "views", "copy", "seq_major")
 
-def layouts(b, s, hq, hkv, d, dtype, device):
+
+def grid() -> list[dict]:
+    """Tokens per rank 4K..32K at cp=2 (S = 8K..64K after the all-to-all), local heads 4..32, head
+    dims 64/128/256, MHA and GQA (4 q heads per k/v head), causal and not; plus batch > 1 points."""
+    points = []
+    for s, h, d, causal, group in itertools.product(
+        (8192, 16384, 32768, 65536), (4, 8, 16, 32), (64, 128, 256), (True, False), (1, 4)
+    ):
+        work = s * s * h * d * (0.5 if causal else 1.0)
+        if work > 65536 * 65536 * 16 * 128 * 0.5:  # more than B1 S64K H16 D128 causal: skip
+            continue
+        if not causal and (d != 128 or group != 1):  # non-causal: one column of the grid
+            continue
+        points.append(dict(batch=1, seq=s, heads=h, kv_heads=h // group if h >= group else h, head_dim=d, causal=causal))
+    for b, s, h, d in ((4, 8192, 8, 128), (8, 4096, 16, 128), (2, 16384, 16, 256), (4, 8192, 16, 128)):
+        points.append(dict(batch=b, seq=s, heads=h, kv_heads=h, head_dim=d, causal=True))
+    return points
+
+
+def make_inputs(p: dict, dtype, device) -> dict:
+    b, s, hq, hkv, d = p["batch"], p["seq"], p["heads"], p["kv_heads"], p["head_dim"]
     g = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(b, h, s, d, generator=g, dtype=dtype, device=device) for h in (hq, hkv, hkv)]
-    out = {"bhsd": [x.contiguous() for x in base]}
-    out["bshd"] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in base]
-    out["sbhd"] = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in base]
+    dout = torch.randn(b, hq, s, d, generator=g, dtype=dtype, device=device)
+    seq_major = lambda x: x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # noqa: E731
     fused = torch.cat([x.permute(2, 0, 1, 3) for x in base], dim=2).contiguous()  # [S, B, Htot, D]
     bounds = [0, hq, hq + hkv, hq + 2 * hkv]
-    out["fused"] = [fused[:, :, lo:hi].permute(1, 2, 0, 3) for lo, hi in zip(bounds, bounds[1:])]
-    return out
+    views = [fused[:, :, lo:hi].permute(1, 2, 0, 3) for lo, hi in zip(bounds, bounds[1:])]
+    return {
+        "cp_off": ([x.contiguous() for x in base], dout.contiguous()),
+        "views": (views, seq_major(dout)),
+        "copy": ([x.contiguous() for x in base], seq_major(dout)),
+        "seq_major": ([seq_major(x) for x in base], seq_major(dout)),
+        "fused": fused,
+    }
 
 
 def step(q, k, v, dout, causal, gqa):
@@ -42,48 +77,98 @@ def step(q, k, v, dout, causal, gqa):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=16, help="local query heads")
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
-    hkv = a.kv_heads or a.heads
+def timed(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        t = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(t)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def unpack_fn(cp: int, hq: int, hkv: int):
+    """Received fused buffer [cp, S/cp, B, Htot, D] -> contiguous [B, H, S, D] q, k, v (Inductor)."""
+
+    def unpack(buf):
+        c, s_l, b, _, d = buf.shape
+        bounds = [0, hq, hq + hkv, hq + 2 * hkv]
+        return [
+            buf[:, :, :, lo:hi].reshape(c * s_l, b, hi - lo, d).permute(1, 2, 0, 3).contiguous()
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
+
+    return torch.compile(unpack, fullgraph=True)
+
+
+def measure(p: dict, iters: int, cp: int = 2) -> dict:
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    inputs = layouts(a.batch, a.seq, a.heads, hkv, a.head_dim, dtype, device)
-    dout = torch.randn(a.batch, a.heads, a.seq, a.head_dim, dtype=dtype, device=device)
-    gqa = hkv != a.heads
-    want = step(*inputs["bhsd"], dout, True, gqa)
-    rows = {}
-    for name, (q, k, v) in inputs.items():
-        got = step(q, k, v, dout, True, gqa)
-        diff = max(float((x - y).abs().max()) for x, y in zip(got, want))
-        times = []
-        for _ in range(a.iters):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step(q, k, v, dout, True, gqa)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                import time
+    inputs = make_inputs(p, dtype, device)
+    gqa = p["kv_heads"] != p["heads"]
+    want = step(*inputs["cp_off"][0], inputs["cp_off"][1], p["causal"], gqa)
+    row = dict(p)
+    for name in LAYOUTS:
+        (q, k, v), dout = inputs[name]
+        got = step(q, k, v, dout, p["causal"], gqa)
+        row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+        row[f"{name}_ms"] = timed(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
+    s, b, htot, d = inputs["fused"].shape
+    buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
+    unpack = unpack_fn(cp, p["heads"], p["kv_heads"])
+    row["unpack_ms"] = timed(lambda: unpack(buf), max(iters, 20), warmup=3)
+    row["unpack_gbps"] = 2 * buf.numel() * buf.element_size() / row["unpack_ms"] / 1e6
+    del inputs, want, buf
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
 
-                t0 = time.perf_counter()
-                step(q, k, v, dout, True, gqa)
-                times.append((time.perf_counter() - t0) * 1e3)
-        strides = [tuple(x.stride()) for x in (q, k, v)]
-        rows[name] = {"ms": statistics.median(times), "max_diff_vs_bhsd": diff, "strides": strides}
-        print(f"{name:6s} {rows[name]['ms']:9.3f} ms  diff {diff:.1e}  q strides {strides[0]}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--grid", action="store_true", help="the whole cost-map grid")
+    ap.add_argument("--part", default="0/1", help="i/n: this process takes every n-th grid point from i")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16, help="local query heads")
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.grid:
+        i, n = (int(x) for x in a.part.split("/"))
+        points = grid()[i::n]
+    else:
+        points = [dict(batch=a.batch, seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, causal=a.causal)]
+    rows = []
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+    def save():  # after every row: a run stopped at its time limit keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": dev, "torch": torch.__version__, "iters": a.iters, "cp": 2, "rows": rows}, f, indent=1)
+
+    print(f"{'B':>2} {'S':>6} {'Hq':>3} {'Hkv':>3} {'D':>4} {'causal':>6} " + " ".join(f"{n:>10}" for n in LAYOUTS)
+          + f" {'unpack':>8} {'GB/s':>6} {'views/copy':>10}")
+    for p in points:
+        r = measure(p, a.iters)
+        rows.append(r)
+        print(f"{p['batch']:>2} {p['seq']:>6} {p['heads']:>3} {p['kv_heads']:>3} {p['head_dim']:>4} {str(p['causal']):>6} "
+              + " ".join(f"{r[n + '_ms']:10.3f}" for n in LAYOUTS)
+              + f" {r['unpack_ms']:8.3f} {r['unpack_gbps']:6.0f} {r['views_ms'] / r['copy_ms']:10.4f}", flush=True)
+        save()
     return 0
 
 
