@@ -11,13 +11,16 @@ Layouts (fwd+bwd, same values in each):
 * ``cp_off``: q, k, v and dO contiguous [B, H, S, D] (the user's unpack copies, default Inductor);
 * ``views``: q, k, v strided views of ONE received buffer [S, B, Hq + 2 Hkv, D], dO a view of its
   own [S, B, Hq, D] buffer (fused_a2a reading the buffer in place);
-* ``copy``: q, k, v contiguous [B, H, S, D], dO a view of [S, B, Hq, D] (fused_a2a with one
-  unpack copy: attention sees what cp_off gives it);
-* ``seq_major``: q, k, v, dO views of one [S, B, H, D] buffer each (for reference).
+* ``seq_major``: q, k, v, dO views of one [S, B, H, D] buffer each (for reference);
+* ``mismatched_do``: q, k, v contiguous, dO a seq-major view: dO's strides differ from the
+  output's. On H200 with torch 2.11 / cuDNN 9.19 cuDNN's backward returns WRONG gradients here
+  (``mismatched_do_max_diff``): a rewrite must hand attention's backward a dO laid out like O.
 
-``unpack_ms``: the copy from the fused receive buffer ``[cp, S/cp, B, Hq + 2 Hkv, D]`` into
-contiguous q, k, v, compiled by Inductor (what the ``copy`` choice adds); ``unpack_gbps`` its
-bandwidth (read + write). Every layout's results are compared with ``cp_off``'s.
+fused_a2a's ``copy`` choice hands attention exactly ``cp_off``'s inputs (one unpack copy), so its
+attention time is the ``cp_off`` column. ``unpack_ms``: that copy, from the fused receive buffer
+``[cp, S/cp, B, Hq + 2 Hkv, D]`` into contiguous q, k, v, compiled by Inductor, timed over
+back-to-back calls (host launch overhead hidden); ``unpack_gbps`` its bandwidth (read + write).
+Every layout's results are compared with ``cp_off``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-LAYOUTS = ("cp_off", "views", "copy", "seq_major")
+LAYOUTS = ("cp_off", "views", "seq_major", "mismatched_do")
 
 
 def grid() -> list[dict]:
@@ -64,8 +67,8 @@ def make_inputs(p: dict, dtype, device) -> dict:
     return {
         "cp_off": ([x.contiguous() for x in base], dout.contiguous()),
         "views": (views, seq_major(dout)),
-        "copy": ([x.contiguous() for x in base], seq_major(dout)),
         "seq_major": ([seq_major(x) for x in base], seq_major(dout)),
+        "mismatched_do": ([x.contiguous() for x in base], seq_major(dout)),
         "fused": fused,
     }
 
@@ -77,7 +80,8 @@ def step(q, k, v, dout, causal, gqa):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def timed(fn, iters: int, warmup: int = 2) -> float:
+def timed(fn, iters: int, warmup: int = 2, calls: int = 1) -> float:
+    """Median device time per call; ``calls`` back-to-back calls per event pair."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
@@ -91,10 +95,11 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for a, b in ev:
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return statistics.median(a.elapsed_time(b) / calls for a, b in ev)
 
 
 def unpack_fn(cp: int, hq: int, hkv: int):
@@ -126,7 +131,7 @@ def measure(p: dict, iters: int, cp: int = 2) -> dict:
     s, b, htot, d = inputs["fused"].shape
     buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
     unpack = unpack_fn(cp, p["heads"], p["kv_heads"])
-    row["unpack_ms"] = timed(lambda: unpack(buf), max(iters, 20), warmup=3)
+    row["unpack_ms"] = timed(lambda: unpack(buf), max(iters, 10), warmup=3, calls=20)
     row["unpack_gbps"] = 2 * buf.numel() * buf.element_size() / row["unpack_ms"] / 1e6
     del inputs, want, buf
     if cuda:
@@ -161,13 +166,13 @@ def main() -> int:
                 json.dump({"device": dev, "torch": torch.__version__, "iters": a.iters, "cp": 2, "rows": rows}, f, indent=1)
 
     print(f"{'B':>2} {'S':>6} {'Hq':>3} {'Hkv':>3} {'D':>4} {'causal':>6} " + " ".join(f"{n:>10}" for n in LAYOUTS)
-          + f" {'unpack':>8} {'GB/s':>6} {'views/copy':>10}")
+          + f" {'unpack':>8} {'GB/s':>6} {'views/off':>10}")
     for p in points:
         r = measure(p, a.iters)
         rows.append(r)
         print(f"{p['batch']:>2} {p['seq']:>6} {p['heads']:>3} {p['kv_heads']:>3} {p['head_dim']:>4} {str(p['causal']):>6} "
               + " ".join(f"{r[n + '_ms']:10.3f}" for n in LAYOUTS)
-              + f" {r['unpack_ms']:8.3f} {r['unpack_gbps']:6.0f} {r['views_ms'] / r['copy_ms']:10.4f}", flush=True)
+              + f" {r['unpack_ms']:8.3f} {r['unpack_gbps']:6.0f} {r['views_ms'] / r['cp_off_ms']:10.4f}", flush=True)
         save()
     return 0
 

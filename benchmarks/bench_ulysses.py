@@ -207,7 +207,8 @@ ARMS = {
     "eager": (None,),
     "inductor": ("inductor",),
     "cp_off": ("cp_inductor", {"cp_inductor.fused_a2a": False}),
-    "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_strided": False}),  # fused, unpack copied
+    "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "copy"}),  # fused, one unpack copy
+    "cp_views": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "views"}),  # fused, attention reads views
     "cp_inductor": ("cp_inductor",),
     # head_partition with G head groups (0: the rewrite's choice); backward regions only, the default
     **{

@@ -23,9 +23,11 @@ uniform_thd: bool = False
 owner_grad_return: bool = False
 
 # --- knobs ---
-# fused_a2a: attention reads q/k/v (and dO) as strided views of the received buffer instead of
-# unpacked copies.
-fused_a2a_strided: bool = True
+# fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the
+# buffer (no copy, cuDNN slower on the interleaved rows); "copy": one copy into the layout attention
+# had before (exactly default Inductor's attention inputs); "auto": the measured cost model
+# (passes/cost_model.py) chooses per region.
+fused_a2a_unpack: str = "auto"
 # Head groups for `head_partition`; 0 lets the rewrite choose.
 head_groups: int = 0
 # head_partition also splits forward regions. Off by default: on H200 cuDNN's forward kernel

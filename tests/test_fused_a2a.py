@@ -24,9 +24,10 @@ def ulysses(**kw):
     return lambda q, k, v: ulysses_attention(q, k, v, **kw)
 
 
-def fused(cp, fn, *inputs):
-    """Collectives and copies of ``fn``'s graphs before and after fused_a2a, on a fake group."""
-    with fake_pg(cp):
+def fused(cp, fn, *inputs, unpack="views"):
+    """Collectives and copies of ``fn``'s graphs before and after fused_a2a, on a fake group
+    (attention reads views of the received buffer unless ``unpack`` says otherwise)."""
+    with fake_pg(cp), cp_inductor.config.patch(fused_a2a_unpack=unpack):
         return rewrite_summary(aot_graphs(fn, *inputs), fused_a2a_pass)
 
 
@@ -37,7 +38,7 @@ class TestGolden(TestCase):
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
 forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 8, 2, 4, 16] (all_to_all=2 clone=2)
 backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=6)""")
+backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=7)""")
 
     def test_bhsd_cp4(self):
         text = fused(4, ulysses(layout="bhsd"), *qkv((1, 8, 8, 16), (1, 8, 8, 16)))
@@ -45,7 +46,7 @@ backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=6)
 forward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
 forward after:  a2a[4, 8, 1, 6, 16], a2a[4, 8, 1, 2, 16] (all_to_all=2 clone=1)
 backward before: a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16], a2a[4, 1, 2, 8, 16] (all_to_all=4 clone=4)
-backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
+backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 6, 16] (all_to_all=2 clone=4)""")
 
     def test_one_kv_head_per_rank_cp8(self):
         text = fused(8, ulysses(is_causal=True), *qkv((1, 4, 16, 8), (1, 4, 8, 8)))
@@ -69,7 +70,7 @@ backward after:  a2a[4, 4, 2, 2, 16], a2a[4, 4, 2, 6, 16] (all_to_all=2 clone=6)
 forward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
 forward after:  a2a[2, 8, 1, 6, 16], a2a[2, 8, 1, 2, 16] (all_to_all=2 clone=1)
 backward before: a2a[512], a2a[512], a2a[512], a2a[512] (all_to_all=4 clone=4)
-backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=3)""")
+backward after:  a2a[2, 8, 1, 2, 16], a2a[2, 8, 1, 6, 16] (all_to_all=2 clone=4)""")
 
     def test_expanded_kv_heads_cp4(self):
         # Backward: dk/dv are packed from the sums over the replicas (4 all-to-alls -> 2).
@@ -82,13 +83,13 @@ backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 4, 16] (all_to_all=2 clone=4)
 
     def test_copy_path_when_strided_inputs_are_off(self):
         # Unpack stays a copy into the layout the old all-to-all delivered; grad_out keeps its own.
-        with cp_inductor.config.patch(fused_a2a_strided=False):
+        with cp_inductor.config.patch(fused_a2a_unpack="copy"):
             text = fused(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=8)
+forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 8, 2, 4, 16] (all_to_all=2 clone=2)
 backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=8)""")
+backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=7)""")
 
     def test_disabled_by_config_changes_nothing(self):
         with cp_inductor.config.patch(fused_a2a=False):
@@ -163,7 +164,7 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
         with fake_pg(2):
             text = report_text(aot_graphs(lambda x: ulysses_attention(x, x, x), x))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) already share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
     def test_cast_around_the_collective_is_skipped(self):
@@ -179,12 +180,13 @@ forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the t
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
 
-def _generated_code(fused: bool) -> list[str]:
+def _generated_code(fused: bool, unpack: str = "views") -> list[str]:
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     q, k, v = qkv((2, 8, 8, 16), (2, 8, 4, 16))
-    with cp_inductor.config.patch(fused_a2a=fused), torch._inductor.config.patch(fx_graph_cache=False):
+    cfg = dict(fused_a2a=fused, fused_a2a_unpack=unpack)
+    with cp_inductor.config.patch(**cfg), torch._inductor.config.patch(fx_graph_cache=False):
         f = torch.compile(ulysses(is_causal=True), backend="cp_inductor", fullgraph=True)
         _, codes = run_and_get_code(lambda: f(q, k, v).sum().backward())
     return codes
@@ -195,9 +197,12 @@ def test_generated_code_collectives_and_copy_kernels():
     count = lambda code, pat: len(re.findall(pat, code, re.M))  # noqa: E731
     with fake_pg(2):
         counts = {
-            fused: [(count(c, r"all_to_all_single\.default\("), count(c, r"^cpp_fused\w+ = ")) for c in _generated_code(fused)]
-            for fused in (False, True)
+            arm: [(count(c, r"all_to_all_single\.default\("), count(c, r"^cpp_fused\w+ = ")) for c in _generated_code(*arm)]
+            for arm in ((False, "views"), (True, "views"), (True, "copy"))
         }
     # (all_to_alls, copy kernels) per graph, forward then backward.
-    assert counts[False] == [(4, 6), (4, 6)]
-    assert counts[True] == [(2, 2), (2, 4)]
+    assert counts[False, "views"] == [(4, 6), (4, 6)]
+    assert counts[True, "views"] == [(2, 2), (2, 4)]
+    # copy: attention's inputs are unpacked as before (the user's own copies, fused into fewer
+    # kernels); the lone out / dO crossings are left as they were.
+    assert counts[True, "copy"] == [(2, 4), (2, 4)]

@@ -124,7 +124,7 @@ def test_cp8_fused_and_head_partition():
         AttentionCase(layout="bshd", causal=True, heads_q=16, heads_kv=8),
         AttentionCase(layout="bhsd", causal=False, heads_q=16, heads_kv=16),
     ]
-    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
     gqa, mha = run_on_ranks(check_cp_attention, 8, cases, None, "cp_inductor", "cpu", options)[0]
     assert_cp_results([gqa], TOL)
     assert_cp_results([mha], TOL, ("fused_a2a", "head_partition"))

@@ -14,13 +14,20 @@ After::
     out -> relaid [cp, S/cp, B, Hq/cp, D] -> all_to_all ...   # a view when out is sequence-major
 
 The buffer is sequence-major with the three tensors' heads side by side: every chunk a rank
-sends is one contiguous block, and the whole sequence of one tensor is a strided view that cuDNN
-and flash read directly. The backward does the same for dO (a lone tensor: only the view is
-gained) and packs dq, dk, dv into one buffer whose slices are copied back into the layout the old
-all-to-alls delivered. Where attention does not take the plain view (heads replicated between the
-collective and attention, ``fused_a2a_strided=False``) the slice is copied into the old received
-layout instead and everything downstream is untouched. Collective bytes are unchanged; launches
-and copies go down.
+sends is one contiguous block. How attention reads it is chosen per region
+(:mod:`cost_model`, ``config.fused_a2a_unpack``):
+
+* ``views``: each tensor's whole sequence is a strided view that cuDNN and flash read directly
+  (as drawn above); the backward's dO (a lone tensor) is a view too, and out's pack is a view.
+* ``copy``: one copy per tensor straight into the layout attention had before the rewrite
+  (``q_heads = copy_like(view, old q_heads)``): attention runs exactly as under default
+  Inductor; only the packs and the collectives are fused. Lone tensors are left as they were.
+
+The backward packs dq, dk, dv into one buffer whose slices are copied back into the layout the
+old all-to-alls delivered. Where attention does not read the plain received tensor (heads
+replicated or a pointwise op between the collective and attention) the slice is copied into the
+old received layout instead and everything downstream is untouched. Collective bytes are
+unchanged; launches and copies go down.
 """
 
 from __future__ import annotations
@@ -32,26 +39,42 @@ import torch.fx
 
 from .. import config
 from .detect_a2a import A2ACrossing, A2ARegion
-from .fx_emit import Emitter
+from .cost_model import UnpackChoice, choose_unpack
+from .fx_emit import Emitter, stride_order
 from .layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
 from .region_rewrite import rewrite_regions
+from .sdpa_ops import bound_args
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "fused_a2a"
 
 
-def crossing_groups(region: A2ARegion) -> list[tuple[list, list]]:
+def unpack_choice(region: A2ARegion) -> UnpackChoice:
+    """Views of the received buffer or one copy out of it (``config.fused_a2a_unpack``; "auto":
+    the cost model on this rank's attention shapes). Forward and backward regions of one
+    attention see the same shapes, so they choose alike."""
+    if config.fused_a2a_unpack != "auto":
+        if config.fused_a2a_unpack not in ("views", "copy"):
+            raise ValueError(f"fused_a2a_unpack={config.fused_a2a_unpack!r}: expected auto, views or copy")
+        return UnpackChoice(config.fused_a2a_unpack, "set by config")
+    args = bound_args(region.attention)
+    q, k = args["query"].meta["val"], args["key"].meta["val"]
+    b, hq, s, d = (int(x) for x in q.shape)
+    return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
+
+
+def crossing_groups(region: A2ARegion, unpack: str = "views") -> list[tuple[list, list]]:
     """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
     # Incoming groups first: rewriting them changes attention's output strides, which the
     # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
-    # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with strided views.
-    strided = config.fused_a2a_strided
+    # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with views.
+    views = unpack == "views"
     if "dq" in region.outgoing:
         grad_out = [([region.incoming["grad_out"]], [region.attention.args[0]])]
-        return (grad_out if strided else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
+        return (grad_out if views else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
     out = [([region.outgoing["out"]], [None])]
-    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if strided else [])
+    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if views else [])
 
 
 def pack_layout(c: A2ACrossing, cp: int) -> Layout:
@@ -69,7 +92,7 @@ def pack_layout(c: A2ACrossing, cp: int) -> Layout:
 
 def ineligible(region: A2ARegion) -> str | None:
     """Why fused_a2a cannot rewrite this region, or None."""
-    for crossings, _ in crossing_groups(region):
+    for crossings, _ in crossing_groups(region, unpack_choice(region).choice):
         reason = _group_ineligible(region, crossings)
         if reason is not None:
             return reason
@@ -77,8 +100,10 @@ def ineligible(region: A2ARegion) -> str | None:
 
 
 def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
+    if (opaque := next((c.opaque for c in crossings if c.opaque), None)) is not None:
+        return opaque
     if len({c.a2a for c in crossings}) != len(crossings):
-        return "q/k/v share one all_to_all"
+        return "q/k/v (or their gradients) already share one all_to_all"
     vals = [c.a2a.args[0].meta.get("val") for c in crossings]
     if any(v is None for v in vals):
         return "no tensor metadata on an all_to_all input"
@@ -109,7 +134,7 @@ def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
     ``lay`` is the send ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so what arrives
     viewed as ``[B, H, S, D]`` is the attention input unless heads were replicated or reordered
     between the collective and attention."""
-    if attn_arg is None or not config.fused_a2a_strided:
+    if attn_arg is None or not c.pure:
         return False
     if (c.after[-1] if c.after else c.wait) is not attn_arg:
         return False
@@ -150,7 +175,7 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
             user.meta["val"] = node.meta["val"][user.args[1]]
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list) -> list:
+def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list, unpack: str) -> list:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
@@ -169,8 +194,15 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
         part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
         offset += heads
         if reads_as_view(lay, c, cp, attn_arg):
-            emit.replace(attn_arg, heads_view(emit, part), strides=False)
-            strided = True
+            view = heads_view(emit, part)
+            like = _layout_required(region, attn_arg)
+            if unpack == "views" and (like is None or stride_order(view.meta["val"]) == stride_order(like)):
+                emit.replace(attn_arg, view, strides=False)
+                strided = True
+            else:
+                # One copy straight into the layout attention had (or, for dO, the layout of O).
+                emit.replace(attn_arg, emit.copy_like(view, like if like is not None else attn_arg.meta["val"]),
+                             strides=like is None)
             dead.extend(reversed(c.after))  # the old unpack chain
         else:
             emit.replace(c.wait, as_delivered(emit, part, lay, c, cp))
@@ -184,8 +216,22 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
     return emit.replaced
 
 
+def _layout_required(region: A2ARegion, attn_arg) -> torch.Tensor | None:
+    """The layout an attention input must keep whatever we hand it, or None. cuDNN's backward
+    (torch 2.11, cuDNN 9.19, H200) returns wrong gradients when dO's strides differ from O's
+    (benchmarks/bench_attention_layouts.py, ``mismatched_do``): dO must be laid out like O."""
+    args = bound_args(region.attention)
+    if "grad_out" in args and args["grad_out"] is attn_arg and isinstance(args.get("out"), torch.fx.Node):
+        return args["out"].meta["val"]
+    return None
+
+
 def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> list:
-    return [r for crossings, attn_args in crossing_groups(region) for r in _rewrite(graph, region, crossings, attn_args)]
+    unpack = unpack_choice(region).choice
+    return [
+        r for crossings, attn_args in crossing_groups(region, unpack)
+        for r in _rewrite(graph, region, crossings, attn_args, unpack)
+    ]
 
 
 def fused_a2a_pass(graph: torch.fx.Graph) -> None:

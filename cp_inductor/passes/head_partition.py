@@ -37,7 +37,7 @@ import torch.fx
 from .. import config
 from . import fused_a2a
 from .detect_a2a import A2ARegion
-from .fx_emit import Emitter
+from .fx_emit import Emitter, stride_order
 from .layout_algebra import Factor, Layout, plan_relayout
 from .region_rewrite import rewrite_regions
 from .sdpa_ops import bound_args, tuple_outputs
@@ -94,9 +94,10 @@ def ineligible(region: A2ARegion) -> str | None:
         return "attention mask or bias (not split by heads)"
     if region.dropout_p:
         return "dropout (each group would draw its own mask)"
+    unpack = fused_a2a.unpack_choice(region)
+    if unpack.choice != "views":
+        return f"needs fused_a2a's views; fused_a2a copies ({unpack.reason})"
     groups = fused_a2a.crossing_groups(region)
-    if len(groups) != 2:  # the lone dO / out crossing is only fused with strided views
-        return "attention does not read the received buffer as a view (fused_a2a_strided=False)"
     for c, arg in zip(*groups[0]):
         if not fused_a2a.reads_as_view(fused_a2a.pack_layout(c, region.cp), c, region.cp, arg):
             return "attention does not read the received buffer as a view"
@@ -131,7 +132,7 @@ def _send_layout(emit: Emitter, x: torch.fx.Node, cp: int) -> torch.fx.Node:
 def _cat_like(emit: Emitter, parts: list, dim: int, like: torch.Tensor) -> torch.fx.Node:
     """Concatenate ``parts`` along ``dim`` into a tensor with ``like``'s strides: it replaces a
     saved tensor whose strides the backward graph was compiled for."""
-    order = sorted(range(like.dim()), key=lambda i: -like.stride(i))
+    order = stride_order(like)
     inverse = [order.index(i) for i in range(like.dim())]
     permuted = [emit(aten.permute.default, p, order) for p in parts]
     return emit(aten.permute.default, emit(aten.cat.default, permuted, order.index(dim)), inverse)

@@ -1,0 +1,84 @@
+"""How fused_a2a hands attention what one all-to-all received: as strided views, or copied out.
+
+After fused_a2a's single all-to-all the q, k and v of this rank's heads sit side by side in one
+sequence-major buffer ``[S, B, Hq + 2 Hkv, D]``. Two ways to feed attention from it:
+
+* ``views``: attention reads strided views of the buffer (no copy); dO, in the backward, a
+  sequence-major view of its own buffer.
+* ``copy``: one copy puts q, k, v (and dO) into the layout attention had before the rewrite
+  (the user's own unpack): attention sees exactly what default Inductor gives it.
+
+Views save that copy but make cuDNN slower on the interleaved buffer (its rows are 3x wider).
+Both terms are measured (``benchmarks/bench_attention_layouts.py``, H200, JSON in
+``cp_inductor/cost_data/``); per region::
+
+    penalty_ms = (views_ms / cp_off_ms - 1) at the nearest measured shapes x attention_ms
+    copy_ms    = bytes(q, k, v, dO) x 2 / COPY_GBPS
+    choose views iff copy_ms - penalty_ms > MARGIN_MS, else copy
+
+``attention_ms`` scales the nearest measured cp_off time by the work ratio (B S^2 Hq D). The
+nearest shapes: same causality and MHA/GQA class, the ``NEIGHBOURS`` closest in log2 of
+(batch, sequence, heads, head_dim); their penalties are averaged, because one measurement of a small
+difference is noisy. ``copy`` is the safe side: attention exactly as without the rewrite, one
+pack and one all-to-all instead of three, and the same bytes copied as the user's own code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "cost_data" / "h200_attention_layouts.json"
+
+# Inductor's generated pack/unpack copies on H200: 3.80-3.99 TB/s read + write
+# (benchmarks/results/h200_pack_kernels_run5.json, the "inductor" column).
+COPY_GBPS = 3800.0
+# Views must win by more than this (ms): below it the choice is noise, and copy is the safe side.
+MARGIN_MS = 0.02
+NEIGHBOURS = 3
+
+
+@dataclass(frozen=True)
+class UnpackChoice:
+    choice: str  # "views" | "copy"
+    reason: str  # the numbers behind it, for the report
+
+
+@functools.cache
+def _rows() -> tuple:
+    with open(DATA) as f:
+        return tuple(json.load(f)["rows"])
+
+
+def _features(batch, seq, heads, head_dim) -> tuple:
+    return (math.log2(batch), math.log2(seq), math.log2(heads), math.log2(head_dim))
+
+
+def predict(batch: int, seq: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool, itemsize: int):
+    """(attention_ms, views penalty ms, copy ms) for this rank's attention, fwd+bwd."""
+    rows = [r for r in _rows() if r["causal"] == causal and (r["kv_heads"] < r["heads"]) == (heads_kv < heads_q)]
+    if not rows:  # no measurement of this class: fall back to every row
+        rows = list(_rows())
+    here = _features(batch, seq, heads_q, head_dim)
+    dist = lambda r: math.dist(here, _features(r["batch"], r["seq"], r["heads"], r["head_dim"]))  # noqa: E731
+    near = sorted(rows, key=lambda r: (dist(r), r["seq"], r["heads"], r["head_dim"]))[:NEIGHBOURS]
+    work = lambda b, s, h, d: b * s * s * h * d  # noqa: E731
+    attention = sum(
+        r["cp_off_ms"] * work(batch, seq, heads_q, head_dim) / work(r["batch"], r["seq"], r["heads"], r["head_dim"])
+        for r in near
+    ) / len(near)
+    penalty = attention * sum(r["views_ms"] / r["cp_off_ms"] - 1 for r in near) / len(near)
+    moved = batch * seq * (2 * heads_q + 2 * heads_kv) * head_dim * itemsize  # q, k, v and dO
+    copy = 2 * moved / (COPY_GBPS * 1e6)
+    return attention, penalty, copy
+
+
+def choose_unpack(batch, seq, heads_q, heads_kv, head_dim, causal, itemsize) -> UnpackChoice:
+    """The cost model's choice for one region (shapes are this rank's, after the all-to-all)."""
+    attention, penalty, copy = predict(batch, seq, heads_q, heads_kv, head_dim, causal, itemsize)
+    choice = "views" if copy - penalty > MARGIN_MS else "copy"
+    sign = "<" if choice == "views" else ">="
+    return UnpackChoice(choice, f"views cost attention {penalty:+.2f} ms {sign} copy {copy:.2f} ms (attention ~{attention:.1f} ms)")
