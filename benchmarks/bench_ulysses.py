@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import alternating_rounds, paired_ratio, teardown
+from handwritten import ulysses_by_hand
 
 from cp_inductor import parallel
 
@@ -71,11 +72,14 @@ class Bench:
         conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
         return {n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp) for n, t in self.full.items()}, sd
 
-    def ulysses_arm(self, backend, options=None):
+    def ulysses_arm(self, backend, options=None, code="helper"):
         a = self.args
-        local, sd = self._local(a.layout)
+        local, sd = self._local(a.layout if code == "helper" else "bshd")
         q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
-        fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
+        if code == "helper":
+            fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
+        else:  # the user's own Ulysses (BSHD), not our helper
+            fn = lambda q, k, v: ulysses_by_hand(q, k, v, is_causal=a.causal)  # noqa: E731
         if backend is not None:
             fn = torch.compile(fn, backend=backend, fullgraph=True, options=options)
         state = {}
@@ -87,7 +91,7 @@ class Bench:
             state["out"] = out
 
         def results():
-            conv = (lambda t: t) if a.layout == "bshd" else (lambda t: t.transpose(1, 2))
+            conv = (lambda t: t) if a.layout == "bshd" or code != "helper" else (lambda t: t.transpose(1, 2))
             got = {"out": state["out"].detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
             return {n: conv(parallel.gather_sequence(t, sd)) for n, t in got.items()}
 
@@ -225,6 +229,20 @@ ARMS = {
 }
 
 
+def best_default(medians: dict, arm: str) -> float | None:
+    """Median over rounds of ``arm`` / min(cp_off, inductor) of the same code in the same round:
+    the goal is <= 1.005 for every cp_inductor arm."""
+    prefix = "hand_" if arm.startswith("hand_") else ""
+    base = [medians[prefix + b] for b in ("cp_off", "inductor") if prefix + b in medians]
+    if not base or not arm.startswith(prefix + "cp_"):
+        return None
+    return statistics.median(a / min(r) for a, *r in zip(medians[arm], *base))
+
+
+# The same arms on hand-written user code (benchmarks/handwritten.py) instead of our helper.
+HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_copy", "cp_views", "cp_inductor")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
@@ -234,7 +252,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", default="bshd", choices=parallel.LAYOUTS)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--arms", default="eager,inductor,cp_off,cp_inductor,cp_hp,native,floor")
+    p.add_argument("--arms", default="inductor,cp_off,cp_inductor,hand_inductor,hand_cp_off,hand_cp_inductor,floor")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
@@ -264,6 +282,8 @@ def main() -> int:
             arm = bench.native_arm()
         elif name == "floor":
             arm = bench.floor_arm()
+        elif name in HAND_ARMS:
+            arm = bench.ulysses_arm(*HAND_ARMS[name], code="hand")
         else:
             arm = bench.ulysses_arm(*ARMS[name])
         step, results = arm
@@ -306,16 +326,22 @@ def main() -> int:
     if rank == 0:
         med = {n: statistics.median(v) for n, v in medians.items()}
         floor = med.get("floor")
-        base = next((b for b in ("cp_off", "inductor") if b in med), next(iter(med)))
+        base = next((b for b in ("cp_off", "inductor", "hand_cp_off", "hand_inductor") if b in med), next(iter(med)))
         print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
               f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
               f"{args.rounds} rounds x {args.iters} iters, slowest rank")
-        print(f"{'arm':12s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'max rel err':>12s}")
+        print(f"{'arm':16s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'vs best default':>16s} "
+              f"{'peak GiB':>9s} {'max rel err':>12s}")
+        vs_default = {}
         for n in med:
             paired = paired_ratio(medians, n, base)
+            best = best_default(medians, n)
+            if best is not None:
+                vs_default[n] = best
             vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
             err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
-            print(f"{n:12s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {memory[n]:9.2f} {err:>12s}")
+            best = f"{best:.3f}" if best is not None else "-"
+            print(f"{n:16s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {best:>16s} {memory[n]:9.2f} {err:>12s}")
         if kernels:
             print("kernel time per iteration, rank 0 (ms): arm, attention, nccl, exposed nccl, other kernels, "
                   "iteration - (attention + exposed nccl + other)")
@@ -330,7 +356,7 @@ def main() -> int:
                 json.dump({
                     "args": vars(args), "cp": bench.cp, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
-                    "median_ms": med, "peak_gib": memory, "kernel_ms_rank0": kernels, "max_rel_err": checks, "compile_s": compile_s,
+                    "median_ms": med, "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels, "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)
     teardown()

@@ -26,7 +26,8 @@ def cases():
 @pytest.mark.parametrize("cp", [on(4), on(8)])
 @pytest.mark.parametrize("head_partition", [False, True])
 def test_ulysses_nccl_bf16(cp, head_partition):
-    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition}
+    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition,
+               "cp_inductor.fused_a2a_unpack": "views"}
     results = run_on_ranks(check_cp_attention, cp, cases(), None, "cp_inductor", "cuda", options, pg_backend="nccl")
     applied = ("fused_a2a", "head_partition") if head_partition else ("fused_a2a",)
     for rank_results in results:
@@ -38,7 +39,7 @@ def test_cuda_graph_training_step(cp):
     from cp_inductor.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=2048, dim=512, heads=16, kv_heads=8, lr=0.01)
-    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
     results = run_on_ranks(
         compare_with_eager, cp, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16,
         pg_backend="nccl",

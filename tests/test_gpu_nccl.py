@@ -16,14 +16,16 @@ TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2
 
 
 @needs_gpus
-def test_ulysses_nccl_bf16():
+@pytest.mark.parametrize("unpack", ["auto", "views", "copy"])
+def test_ulysses_nccl_bf16(unpack):
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=bf16),
         AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
     ]
-    for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", pg_backend="nccl"):
+    options = {"cp_inductor.fused_a2a_unpack": unpack}
+    for rank_results in run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl"):
         assert_cp_results(rank_results, TOL, cp=2)
 
 
@@ -38,10 +40,23 @@ def test_head_partition_nccl_bf16(groups):
     ]
     options = {
         "cp_inductor.head_partition": True, "cp_inductor.head_groups": groups, "cp_inductor.head_partition_forward": True,
+        "cp_inductor.fused_a2a_unpack": "views",
     }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
         assert_cp_results(rank_results, TOL, ("fused_a2a", "head_partition"), cp=2)
+
+
+@needs_gpus
+def test_do_laid_out_like_o_when_only_the_backward_reads_views():
+    """q passes a pointwise op after its all-to-all, so the forward keeps q's old layout (and O's)
+    while the backward reads dO as a view: the rewrite must hand cuDNN's backward a dO laid out like
+    O (it returns wrong gradients otherwise, bench_attention_layouts.py ``mismatched_do``)."""
+    case = AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=128, dtype=torch.bfloat16)
+    options = {"cp_inductor.fused_a2a_unpack": "views"}
+    results = run_on_ranks(check_cp_attention, 2, [case], variants.scaled_query, "cp_inductor", "cuda", options, pg_backend="nccl")
+    for rank_results in results:
+        assert_cp_results(rank_results, TOL, cp=2)
 
 
 @needs_gpus
@@ -69,6 +84,8 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
     options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition}
+    if head_partition:
+        options["cp_inductor.fused_a2a_unpack"] = "views"
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, dtype, pg_backend="nccl"
     )

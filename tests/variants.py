@@ -150,3 +150,12 @@ def chained_layers(q, k, v, group=None):
     layer = around(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     out0 = layer(q, k, v, group)
     return layer(out0, out0 * 0.5, torch.tanh(out0), group)
+
+
+def _scaled_query_attention(q, k, v):
+    # q * 0.5 with twice the softmax scale is plain attention; the multiply sits between q's
+    # all-to-all and attention, so attention does not read the received tensor itself.
+    return F.scaled_dot_product_attention(q * 0.5, k, v, is_causal=True, scale=2.0 / q.shape[-1] ** 0.5)
+
+
+scaled_query = around(_scaled_query_attention)

@@ -84,6 +84,9 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     for r in detect_a2a.find_regions(graph, graph_kind, log=reject):
         applied, skipped = _decide("a2a", r)
         detail = f"Hq={r.heads_q} Hkv={r.heads_kv}" + (" causal" if r.is_causal else "")
+        if fused_a2a.NAME in applied:
+            unpack = fused_a2a.unpack_choice(r)  # ineligible() already asked: it cannot fail here
+            detail += f" unpack={unpack.choice} ({unpack.reason})"
         regions.append(
             Region(
                 style="a2a", cp_size=r.cp, layout=r.layout, graph=graph_kind, applied=applied,
