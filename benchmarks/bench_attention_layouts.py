@@ -26,6 +26,7 @@ Every layout's results are compared with ``cp_off``'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -116,18 +117,34 @@ def unpack_fn(cp: int, hq: int, hkv: int):
     return torch.compile(unpack, fullgraph=True)
 
 
+def compiled_backend(q, k, v, causal: bool, gqa: bool):
+    """The SDPA backend a compiled graph is traced with (chosen on the contiguous inputs). Every
+    layout runs on it: after a rewrite the graph still calls that op, whatever the strides, while
+    eager dispatch could pick another kernel for strided inputs and time something else."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=gqa))
+    except Exception:  # noqa: BLE001 - older signatures: let dispatch choose
+        return None
+
+
 def measure(p: dict, iters: int, cp: int = 2) -> dict:
+    from torch.nn.attention import sdpa_kernel
+
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     inputs = make_inputs(p, dtype, device)
     gqa = p["kv_heads"] != p["heads"]
-    want = step(*inputs["cp_off"][0], inputs["cp_off"][1], p["causal"], gqa)
-    row = dict(p)
-    for name in LAYOUTS:
-        (q, k, v), dout = inputs[name]
-        got = step(q, k, v, dout, p["causal"], gqa)
-        row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
-        row[f"{name}_ms"] = timed(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
+    backend = compiled_backend(*inputs["cp_off"][0], p["causal"], gqa)
+    row = dict(p, backend=str(backend))
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        want = step(*inputs["cp_off"][0], inputs["cp_off"][1], p["causal"], gqa)
+        for name in LAYOUTS:
+            (q, k, v), dout = inputs[name]
+            got = step(q, k, v, dout, p["causal"], gqa)
+            row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+            row[f"{name}_ms"] = timed(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
     s, b, htot, d = inputs["fused"].shape
     buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
     unpack = unpack_fn(cp, p["heads"], p["kv_heads"])

@@ -158,4 +158,6 @@ def _scaled_query_attention(q, k, v):
     return F.scaled_dot_product_attention(q * 0.5, k, v, is_causal=True, scale=2.0 / q.shape[-1] ** 0.5)
 
 
-scaled_query = around(_scaled_query_attention)
+def scaled_query(q, k, v, group=None):
+    """Ulysses by hand with a pointwise op on q between its all-to-all and attention."""
+    return around(_scaled_query_attention)(q, k, v, group)

@@ -18,7 +18,6 @@ gradients): then the reduced tensor is the crossing's source.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -172,14 +171,17 @@ def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
     p = lay.pinned
     if p.axis == RANK_AXIS or len(heads) > 1:
         raise LayoutError("head dim is not one run of heads")
-    # Each source axis must lie in one role: a rank's block of the sequence, of head_dim or of a
-    # token list shares its axis with what attention sees as sequence or head_dim, a head block
-    # never does. This holds also with one local head, where no head factor is left to compare.
-    by_role = {"b": _axes(b), "h": _axes(heads) | {p.axis}, "s": _axes(s[1:]), "d": _axes(d)}
-    for r1, r2 in itertools.combinations(by_role, 2):
-        if by_role[r1] & by_role[r2]:
-            what = {"b": "batch", "h": "the head block", "s": "sequence", "d": "head_dim"}
-            raise LayoutError(f"{what[r1]} and {what[r2]} share a source axis: not a Ulysses head split")
+    # The head block must be heads: a rank's block of the sequence or of a token list shares its
+    # source axis with what attention sees as sequence or batch, a head block never does (also
+    # with one local head, where no head factor is left to compare). Heads may share an axis with
+    # head_dim only from outside it (a projection's [.., H * D] output viewed as heads x head_dim);
+    # with one local head that is indistinguishable from head_dim split across ranks.
+    head_axes = _axes(heads) | {p.axis}
+    for role, factors in (("sequence", s[1:]), ("batch", b)):
+        if head_axes & _axes(factors):
+            raise LayoutError(f"the head block shares a source axis with {role}: not a Ulysses head split")
+    if any(f.axis == d[0].axis and f.stride < d[0].end for f in heads + (p,)):
+        raise LayoutError("the head block lies inside head_dim: not a Ulysses head split")
     if heads and not (p.axis == heads[0].axis and p.stride == heads[0].end):
         raise LayoutError("this rank's head block is not the outer split of the heads")
     roles = {f: "b" for f in b}
