@@ -8,12 +8,12 @@ sequence-major buffer ``[S, B, Hq + 2 Hkv, D]``. Two ways to feed attention from
 * ``copy``: one copy puts q, k, v (and dO) into the layout attention had before the rewrite
   (the user's own unpack): attention sees exactly what default Inductor gives it.
 
-Views save that copy but make cuDNN slower on the interleaved buffer (its rows are 3x wider).
-Both terms are measured (``benchmarks/bench_attention_layouts.py``, H200, JSON in
+Views save that copy (and the copies of the lone dO and out) but make cuDNN slower on the
+interleaved buffer (its rows are 3x wider). Both terms are measured (``benchmarks/bench_attention_layouts.py``, H200, JSON in
 ``cp_inductor/cost_data/``); per region::
 
     penalty_ms = (views_ms / cp_off_ms - 1) at the nearest measured shapes x attention_ms
-    copy_ms    = bytes(q, k, v, dO) x 2 / COPY_GBPS
+    copy_ms    = 2 x bytes(q, k, v, dO, out) / COPY_GBPS
     choose views iff copy_ms - penalty_ms > MARGIN_MS, else copy
 
 ``attention_ms`` scales the nearest measured cp_off time by the work ratio (B S^2 Hq D). The
@@ -33,9 +33,14 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "cost_data" / "h200_attention_layouts.json"
 
-# Inductor's generated pack/unpack copies on H200: 3.80-3.99 TB/s read + write
-# (benchmarks/results/h200_pack_kernels_run5.json, the "inductor" column).
-COPY_GBPS = 3800.0
+# Effective bandwidth (read + write, GB/s) of the copies views save, inside the compiled step.
+# Calibrated end to end on 2xH200 (B4 S8K H16 D128 cp=2, benchmarks/results/h200x2_b4s8k_run6.json):
+# views beat copy by 0.11 ms while the grid puts their attention penalty at 0.27 ms, so the copies
+# they skip (q, k, v, dO, out: 671 MB moved) took 0.38 ms. Between Inductor's isolated pack
+# kernels (3.8-4.0 TB/s, h200_pack_kernels_run5.json) and its isolated unpack of the fused
+# buffer (0.5-0.8 TB/s, the grid's unpack_ms).
+COPY_GBPS = 1800.0
+
 # Views must win by more than this (ms): below it the choice is noise, and copy is the safe side.
 MARGIN_MS = 0.02
 NEIGHBOURS = 3
@@ -71,7 +76,8 @@ def predict(batch: int, seq: int, heads_q: int, heads_kv: int, head_dim: int, ca
         for r in near
     ) / len(near)
     penalty = attention * sum(r["views_ms"] / r["cp_off_ms"] - 1 for r in near) / len(near)
-    moved = batch * seq * (2 * heads_q + 2 * heads_kv) * head_dim * itemsize  # q, k, v and dO
+    # Views also skip the copies of the lone dO (backward) and out (forward) tensors.
+    moved = batch * seq * (2 * heads_q + 2 * heads_kv + 2 * heads_q) * head_dim * itemsize
     copy = 2 * moved / (COPY_GBPS * 1e6)
     return attention, penalty, copy
 
