@@ -81,15 +81,15 @@ forward after:  a2a[4, 8, 1, 4, 16], a2a[4, 8, 1, 2, 16] (all_to_all=2 clone=4)
 backward before: a2a[4, 1, 8, 2, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 1, 16], a2a[4, 1, 8, 2, 16] (all_to_all=4 clone=2)
 backward after:  a2a[4, 8, 1, 2, 16], a2a[4, 8, 1, 4, 16] (all_to_all=2 clone=4)""")
 
-    def test_copy_path_when_strided_inputs_are_off(self):
-        # Unpack stays a copy into the layout the old all-to-all delivered; grad_out keeps its own.
-        with cp_inductor.config.patch(fused_a2a_unpack="copy"):
-            text = fused(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+    def test_copy_unpack(self):
+        # unpack=copy: one buffer with each tensor's rows together per destination ([cp, q | k | v]),
+        # one copy per tensor into attention's old layout; dO and out keep their own crossings.
+        text = fused(2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)), unpack="copy")
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-forward after:  a2a[2, 8, 2, 8, 16], a2a[2, 8, 2, 4, 16] (all_to_all=2 clone=2)
+forward after:  a2a[2, 2048], a2a[2, 2, 8, 4, 16] (all_to_all=2 clone=5)
 backward before: a2a[2, 2, 8, 4, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 2, 16], a2a[2, 2, 8, 4, 16] (all_to_all=4 clone=8)
-backward after:  a2a[2, 8, 2, 4, 16], a2a[2, 8, 2, 8, 16] (all_to_all=2 clone=7)""")
+backward after:  a2a[2, 2, 8, 4, 16], a2a[2, 2048] (all_to_all=2 clone=8)""")
 
     def test_disabled_by_config_changes_nothing(self):
         with cp_inductor.config.patch(fused_a2a=False):

@@ -19,9 +19,10 @@ sends is one contiguous block. How attention reads it is chosen per region
 
 * ``views``: each tensor's whole sequence is a strided view that cuDNN and flash read directly
   (as drawn above); the backward's dO (a lone tensor) is a view too, and out's pack is a view.
-* ``copy``: one copy per tensor straight into the layout attention had before the rewrite
-  (``q_heads = copy_like(view, old q_heads)``): attention runs exactly as under default
-  Inductor; only the packs and the collectives are fused. Lone tensors are left as they were.
+* ``copy``: the buffer keeps each tensor's rows together (``[cp, q | k | v]``) and one copy per
+  tensor puts it straight into the layout attention had before the rewrite: attention runs
+  exactly as under default Inductor, the unpack reads whole blocks as the user's own does; only
+  the packs and the collectives are fused. Lone tensors (dO, out) are left as they were.
 
 The backward packs dq, dk, dv into one buffer whose slices are copied back into the layout the
 old all-to-alls delivered. Where attention does not read the plain received tensor (heads
@@ -32,6 +33,7 @@ unchanged; launches and copies go down.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -185,24 +187,37 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
     # the buffer, or none for a lone tensor already sequence-major (cuDNN's output).
     layouts = [pack_layout(c, cp) for c in crossings]
     packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(crossings, layouts)]
-    buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 3)
+    # views: the tensors' heads side by side ([cp, S/cp, B, Hq+2Hkv, D]), so each is a strided
+    # view. copy: each tensor's rows together per destination ([cp, q | k | v]): every unpack then
+    # reads whole [S/cp, B, H, D] blocks, as default Inductor's own unpack does (the copy out of
+    # the interleaved buffer runs at 0.5-0.8 TB/s on H200, bench_attention_layouts.py unpack_ms).
+    grouped = unpack == "copy" and len(packs) > 1
+    if grouped:
+        buf = emit(aten.cat.default, [emit(aten.reshape.default, p, [cp, -1]) for p in packs], 1)
+    else:
+        buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 3)
     recv = emit(c10d.wait_tensor.default, all_to_all(emit, buf, cp, group))
 
     offset, strided, dead = 0, False, []
     for c, lay, attn_arg in zip(crossings, layouts, attn_args):
-        heads = lay.shape[3]
-        part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
-        offset += heads
+        if grouped:
+            size = math.prod(lay.shape[1:])
+            part = emit(aten.view.default, emit(aten.slice.Tensor, recv, 1, offset, offset + size), list(lay.shape))
+            offset += size
+        else:
+            heads = lay.shape[3]
+            part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
+            offset += heads
         if reads_as_view(lay, c, cp, attn_arg):
-            view = heads_view(emit, part)
             like = _layout_required(region, attn_arg)
+            view = None if grouped else heads_view(emit, part)
             if unpack == "views" and (like is None or stride_order(view.meta["val"]) == stride_order(like)):
                 emit.replace(attn_arg, view, strides=False)
                 strided = True
             else:
                 # One copy straight into the layout attention had (or, for dO, the layout of O).
-                emit.replace(attn_arg, emit.copy_like(view, like if like is not None else attn_arg.meta["val"]),
-                             strides=like is None)
+                target = like if like is not None else attn_arg.meta["val"]
+                emit.replace(attn_arg, _copy_heads(emit, part, target), strides=like is None)
             dead.extend(reversed(c.after))  # the old unpack chain
         else:
             emit.replace(c.wait, as_delivered(emit, part, lay, c, cp))
@@ -214,6 +229,17 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_arg
         if not node.users:
             graph.erase_node(node)
     return emit.replaced
+
+
+def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
+    """Received ``[cp, S/cp, B, H, D]`` -> one copy into a ``[B, H, S, D]`` tensor with ``like``'s
+    stride order (S = source rank x local position; ``part`` need not be one strided view)."""
+    order = stride_order(like)  # over (B, H, S, D)
+    order5 = [j for i in order for j in ((2, 3) if i == 2 else (i + (i == 3),))]  # S -> (rank, pos)
+    inverse5 = [order5.index(i) for i in range(5)]
+    bh = emit(aten.permute.default, part, [2, 3, 0, 1, 4])  # [B, H, cp, S/cp, D]
+    dense = emit(aten.clone.default, emit(aten.permute.default, bh, order5), memory_format=torch.contiguous_format)
+    return emit(aten.view.default, emit(aten.permute.default, dense, inverse5), list(like.shape))
 
 
 def _layout_required(region: A2ARegion, attn_arg) -> torch.Tensor | None:

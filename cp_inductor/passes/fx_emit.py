@@ -47,13 +47,6 @@ class Emitter:
             x = self(aten.reshape.default, x, list(plan.shape))
         return x
 
-    def copy_like(self, x: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:
-        """One copy of ``x`` into a tensor with ``like``'s strides (dense, same stride order)."""
-        order = stride_order(like)
-        inverse = [order.index(i) for i in range(like.dim())]
-        dense = self(aten.clone.default, self(aten.permute.default, x, order), memory_format=torch.contiguous_format)
-        return self(aten.permute.default, dense, inverse)
-
 
 def stride_order(t: torch.Tensor) -> list:
     """Dims from outermost to innermost in memory (ties keep the logical order)."""
