@@ -4,7 +4,7 @@ native context_parallel (ring) / the one-GPU compute floor.
     torchrun --nproc-per-node 2 benchmarks/bench_ulysses.py --batch 1 --seq 32768 --heads 32 \
         --head-dim 128 --layout bshd --json out.json
 
-Method (DESIGN.md section 6): every arm is compiled and warmed up, then the arms run in rounds,
+Method (docs/architecture.md, "Measuring"): every arm is compiled and warmed up, then the arms run in rounds,
 the order alternating between rounds; each round times ``--iters`` iterations after
 ``--warmup`` more, with CUDA events; per iteration the slowest rank counts; the median over the
 round is reported, and ratios are medians of per-round ratios (paired). Arms share one process

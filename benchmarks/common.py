@@ -1,4 +1,4 @@
-"""Measurement discipline shared by the benchmark scripts (DESIGN.md section 6)."""
+"""Measurement discipline shared by the benchmark scripts (docs/architecture.md, "Measuring")."""
 
 from __future__ import annotations
 

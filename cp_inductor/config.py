@@ -1,6 +1,6 @@
 """cp_inductor configuration.
 
-One switch per rewrite of the catalogue (DESIGN.md section 3) plus the knobs the rewrites read.
+One switch per rewrite of the catalogue (README, "Rewrites") plus the knobs the rewrites read.
 Patch it like Inductor's config::
 
     with cp_inductor.config.patch(fused_a2a=False):

@@ -17,10 +17,10 @@ import torch.fx
 
 from .. import config
 from ..reporting import Region, Rejected
-from . import detect_a2a, fused_a2a, head_partition
+from . import detect_a2a, fused_a2a, grad_out_layout, head_partition
 from .guard import why_not
 
-# Which rewrites of the catalogue (DESIGN.md section 3) concern a region of each CP style.
+# Which rewrites of the catalogue (README, "Rewrites") concern a region of each CP style.
 REWRITES_BY_STYLE = {
     "a2a": ("fused_a2a", "zero_init", "head_partition", "uniform_thd"),
     "allgather": ("zero_init", "first_grad_reuse", "head_partition", "uniform_thd", "owner_grad_return"),
@@ -32,7 +32,10 @@ HOOKS: dict[str, list] = {
     "joint_custom_pre_pass": [],
     "joint_custom_post_pass": [],
     # head_partition first: where it applies it emits fused_a2a's buffers itself, in G groups.
-    "post_grad_custom_pre_pass": [head_partition.head_partition_pass, fused_a2a.fused_a2a_pass],
+    # Then the guard that gives cuDNN's attention backward a dO laid out like O (always on).
+    "post_grad_custom_pre_pass": [
+        head_partition.head_partition_pass, fused_a2a.fused_a2a_pass, grad_out_layout.grad_out_layout_pass,
+    ],
     "post_grad_custom_post_pass": [],
 }
 

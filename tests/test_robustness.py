@@ -1,0 +1,216 @@
+"""What real user code brings: `-1` in views, chained layers, third-party collectives, a rewrite
+that goes wrong, the dO/O layout guard, and the cost model's choices."""
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from expecttest import TestCase
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cp_inductor
+import variants
+from cp_inductor.parallel import ulysses_attention
+from cp_inductor.passes import cost_model, fused_a2a
+from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
+from cp_inductor.reporting import clear_report, report
+from graph_utils import aot_graphs, describe_regions, fake_pg, report_text, rewrite_summary
+from test_fused_a2a import qkv
+
+
+def hf_style(q_proj, k_proj, v_proj, head_dim=16):
+    """HF-style: q/k/v built with ``view(B, S, -1, D)`` from projections, fed to our helper."""
+    b, s, _ = q_proj.shape
+    q, k, v = (t.view(b, s, -1, head_dim) for t in (q_proj, k_proj, v_proj))
+    return ulysses_attention(q, k, v, is_causal=True)
+
+
+class TestInferredSizes(TestCase):
+    def test_view_minus_one_feeds_the_helper(self):
+        g = torch.Generator().manual_seed(0)
+        x = [torch.randn(s, generator=g, requires_grad=True) for s in ((2, 8, 128), (2, 8, 64), (2, 8, 64))]
+        with fake_pg(2):
+            text = describe_regions(aot_graphs(hf_style, *x))
+        self.assertExpectedInline(text, """\
+forward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 causal
+  q        bshd: view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  k        bshd: view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  v        bshd: view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  out      bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+backward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4 causal
+  grad_out bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dq       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view
+  dk       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view
+  dv       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view""")
+
+
+class TestChainedLayers(TestCase):
+    def test_second_layer_scatters_the_first_layers_output(self):
+        # Both layers' regions are found in both graphs and fused; before, fused_a2a erased the
+        # first layer's wait while the second region still read it (a cycle, compile crash).
+        with fake_pg(2), cp_inductor.config.patch(strict=True):
+            graphs = aot_graphs(variants.chained_layers, *qkv((1, 4, 4, 8), (1, 4, 4, 8)))
+            found = report_text(graphs)
+            text = rewrite_summary(graphs, fused_a2a.fused_a2a_pass)
+        assert found.count("applied=['fused_a2a']") == 4, found
+        self.assertExpectedInline(text, """\
+forward before: a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8] (all_to_all=8 clone=8)
+forward after:  a2a[2, 4, 1, 6, 8], a2a[2, 4, 1, 2, 8], a2a[2, 4, 1, 6, 8], a2a[2, 4, 1, 2, 8] (all_to_all=4 clone=4)
+backward before: a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8] (all_to_all=8 clone=9)
+backward after:  a2a[2, 4, 1, 2, 8], a2a[2, 4, 1, 6, 8], a2a[2, 4, 1, 2, 8], a2a[2, 4, 1, 6, 8] (all_to_all=4 clone=13)""")
+
+
+class TestUndoneRewrite(TestCase):
+    def _broken(self, monkeypatch_target):
+        """fused_a2a with its copy back into the delivered layout returning a wrong shape."""
+        real = fused_a2a.as_delivered
+
+        def wrong(emit, part, lay, c, cp):
+            out = real(emit, part, lay, c, cp)
+            return emit(torch.ops.aten.slice.Tensor, out, 0, 0, 1)
+
+        monkeypatch_target.setattr(fused_a2a, "as_delivered", wrong)
+
+    def test_a_failing_check_keeps_the_graph_and_says_why(self):
+        import pytest
+
+        with pytest.MonkeyPatch.context() as mp:
+            self._broken(mp)
+            with fake_pg(2), cp_inductor.config.patch(strict=False):
+                graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
+                before = graphs["backward"].code
+                clear_report()
+                fused_a2a.fused_a2a_pass(graphs["backward"].graph)
+                graphs["backward"].recompile()
+                assert graphs["backward"].code == before
+                undone = report().undone
+        assert len(undone) == 1 and undone[0].rewrite == "fused_a2a", undone
+        self.assertExpectedInline(
+            undone[0].reason.split(":")[0] + ": " + undone[0].reason.split("became")[-1].strip(),
+            """RewriteCheckError: (1, 1, 8, 2, 16) torch.float32""",
+        )
+
+    def test_strict_mode_raises(self):
+        import pytest
+
+        from cp_inductor.passes.region_rewrite import RewriteCheckError
+
+        with pytest.MonkeyPatch.context() as mp:
+            self._broken(mp)
+            with fake_pg(2), cp_inductor.config.patch(strict=True):
+                graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
+                with pytest.raises(RewriteCheckError):
+                    fused_a2a.fused_a2a_pass(graphs["backward"].graph)
+
+
+def _register_deepspeed_like_op():
+    """An op under DeepSpeed's schema (``deepspeed::dim_zero_all_to_all``), without DeepSpeed."""
+    if hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "dim_zero_all_to_all"):
+        return torch.ops.deepspeed.dim_zero_all_to_all
+    lib = torch.library.Library("deepspeed", "FRAGMENT")  # noqa: TOR901
+    lib.define("dim_zero_all_to_all(Tensor input, str group_name) -> Tensor")
+    lib.impl("dim_zero_all_to_all", lambda x, g: x.clone(), "CompositeExplicitAutograd")
+    torch.library.register_fake("deepspeed::dim_zero_all_to_all", lambda x, g: torch.empty_like(x), lib=lib)
+    torch.library.register_autograd(
+        "deepspeed::dim_zero_all_to_all",
+        lambda ctx, grad: (torch.ops.deepspeed.dim_zero_all_to_all(grad, ctx.group_name), None),
+        setup_context=lambda ctx, inputs, output: setattr(ctx, "group_name", inputs[1]),
+        lib=lib,
+    )
+    _register_deepspeed_like_op.lib = lib
+    return torch.ops.deepspeed.dim_zero_all_to_all
+
+
+def deepspeed_style(q, k, v):
+    """DeepSpeed's HF Ulysses: [B, S/cp, H, D] -> heads to dim 0 -> its own all-to-all op."""
+    import torch.distributed as dist
+
+    op = torch.ops.deepspeed.dim_zero_all_to_all  # registered before tracing
+    group = dist.group.WORLD.group_name
+    cp = dist.get_world_size()
+
+    def scatter(x):
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        return op(send, group).permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=True)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4).contiguous()
+    return op(send, group).permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+class TestKnownCollectives(TestCase):
+    def test_deepspeed_dim_zero_all_to_all_is_found_and_reported(self):
+        _register_deepspeed_like_op()
+        with fake_pg(2):
+            text = report_text(aot_graphs(deepspeed_style, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
+        self.assertExpectedInline(text, """\
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+
+
+class TestGradOutLayoutGuard(TestCase):
+    def _graph(self, d_out_seq_major: bool):
+        mode = FakeTensorMode()
+        g = torch.fx.Graph()
+        with mode:
+            bhsd = torch.empty(1, 4, 16, 8)
+            seq_major = torch.empty(16, 1, 4, 8).permute(1, 2, 0, 3)
+            vals = {"grad_out": seq_major if d_out_seq_major else bhsd, "query": bhsd, "key": bhsd,
+                    "value": bhsd, "out": bhsd, "logsumexp": torch.empty(1, 4, 16)}
+            scalars = [torch.empty(()) for _ in range(5)]
+        nodes = []
+        for name, val in list(vals.items()) + [(f"t{i}", v) for i, v in enumerate(scalars)]:
+            n = g.placeholder(name)
+            n.meta["val"] = val
+            nodes.append(n)
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+        call = g.call_function(op, (*nodes, 16, 16, 0.0, True))
+        g.output(call)
+        return g
+
+    def test_mismatched_grad_out_is_copied_like_out(self):
+        g = self._graph(d_out_seq_major=True)
+        grad_out_layout_pass(g)
+        ops = [n.target.__name__ for n in g.nodes if n.op == "call_function"]
+        self.assertExpectedInline(" ".join(ops), """permute.default clone.default permute.default _scaled_dot_product_cudnn_attention_backward.default""")
+        d_out = next(n for n in g.nodes if n.op == "call_function" and "cudnn" in n.target.__name__).args[0]
+        assert d_out.meta["val"].stride() == (512, 128, 8, 1)
+
+    def test_matching_grad_out_is_left_alone(self):
+        g = self._graph(d_out_seq_major=False)
+        grad_out_layout_pass(g)
+        assert [n.target.__name__ for n in g.nodes if n.op == "call_function"] == [
+            "_scaled_dot_product_cudnn_attention_backward.default"
+        ]
+
+
+class TestCostModel(TestCase):
+    def test_choices_on_the_benchmark_shapes(self):
+        # This rank's attention after the all-to-all (cp=2), bf16, causal: deterministic.
+        shapes = {
+            "B1 S32K H32 D128": (1, 32768, 16, 16, 128), "B1 S64K H32 D128": (1, 65536, 16, 16, 128),
+            "B1 S128K H32 D128": (1, 131072, 16, 16, 128), "B2 S16K H32 D256": (2, 16384, 16, 16, 256),
+            "B4 S8K H16 D128": (4, 8192, 8, 8, 128), "B8 S4K H32 D128": (8, 4096, 16, 16, 128),
+            "B1 S32K Hq32 Hkv8 D128": (1, 32768, 16, 4, 128),
+        }
+        text = "\n".join(
+            f"{name}: {cost_model.choose_unpack(b, s, hq, hkv, d, True, 2).choice}"
+            for name, (b, s, hq, hkv, d) in shapes.items()
+        )
+        self.assertExpectedInline(text, """\
+B1 S32K H32 D128: skip
+B1 S64K H32 D128: skip
+B1 S128K H32 D128: skip
+B2 S16K H32 D256: skip
+B4 S8K H16 D128: views
+B8 S4K H32 D128: views
+B1 S32K Hq32 Hkv8 D128: skip""")
+
+    def test_the_choice_is_reported(self):
+        with fake_pg(2):
+            graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
+            from cp_inductor.passes import pipeline
+
+            details = [r.detail for r in pipeline.analyze(graphs["forward"].graph, "forward")]
+        self.assertExpectedInline(" | ".join(details), """Hq=4 Hkv=4 unpack=views (no cost map for cpu)""")
