@@ -195,6 +195,16 @@ def _role_of(f: Factor, roles: dict) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _split_by_roles(f: Factor, roles: dict) -> list:
+    """``f`` as the role factors it is made of, outer to inner (a [B * S] dim is batch then
+    sequence), or ``[f]``."""
+    inside = sorted((g for g in roles if g.axis == f.axis and f.stride <= g.stride and g.end <= f.end),
+                    key=lambda g: -g.stride)
+    if len(inside) < 2 or canonical(inside) != (f,):
+        return [f]
+    return inside
+
+
 def _layout_name(lay: Layout, roles: dict) -> str | None:
     names = []
     for dim in lay.dims:
@@ -216,9 +226,14 @@ def _gathered(lay: Layout, roles: dict) -> bool:
     packed q/k/v gradient) may sit between roles."""
     if lay.pinned.axis != RANK_AXIS:
         return False
-    flat = [f for dim in lay.dims for f in canonical(dim)]
+    dims = [[g for f in canonical(dim) for g in _split_by_roles(f, roles)] for dim in lay.dims]
+    flat = [f for dim in dims for f in dim]
     if any(f.axis == RANK_AXIS for f in flat):
         return False
+    for dim in dims:  # heads merged into the sequence (or batch): not this rank's slice back
+        rs = {_role_of(f, roles) for f in dim}
+        if "h" in rs and rs & {"s", "b"}:
+            return False
     seq = [_role_of(f, roles) for f in flat]
     for role in "bhsd":
         idx = [i for i, r in enumerate(seq) if r == role]
