@@ -15,7 +15,8 @@ After::
 
 The buffer is sequence-major with the three tensors' heads side by side: every chunk a rank
 sends is one contiguous block. How attention reads it is chosen per region
-(:mod:`cost_model`, ``config.fused_a2a_unpack``):
+(:mod:`cost_model`, ``config.fused_a2a_unpack``); where the measured map says neither way wins,
+the region is left as written, with the numbers as the skip reason:
 
 * ``views``: each tensor's whole sequence is a strided view that cuDNN and flash read directly
   (as drawn above); the backward's dO (a lone tensor) is a view too, and out's pack is a view.
@@ -53,9 +54,10 @@ NAME = "fused_a2a"
 
 
 def unpack_choice(region: A2ARegion) -> UnpackChoice:
-    """Views of the received buffer or one copy out of it (``config.fused_a2a_unpack``; "auto":
-    the cost model on this rank's attention shapes). Forward and backward regions of one
-    attention see the same shapes, so they choose alike."""
+    """Views of the received buffer, one copy out of it, or no rewrite ("skip")
+    (``config.fused_a2a_unpack``; "auto": the cost model on this rank's attention shapes, views
+    or skip). Forward and backward regions of one attention see the same shapes, so they choose
+    alike."""
     if config.fused_a2a_unpack != "auto":
         if config.fused_a2a_unpack not in ("views", "copy"):
             raise ValueError(f"fused_a2a_unpack={config.fused_a2a_unpack!r}: expected auto, views or copy")
