@@ -1,7 +1,8 @@
-"""How fused_a2a hands attention what one all-to-all received: as strided views, or copied out.
+"""How fused_a2a hands attention what one all-to-all received: as strided views, copied out, or
+not at all (the region left as written).
 
 After fused_a2a's single all-to-all the q, k and v of this rank's heads sit side by side in one
-sequence-major buffer ``[S, B, Hq + 2 Hkv, D]``. Two ways to feed attention from it:
+sequence-major buffer ``[S, B, Hq + 2 Hkv, D]``. The choices:
 
 * ``views``: attention reads strided views of the buffer (no copy); dO, in the backward, a
   sequence-major view of its own buffer.
@@ -10,8 +11,9 @@ sequence-major buffer ``[S, B, Hq + 2 Hkv, D]``. Two ways to feed attention from
 * no rewrite: the region stays as the program wrote it.
 
 Views save that copy (and the copies of the lone dO and out) but make cuDNN slower on the
-interleaved buffer (its rows are 3x wider). Both terms are measured (``benchmarks/bench_attention_layouts.py``, H200, JSON in
-``cp_inductor/cost_data/``); per region::
+interleaved buffer (its rows are 3x wider). Both terms are measured
+(``benchmarks/bench_attention_layouts.py``, H200, JSON in ``cp_inductor/cost_data/``); per
+region::
 
     penalty_ms = (views_ms / cp_off_ms - 1) at the nearest measured shapes x attention_ms
     copy_ms    = 2 x bytes(q, k, v, dO, out) / COPY_GBPS
@@ -19,8 +21,8 @@ interleaved buffer (its rows are 3x wider). Both terms are measured (``benchmark
 
 ``attention_ms`` scales the nearest measured cp_off time by the work ratio (B S^2 Hq D). The
 nearest shapes: same causality and MHA/GQA class, the ``NEIGHBOURS`` closest in log2 of
-(batch, sequence, heads, head_dim); their penalties are averaged, because one measurement of a small
-difference is noisy.
+(batch, sequence, heads, head_dim); their penalties are averaged, because one measurement of a
+small difference is noisy.
 
 ``auto`` never picks ``copy``: measured end to end on 2xH200 it was no faster than leaving the
 region alone wherever views did not win (B1 S32K H32 D128: 1.025 and 1.026 of cp_off in runs 8
@@ -54,7 +56,7 @@ NEIGHBOURS = 3
 
 @dataclass(frozen=True)
 class UnpackChoice:
-    choice: str  # "views" | "copy"
+    choice: str  # "views" | "copy" | "skip"
     reason: str  # the numbers behind it, for the report
 
 
