@@ -207,6 +207,11 @@ B4 S8K H16 D128: views
 B8 S4K H32 D128: views
 B1 S32K Hq32 Hkv8 D128: skip""")
 
+    def test_small_shapes_are_left_alone(self):
+        # The GPU tests' shapes (tests/test_gpu_nccl.py, cp=2): no predicted win, no rewrite.
+        for b, s, hq, hkv, d in ((2, 512, 4, 4, 64), (1, 1024, 8, 2, 128)):
+            assert cost_model.choose_unpack(b, s, hq, hkv, d, True, 2).choice == "skip"
+
     def test_the_choice_is_reported(self):
         with fake_pg(2):
             graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
