@@ -29,11 +29,10 @@ import argparse
 import contextlib
 import itertools
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from common import device_ms
 
 LAYOUTS = ("cp_off", "views", "seq_major", "mismatched_do")
 
@@ -81,28 +80,6 @@ def step(q, k, v, dout, causal, gqa):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def timed(fn, iters: int, warmup: int = 2, calls: int = 1) -> float:
-    """Median device time per call; ``calls`` back-to-back calls per event pair."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        t = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            t.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(t)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) / calls for a, b in ev)
-
-
 def unpack_fn(cp: int, hq: int, hkv: int):
     """Received fused buffer [cp, S/cp, B, Htot, D] -> contiguous [B, H, S, D] q, k, v (Inductor)."""
 
@@ -144,13 +121,13 @@ def measure(p: dict, iters: int, cp: int = 2) -> dict:
             (q, k, v), dout = inputs[name]
             got = step(q, k, v, dout, p["causal"], gqa)
             row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
-            row[f"{name}_ms"] = timed(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
+            row[f"{name}_ms"] = device_ms(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
     s, b, htot, d = inputs["fused"].shape
     buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
     unpack = unpack_fn(cp, p["heads"], p["kv_heads"])
-    row["unpack_ms"] = timed(lambda: unpack(buf), max(iters, 10), warmup=3, calls=20)
+    row["unpack_ms"] = device_ms(lambda: unpack(buf), max(iters, 10), calls=20, warmup=3)
     row["unpack_gbps"] = 2 * buf.numel() * buf.element_size() / row["unpack_ms"] / 1e6
-    del inputs, want, buf
+    del inputs, want
     if cuda:
         torch.cuda.empty_cache()
     return row

@@ -4,17 +4,17 @@ hand-written Triton kernel (cp_inductor::a2a_pack) vs eager, against a plain cop
     python benchmarks/bench_pack.py --json pack.json
 
 Per shape: q [B, S/cp, Hq, D], k and v [B, S/cp, Hkv, D] in bf16 packed into
-[cp, S/cp, B, (Hq+2Hkv)/cp, D]. Device time per call (see ``timed``); GB/s counts bytes read +
-written.
+[cp, S/cp, B, (Hq+2Hkv)/cp, D]. Device time per call (``common.device_ms``: 20 back-to-back calls
+per event pair, so host launch overhead is hidden); GB/s counts bytes read + written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from common import device_ms
 
 from cp_inductor.lowerings import a2a_pack_triton
 from cp_inductor.lowerings.a2a_pack import reference
@@ -25,24 +25,6 @@ SHAPES = {  # name -> (B, S/cp, Hq, Hkv, D, cp)
     "B2 S16K H32 D256 cp2": (2, 8192, 32, 32, 256, 2),
     "B4 S8K H16 D128 cp2": (4, 4096, 16, 16, 128, 2),
 }
-
-
-def timed(fn, iters=20, calls=20, warmup=10) -> float:
-    """Device time per call: ``calls`` back-to-back calls between two events (the host queues
-    faster than the ~0.1-0.5 ms kernels run, so launch overhead is hidden), median of ``iters``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -66,7 +48,7 @@ def main() -> int:
         }
         assert torch.equal(compiled(xs, cp), want) and torch.equal(a2a_pack_triton.pack(xs, cp), want)
         nbytes = 2 * flat.numel() * flat.element_size()
-        ms = {arm: timed(fn) for arm, fn in arms.items()}
+        ms = {arm: device_ms(fn, iters=20, calls=20, warmup=10) for arm, fn in arms.items()}
         rows[name] = {arm: {"ms": t, "GBps": nbytes / t / 1e6} for arm, t in ms.items()}
         for arm, t in ms.items():
             print(f"{name:28s} {arm:10s} {t:8.3f} {nbytes / t / 1e6:8.0f} {ms['copy'] / t:8.2f}")
