@@ -17,7 +17,7 @@ import torch
 from common import device_ms
 
 from cp_inductor.lowerings import a2a_pack_triton
-from cp_inductor.lowerings.a2a_pack import reference
+from cp_inductor.lowerings.a2a_pack_layout import reference
 
 SHAPES = {  # name -> (B, S/cp, Hq, Hkv, D, cp)
     "B1 S32K H32 D128 cp2": (1, 16384, 32, 32, 128, 2),

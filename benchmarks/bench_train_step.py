@@ -4,7 +4,7 @@
         --kv-heads 4 --json out.json                  # ~4K tokens per rank: launch overhead shows
     torchrun --nproc-per-node 2 benchmarks/bench_train_step.py --seq 65536 --dim 4096 --heads 32
 
-The step is cp_inductor.train_step (norm, QKV, Ulysses attention, out proj, MLP, loss, in-graph
+The step is cp_inductor.testing.train_step (norm, QKV, Ulysses attention, out proj, MLP, loss, in-graph
 backward, gradient all-reduce, SGD). Each arm gets fresh weights from one seed; rounds alternate
 the arm order; per iteration the slowest rank counts (host clock after a device sync, since a
 CUDA-graph replay is one launch); medians and paired ratios vs Inductor; peak memory per rank.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from common import alternating_rounds, paired_ratio, teardown
 
 import cp_inductor
-from cp_inductor.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
+from cp_inductor.testing.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
 HP = {"cp_inductor.head_partition": True}
 ARMS = {  # name -> (backend, mode, options); backend None = eager

@@ -16,8 +16,9 @@ import torch._inductor.config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from . import config
+from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
-from .passes.custom_pass import CPGraphPass
+from .passes.hook_pass import CPGraphPass
 from .reporting import clear_report, record, record_rejected
 
 OPTION_PREFIX = "cp_inductor."
@@ -43,26 +44,24 @@ def _graph_kind(kwargs) -> str:
     return "inference" if kwargs.get("is_inference") else "forward"
 
 
-def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cp_config: dict, **kwargs):
-    kind = _graph_kind(kwargs)
-    rejected, patches = [], {}
-    with config.patch(cp_config):
-        for region in pipeline.analyze(gm.graph, kind, rejected):
-            record(region)
-            for name in region.applied:
-                patches.update(pipeline.INDUCTOR_PATCHES.get(name, {}))
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, **kwargs):
+    rejected = []
+    rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg)
+    for row in rows:
+        record(row)
     for r in rejected:
         record_rejected(r)
-    with inductor_config.patch(patches):
+    with inductor_config.patch(pipeline.inductor_patches(rows)):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def graph_passes(cp_config: dict, inductor_patches: dict) -> dict:
+def graph_passes(cfg, inductor_patches: dict) -> dict:
     """One CPGraphPass per hook key, chaining whatever pass the user had set there."""
+    cfg = cfg if isinstance(cfg, ConfigSnapshot) else ConfigSnapshot(cfg)
     out = {}
-    for hook, passes in pipeline.HOOKS.items():
+    for hook in pipeline.HOOKS:
         user = inductor_patches.get(hook, getattr(inductor_config, hook))
-        out[hook] = CPGraphPass(hook, passes, cp_config, user_pass=user)
+        out[hook] = CPGraphPass(hook, pipeline.run_hook, cfg, user_pass=user)
     return out
 
 
@@ -70,15 +69,15 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     ours, inductor_patches = _split_options(options)
     if mode is not None and mode != "default":
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
-    cp_config = {**config.get_config_copy(), **ours}
-    inductor_patches.update(graph_passes(cp_config, inductor_patches))
+    cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
+    inductor_patches.update(graph_passes(cfg, inductor_patches))
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=functools.partial(_inner_compile, cp_config=cp_config),
+            inner_compile=functools.partial(_inner_compile, cfg=cfg),
             config_patches=inductor_patches,
         )
 

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if rank != 0:
             return 0
     else:
-        from .launch import run_on_ranks
+        from .testing.launch import run_on_ranks
 
         cp = args.cp
         result = run_on_ranks(run, cp, args)[0]

@@ -17,19 +17,26 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Region:
+    """One row of the report: a CP attention region of one graph and what was done to it."""
+
     style: str  # "a2a" | "allgather" | "ring"
     cp_size: int
     layout: str  # "bshd" | "bhsd" | "sbhd" | "thd": sequence-sharded q/k/v as they enter
-    graph: str  # "forward" | "backward" | "inference"
+    graph_kind: str  # "forward" | "backward" | "inference"
     applied: list = field(default_factory=list)  # rewrite names
     skipped: dict = field(default_factory=dict)  # rewrite name -> reason
     attention: str = ""  # the ATen attention op
     detail: str = ""  # heads, causal, ...
 
+    @property
+    def graph(self) -> str:
+        """The graph kind, under the field's earlier name."""
+        return self.graph_kind
+
     def row(self) -> list[str]:
         skipped = "; ".join(f"{k}: {v}" for k, v in self.skipped.items())
         return [
-            self.graph, self.style, str(self.cp_size), self.layout, self.attention, self.detail,
+            self.graph_kind, self.style, str(self.cp_size), self.layout, self.attention, self.detail,
             ", ".join(self.applied) or "-", skipped or "-",
         ]
 
@@ -41,9 +48,14 @@ _HEADER = ["graph", "style", "cp", "layout", "attention", "detail", "applied", "
 class Rejected:
     """An attention op that is not a CP region, and why (nothing is rewritten there)."""
 
-    graph: str
+    graph_kind: str
     attention: str
     reason: str
+
+    @property
+    def graph(self) -> str:
+        """The graph kind, under the field's earlier name."""
+        return self.graph_kind
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Report:
         else:
             lines.append("cp_inductor: no CP attention regions found")
         for r in self.rejected:
-            lines.append(f"not a CP region ({r.graph}): {r.attention}: {r.reason}")
+            lines.append(f"not a CP region ({r.graph_kind}): {r.attention}: {r.reason}")
         for u in self.undone:
             lines.append(f"rewrite undone: {u.rewrite} at {u.attention}: {u.reason}")
         return "\n".join(lines)
@@ -95,7 +107,7 @@ def record_undone(undone: RewriteUndone) -> None:
 def record_rejected(rejected: Rejected) -> None:
     with _lock:
         _rejected.append(rejected)
-    log.info("cp_inductor %s: %s is not a CP region: %s", rejected.graph, rejected.attention, rejected.reason)
+    log.info("cp_inductor %s: %s is not a CP region: %s", rejected.graph_kind, rejected.attention, rejected.reason)
 
 
 def record(region: Region) -> None:
@@ -103,7 +115,7 @@ def record(region: Region) -> None:
         _regions.append(region)
     log.info(
         "cp_inductor %s region: style=%s cp=%d layout=%s attention=%s %s applied=%s skipped=%s",
-        region.graph, region.style, region.cp_size, region.layout, region.attention,
+        region.graph_kind, region.style, region.cp_size, region.layout, region.attention,
         region.detail, region.applied, region.skipped,
     )
 

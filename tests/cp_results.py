@@ -1,4 +1,4 @@
-"""The one assertion every numerics test makes on ``cp_inductor.checks.check_cp_attention``."""
+"""The one assertion every numerics test makes on ``cp_inductor.testing.checks.check_cp_attention``."""
 
 from __future__ import annotations
 

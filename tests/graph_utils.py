@@ -12,8 +12,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from cp_inductor.config_snapshot import snapshot
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.detect_a2a import find_regions
+from cp_inductor.passes.detect.a2a import find
 
 
 @contextlib.contextmanager
@@ -65,7 +66,7 @@ def describe_regions(graphs: dict) -> str:
     """One block per region: kind, cp, layout, then each crossing as its op chain."""
     lines = []
     for kind, gm in graphs.items():
-        for r in find_regions(gm.graph, kind):
+        for r in find(gm.graph, kind, snapshot()):
             lines.append(
                 f"{kind}: a2a cp={r.cp} layout={r.layout} {_short(r.attention)}"
                 f" Hq={r.heads_q} Hkv={r.heads_kv}{' causal' if r.is_causal else ''}"
@@ -101,6 +102,11 @@ def collectives(gm) -> str:
         for n in gm.graph.nodes
         if n.target is torch.ops._c10d_functional.all_to_all_single.default
     )
+
+
+def fused_a2a_pass(graph) -> None:
+    """fused_a2a alone on a post-grad graph, with the global config as it is now."""
+    pipeline.rewrite_graph(graph, only=("fused_a2a",))
 
 
 def rewrite_summary(graphs: dict, graph_pass) -> str:

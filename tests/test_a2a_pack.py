@@ -4,7 +4,8 @@ Triton CPU interpreter."""
 import pytest
 import torch
 
-from cp_inductor.lowerings.a2a_pack import a2a_pack, reference
+from cp_inductor.lowerings.a2a_pack import a2a_pack
+from cp_inductor.lowerings.a2a_pack_layout import reference
 
 
 def inputs(b=2, s_l=4, heads=(4, 2, 2), d=16, dtype=torch.float32, seed=0):

@@ -145,7 +145,8 @@ def test_torch_logs_artifact():
 def test_a_bug_in_our_analysis_costs_the_rewrite_not_the_compile(monkeypatch):
     """An unexpected error in detection or eligibility leaves the op to Inductor with the error
     as its reason; strict mode (what the tests run with) raises it instead."""
-    from cp_inductor.passes import detect_a2a, fused_a2a
+    from cp_inductor.passes.detect import a2a as detect_a2a
+    from cp_inductor.passes.rewrites import fused_a2a
 
     def broken(*args, **kwargs):
         raise KeyError("grad_out")

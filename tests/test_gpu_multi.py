@@ -4,8 +4,8 @@ H200 machines (skipped where fewer GPUs exist; heads scaled so every cp divides 
 import pytest
 import torch
 
-from cp_inductor.checks import AttentionCase, check_cp_attention
-from cp_inductor.launch import run_on_ranks
+from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
 from cp_results import assert_cp_results
 from test_gpu_nccl import TOL
 
@@ -36,7 +36,7 @@ def test_ulysses_nccl_bf16(cp, head_partition):
 
 @pytest.mark.parametrize("cp", [on(4)])
 def test_cuda_graph_training_step(cp):
-    from cp_inductor.train_step import StepConfig, compare_with_eager
+    from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=2048, dim=512, heads=16, kv_heads=8, lr=0.01)
     options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, "cp_inductor.fused_a2a_unpack": "views"}

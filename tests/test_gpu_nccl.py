@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import variants
-from cp_inductor.checks import AttentionCase, check_cp_attention
-from cp_inductor.launch import run_on_ranks
+from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
 from cp_results import assert_cp_results
 
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -94,7 +94,7 @@ def test_hand_written_nccl_bf16():
 def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
     """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
     and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
-    from cp_inductor.train_step import StepConfig, compare_with_eager
+    from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
     options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition,

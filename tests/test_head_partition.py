@@ -11,8 +11,8 @@ from expecttest import TestCase
 
 import cp_inductor
 import variants
-from cp_inductor.checks import AttentionCase, check_cp_attention
-from cp_inductor.launch import run_on_ranks
+from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import pipeline
 from cp_results import assert_cp_results
 from graph_utils import aot_graphs, fake_pg, schedule
@@ -24,8 +24,7 @@ VIEWS = {"cp_inductor.fused_a2a_unpack": "views"}
 
 
 def run_passes(graph):
-    for p in pipeline.HOOKS["post_grad_custom_pre_pass"]:
-        p(graph)
+    pipeline.rewrite_graph(graph)
 
 
 def partitioned(cp, fn, *inputs, **cfg) -> str:

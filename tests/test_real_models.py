@@ -7,7 +7,7 @@ import transformers
 from expecttest import TestCase
 
 import cp_inductor
-from cp_inductor.launch import run_on_ranks
+from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.parallel import ulysses_attention
 from graph_utils import aot_graphs, fake_pg, report_text
 

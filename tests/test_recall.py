@@ -9,10 +9,9 @@ import pytest
 
 import cp_inductor
 import ulysses_programs as up
-from cp_inductor.launch import run_on_ranks
+from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.fused_a2a import fused_a2a_pass
-from graph_utils import aot_graphs, fake_pg
+from graph_utils import aot_graphs, fake_pg, fused_a2a_pass
 
 SEEDS = range(90)
 

@@ -10,10 +10,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cp_inductor
 import variants
 from cp_inductor.parallel import ulysses_attention
-from cp_inductor.passes import cost_model, fused_a2a
+from cp_inductor.passes import cost_model
+from cp_inductor.passes.rewrites import fused_a2a
 from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
 from cp_inductor.reporting import clear_report, report
-from graph_utils import aot_graphs, describe_regions, fake_pg, report_text, rewrite_summary
+from graph_utils import aot_graphs, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 from test_fused_a2a import qkv
 
 
@@ -50,7 +51,7 @@ class TestChainedLayers(TestCase):
         with fake_pg(2), cp_inductor.config.patch(strict=True):
             graphs = aot_graphs(variants.chained_layers, *qkv((1, 4, 4, 8), (1, 4, 4, 8)))
             found = report_text(graphs)
-            text = rewrite_summary(graphs, fused_a2a.fused_a2a_pass)
+            text = rewrite_summary(graphs, fused_a2a_pass)
         assert found.count("applied=['fused_a2a']") == 4, found
         self.assertExpectedInline(text, """\
 forward before: a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8], a2a[2, 1, 4, 2, 8] (all_to_all=8 clone=8)
@@ -79,7 +80,7 @@ class TestUndoneRewrite(TestCase):
                 graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
                 before = graphs["backward"].code
                 clear_report()
-                fused_a2a.fused_a2a_pass(graphs["backward"].graph)
+                fused_a2a_pass(graphs["backward"].graph)
                 graphs["backward"].recompile()
                 assert graphs["backward"].code == before
                 undone = report().undone
@@ -92,14 +93,14 @@ class TestUndoneRewrite(TestCase):
     def test_strict_mode_raises(self):
         import pytest
 
-        from cp_inductor.passes.region_rewrite import RewriteCheckError
+        from cp_inductor.passes.checked_rewrite import RewriteCheckError
 
         with pytest.MonkeyPatch.context() as mp:
             self._broken(mp)
             with fake_pg(2), cp_inductor.config.patch(strict=True):
                 graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
                 with pytest.raises(RewriteCheckError):
-                    fused_a2a.fused_a2a_pass(graphs["backward"].graph)
+                    fused_a2a_pass(graphs["backward"].graph)
 
 
 def _register_deepspeed_like_op():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cp_inductor.launch import run_on_ranks
-from cp_inductor.train_step import StepConfig, compare_with_eager
+from cp_inductor.testing.launch import run_on_ranks
+from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
 
 @pytest.mark.parametrize(

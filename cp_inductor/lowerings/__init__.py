@@ -5,6 +5,9 @@ its op and kernel here, apart from the pass that inserts it. fused_a2a and head_
 none: their pack is an ``aten.cat`` of relaid views and their unpack a view or a ``clone`` of a
 slice, which Inductor lowers into one copy kernel each (``test_generated_code_collectives_and_copy_kernels``).
 
-``a2a_pack`` (op + reference) and ``a2a_pack_triton`` (kernel + launcher) are the hand-written
-pack that Inductor's generated one is measured against (``benchmarks/bench_pack.py``).
+Per op: its layout contract (``<op>_layout.py``: input checks and the ATen reference), its
+definition and fake (``<op>.py``), its Triton kernel and launcher (``<op>_triton.py``); the op
+and the kernel import the contract, never each other (the op loads the kernel only when CUDA
+runs it). ``a2a_pack`` is the hand-written pack that Inductor's generated one is measured
+against (``benchmarks/bench_pack.py``).
 """

@@ -1,5 +1,6 @@
-"""Triton kernel and launcher of ``cp_inductor::a2a_pack`` (see ``a2a_pack.py``). A module of
-its own so tests can rebuild it under ``TRITON_INTERPRET=1`` and run it on CPU tensors."""
+"""Triton kernel and launcher of ``cp_inductor::a2a_pack`` (the op: ``a2a_pack.py``; the layout:
+``a2a_pack_layout.py``). A module of its own so tests can rebuild it under
+``TRITON_INTERPRET=1`` and run it on CPU tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .a2a_pack import check
+from .a2a_pack_layout import check
 
 
 @triton.jit

@@ -20,7 +20,7 @@ class Emitter:
         vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         self.fake_mode = detect_fake_mode(vals)
         # (old value, new node, strides kept?) per tensor handed on in place of an old one: what
-        # region_rewrite.check compares.
+        # checked_rewrite.check compares.
         self.replaced: list = []
 
     def replace(self, old: torch.fx.Node, new: torch.fx.Node, strides: bool = True, **kwargs) -> None:

@@ -1,99 +1,173 @@
-"""Every cp_inductor pass, in the order it runs, and the analysis that fills the report.
+"""Every cp_inductor pass, in the order it runs: the one place to read the pipeline.
 
-Two places in Inductor run our code:
+    DETECTORS  one module per CP style; each finds its regions and returns match records
+    REWRITES   the rewrite catalogue in decision order; each record says which styles it
+               concerns, why it cannot apply, how it applies, on which Inductor hook
+    GUARDS     whole-graph fixes that always run on a hook after the rewrites
 
-* ``analyze`` runs on each graph AOTAutograd hands to Inductor (forward, backward or inference,
-  before post-grad passes). It finds the CP attention regions and decides, per rewrite, apply or
-  skip with a reason; that is what the report shows. It runs on every compile, also when the FX
-  graph cache then serves the compiled code.
-* ``HOOKS`` lists, per Inductor hook key, the rewrites that run there. Each key gets ONE
-  :class:`~cp_inductor.passes.custom_pass.CPGraphPass` that runs these in order, then any pass
-  the user had already installed on that key.
+Two places in Inductor run this code, both with the compile's config snapshot:
+
+* :func:`analyze` on each graph AOTAutograd hands to Inductor (forward, backward or inference),
+  before any post-grad pass: it detects the regions and :func:`decide`\\ s each, which is what
+  the report shows. It runs on every compile, also when the FX graph cache then serves the code.
+* :func:`run_hook` inside Inductor's post-grad passes (one ``CPGraphPass`` per hook key): it
+  detects once, and per region decides and applies the rewrites that run on that hook, each
+  checked on a copy of the graph first (``checked_rewrite``). Report and rewrite agree because
+  both ask :func:`decide`.
+
+Adding a CP style: a detector module in ``detect/`` and one line in DETECTORS. Adding a rewrite:
+a module in ``rewrites/`` defining a ``Rewrite`` record, and one line in REWRITES.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch.fx
 
-from .. import config
+from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
-from . import detect_a2a, fused_a2a, grad_out_layout, head_partition
+from . import grad_out_layout
+from .checked_rewrite import apply_checked
+from .detect import a2a
 from .guard import why_not
+from .rewrites import POST_GRAD, Rewrite, fused_a2a, head_partition, planned
 
-# Which rewrites of the catalogue (README, "Rewrites") concern a region of each CP style.
-REWRITES_BY_STYLE = {
-    "a2a": ("fused_a2a", "zero_init", "head_partition", "uniform_thd"),
-    "allgather": ("zero_init", "first_grad_reuse", "head_partition", "uniform_thd", "owner_grad_return"),
-    "ring": ("zero_init", "first_grad_reuse", "uniform_thd"),
-}
+DETECTORS = (a2a,)
 
-# Rewrites that have landed, by the hook key their pass runs on, in order.
-HOOKS: dict[str, list] = {
-    "joint_custom_pre_pass": [],
-    "joint_custom_post_pass": [],
-    # head_partition first: where it applies it emits fused_a2a's buffers itself, in G groups.
-    # Then the guard that gives cuDNN's attention backward a dO laid out like O (always on).
-    "post_grad_custom_pre_pass": [
-        head_partition.head_partition_pass, fused_a2a.fused_a2a_pass, grad_out_layout.grad_out_layout_pass,
-    ],
-    "post_grad_custom_post_pass": [],
-}
+# Decision order: a rewrite's why_not sees the verdicts of those before it on the same region
+# (head_partition builds on fused_a2a's buffers). The report lists each region's rewrites in
+# this order.
+REWRITES: tuple[Rewrite, ...] = (
+    fused_a2a.REWRITE,
+    planned.ZERO_INIT,
+    planned.FIRST_GRAD_REUSE,
+    head_partition.REWRITE,
+    planned.UNIFORM_THD,
+    planned.OWNER_GRAD_RETURN,
+)
 
-# Inductor settings a graph is compiled with when a rewrite applies to one of its regions.
-# head_partition emits the order that overlaps (all incoming collectives, then per group: wait,
-# attention, send); Inductor's peak-memory reordering would sink each collective next to its
-# wait, which serializes them again.
-INDUCTOR_PATCHES = {
-    "head_partition": {"reorder_for_peak_memory": False},
-}
+# cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did.
+GUARDS = {POST_GRAD: (grad_out_layout.grad_out_layout_pass,)}
 
-# rewrite name -> function(region) giving the reason it cannot apply, or None. The pass asks the
-# same function on the post-grad graph, so the report states what the pass does.
-ELIGIBILITY = {
-    fused_a2a.NAME: fused_a2a.ineligible,
-    head_partition.NAME: head_partition.ineligible,
-}
+HOOKS = ("joint_custom_pre_pass", "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
 
-def _decide(style: str, region) -> tuple[list, dict]:
-    applied, skipped = [], {}
-    for name in REWRITES_BY_STYLE[style]:
-        if not getattr(config, name):
-            skipped[name] = "disabled by config"
-        elif name not in ELIGIBILITY:
-            skipped[name] = "not implemented yet"
-        elif (reason := why_not(ELIGIBILITY[name], region)) is not None:
-            skipped[name] = reason
+@dataclass
+class Decision:
+    """What the pipeline does to one region: rewrite names that apply, reasons for the rest."""
+
+    applied: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+
+    def to_run(self, hook: str) -> list[Rewrite]:
+        """The applied rewrites that run on ``hook``, minus those another applied one performs."""
+        chosen = [r for r in REWRITES if r.name in self.applied]
+        replaced = {name for r in chosen for name in r.replaces}
+        return [r for r in chosen if r.hook == hook and r.name not in replaced]
+
+
+def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
+    """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
+    (the others are left out, not skipped)."""
+    decision, decided = Decision(), {}
+    for rewrite in REWRITES:
+        if match.style not in rewrite.styles or (only is not None and rewrite.name not in only):
+            continue
+        if not cfg[rewrite.name]:
+            reason = "disabled by config"
+        elif not rewrite.implemented:
+            reason = "not implemented yet"
         else:
-            applied.append(name)
-    return applied, skipped
+            reason = why_not(rewrite.why_not, match, cfg, decided, cfg=cfg)
+        decided[rewrite.name] = reason
+        if reason is None:
+            decision.applied.append(rewrite.name)
+        else:
+            decision.skipped[rewrite.name] = reason
+    return decision
+
+
+def _detector(match):
+    return next(d for d in DETECTORS if d.STYLE == match.style)
 
 
 def _op_name(node) -> str:
     return node.target.__name__.split(".")[0]
 
 
-def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None) -> list[Region]:
-    """The CP attention regions of one graph, with what the pipeline does to each. Attention
-    ops that are not regions go to ``rejected`` with the reason."""
-    if not config.detect:
+def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None) -> list[Region]:
+    """The report rows of one graph: its CP regions and what the pipeline does to each.
+    Attention ops that are not regions go to ``rejected`` with the reason. ``cfg``: the
+    compile's snapshot (default: the global config as it is now)."""
+    cfg = cfg if cfg is not None else snapshot()
+    if not cfg.detect:
         return []
 
     def reject(node, reason):
         if rejected is not None:
             rejected.append(Rejected(graph_kind, _op_name(node), reason))
 
-    regions = []
-    for r in detect_a2a.find_regions(graph, graph_kind, log=reject):
-        applied, skipped = _decide("a2a", r)
-        detail = f"Hq={r.heads_q} Hkv={r.heads_kv}" + (" causal" if r.is_causal else "")
-        if fused_a2a.NAME in applied:
-            unpack = fused_a2a.unpack_choice(r)  # ineligible() already asked: it cannot fail here
-            detail += f" unpack={unpack.choice} ({unpack.reason})"
-        regions.append(
-            Region(
-                style="a2a", cp_size=r.cp, layout=r.layout, graph=graph_kind, applied=applied,
-                skipped=skipped, attention=_op_name(r.attention), detail=detail,
-            )
-        )
-    return regions
+    rows = []
+    for detector in DETECTORS:
+        for match in detector.find(graph, graph_kind, cfg, log=reject):
+            decision = decide(match, cfg)
+            detail = match.describe()
+            for rewrite in REWRITES:
+                if rewrite.name in decision.applied and rewrite.detail is not None:
+                    detail += " " + rewrite.detail(match, cfg)
+            rows.append(Region(
+                style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
+                applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
+                detail=detail,
+            ))
+    return rows
+
+
+def inductor_patches(rows: list[Region]) -> dict:
+    """Inductor config for a graph with these report rows (what its applied rewrites need)."""
+    by_name = {r.name: r for r in REWRITES}
+    patches = {}
+    for row in rows:
+        for name in row.applied:
+            patches.update(by_name[name].inductor_patches)
+    return patches
+
+
+def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
+    """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
+    graph order) decide and apply, then the hook's guards. ``only``: just these rewrites, no
+    guards (tests run one rewrite alone)."""
+    if not any(r.hook == hook and r.implemented for r in REWRITES) and hook not in GUARDS:
+        return
+    matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for match in sorted(matches, key=lambda m: order[m.attention]):
+        attention, detector = match.attention, _detector(match)
+        if attention._erased:
+            continue
+        if changed:
+            # An earlier rewrite may have replaced nodes this region was found through (two
+            # layers back to back share the first one's returned output): find it again.
+            match = detector.match_at(attention, "post_grad", cfg)
+        for rewrite in decide(match, cfg, only).to_run(hook) if match is not None else ():
+            if apply_checked(graph, match, rewrite, detector.match_at, cfg):
+                changed = True
+                if attention._erased:
+                    break
+                match = detector.match_at(attention, "post_grad", cfg)
+                if match is None:
+                    break
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+    if only is None:
+        for guard in GUARDS.get(hook, ()):
+            guard(graph)
+
+
+def rewrite_graph(graph: torch.fx.Graph, cfg=None, only=None) -> None:
+    """The post-grad pipeline on ``graph`` outside a compile (tests; default config: the global
+    one as it is now)."""
+    run_hook(POST_GRAD, graph, cfg if cfg is not None else snapshot(), only)

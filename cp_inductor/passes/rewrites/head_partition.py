@@ -23,8 +23,8 @@ so their pieces are concatenated back (copies).
 This rewrite builds on fused_a2a's buffers (one pack kernel for all groups, attention reading
 strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
 order (every incoming collective first, then per group: wait, attention, send) is what overlaps,
-so graphs it rewrites are compiled without Inductor's peak-memory reordering
-(``pipeline.INDUCTOR_PATCHES``).
+so graphs it rewrites are compiled without Inductor's peak-memory reordering (the record's
+``inductor_patches``).
 """
 from __future__ import annotations
 
@@ -34,13 +34,20 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .. import config
-from . import fused_a2a
-from .detect_a2a import A2ARegion
-from .fx_emit import Emitter, stride_order
-from .layout_algebra import Factor, Layout, plan_relayout
-from .region_rewrite import rewrite_regions
-from .sdpa_ops import bound_args, tuple_outputs
+from ..detect.a2a import A2AMatch
+from ..fx_emit import Emitter, stride_order
+from ..layout_algebra import Factor, Layout, plan_relayout
+from ..sdpa_ops import bound_args, tuple_outputs
+from . import Rewrite, fused_a2a
+from .ulysses_buffers import (
+    all_to_all,
+    as_delivered,
+    crossing_groups,
+    heads_view,
+    pack_layout,
+    reads_as_view,
+    unpack_choice,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -65,11 +72,11 @@ class Partition:
     heads_kv: int  # local key/value heads per group
 
 
-def choose_groups(region: A2ARegion) -> tuple[int, str | None]:
+def choose_groups(region: A2AMatch, cfg) -> tuple[int, str | None]:
     """(G, None), or (1, why the region stays one group)."""
     hq, hkv = region.heads_q // region.cp, region.heads_kv // region.cp
     common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
-    want = config.head_groups
+    want = cfg.head_groups
     if want == 1:
         return 1, "head_groups=1"
     if want > 1:
@@ -82,24 +89,26 @@ def choose_groups(region: A2ARegion) -> tuple[int, str | None]:
     return fitting[-1], None
 
 
-def ineligible(region: A2ARegion) -> str | None:
-    """Why head_partition cannot rewrite this region, or None."""
-    if not config.fused_a2a:
+def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
+    """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
+    fused_a2a's verdict on the same region."""
+    if not cfg.fused_a2a:
         return "needs fused_a2a (disabled by config)"
-    if "out" in region.outgoing and not config.head_partition_forward:
+    if "out" in region.outgoing and not cfg.head_partition_forward:
         return "forward region (head_partition_forward=False)"
-    if (reason := fused_a2a.ineligible(region)) is not None:
+    reason = decided[fused_a2a.NAME] if fused_a2a.NAME in decided else fused_a2a.why_not(region, cfg)
+    if reason is not None:
         return f"needs fused_a2a: {reason}"
     if region.has_mask:
         return "attention mask or bias (not split by heads)"
     if region.dropout_p:
         return "dropout (each group would draw its own mask)"
-    unpack = fused_a2a.unpack_choice(region)
+    unpack = unpack_choice(region, cfg)
     if unpack.choice != "views":
         return f"needs fused_a2a's views; fused_a2a copies ({unpack.reason})"
-    groups = fused_a2a.crossing_groups(region)
+    groups = crossing_groups(region)
     for c, arg in zip(*groups[0]):
-        if not fused_a2a.reads_as_view(fused_a2a.pack_layout(c, region.cp), c, region.cp, arg):
+        if not reads_as_view(pack_layout(c, region.cp), c, region.cp, arg):
             return "attention does not read the received buffer as a view"
     outs = tuple_outputs(region.attention)
     if "dq" in region.outgoing:
@@ -112,7 +121,7 @@ def ineligible(region: A2ARegion) -> str | None:
                 return "attention gradients used outside their all_to_all"
         if any(outs[i].users for i in outs if i > 2):
             return "attention returns a gradient the rewrite does not rebuild"
-    return choose_groups(region)[1]
+    return choose_groups(region, cfg)[1]
 
 
 def _grouped(lay: Layout, groups: int) -> Layout:
@@ -159,57 +168,60 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
     return emit(node.target, *args, **kwargs)
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> list:
-    cp, group, node = region.cp, region.group_name, region.attention
-    (inc, inc_args), (outc, _) = fused_a2a.crossing_groups(region)
-    backward = "dq" in region.outgoing
-    inputs_by_name = ("grad_out",) if backward else ("query", "key", "value")
-
-    # 1. One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
-    #    back while the groups' attention waits only for its own.
+def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partition):
+    """One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
+    back while each group's attention waits only for its own. Returns (sends, layouts)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_send = max((c.a2a.args[0] for c in inc), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
-    layouts = [_grouped(fused_a2a.pack_layout(c, cp), p.groups) for c in inc]
+    layouts = [_grouped(pack_layout(c, region.cp), p.groups) for c in inc]
     packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 4)
-    sent = [fused_a2a.all_to_all(emit, emit(aten.select.int, buf, 0, g), cp, group) for g in range(p.groups)]
+    sends = [all_to_all(emit, emit(aten.select.int, buf, 0, g), region.cp, region.group_name) for g in range(p.groups)]
+    return sends, layouts
 
-    # 2. Per group: wait for its input, attention on its heads, send its result right away.
-    emit = Emitter(graph, node)
-    outs = tuple_outputs(node)
-    out_pack = [fused_a2a.pack_layout(c, cp) for c in outc]
+
+def _attend_per_group(emit: Emitter, region: A2AMatch, p: Partition, sent: list, layouts: list, names, n_out: int):
+    """Per group: wait for its input, attention on its heads, send its results right away.
+    Returns (attention calls, returning all-to-alls)."""
     calls, returned = [], []
     for g in range(p.groups):
         recv = emit(c10d.wait_tensor.default, sent[g])
         inputs, offset = {}, 0
-        for name, lay in zip(inputs_by_name, layouts):
+        for name, lay in zip(names, layouts):
             heads = lay.shape[4]
             part = recv if len(layouts) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
-            inputs[name] = fused_a2a.heads_view(emit, part)
+            inputs[name] = heads_view(emit, part)
             offset += heads
-        call = _group_call(emit, node, p, g, inputs)
+        call = _group_call(emit, region.attention, p, g, inputs)
         calls.append(call)
-        results = [emit(operator.getitem, call, i) for i in range(len(outc))]
-        sends = [_send_layout(emit, r, cp) for r in results]
+        results = [emit(operator.getitem, call, i) for i in range(n_out)]
+        sends = [_send_layout(emit, r, region.cp) for r in results]
         buf = sends[0] if len(sends) == 1 else emit(aten.cat.default, sends, 3)
-        returned.append(fused_a2a.all_to_all(emit, buf, cp, group))
+        returned.append(all_to_all(emit, buf, region.cp, region.group_name))
+    return calls, returned
 
-    # 3. Reassemble what came back, per tensor, into the layout the old all-to-all delivered.
+
+def _reassemble(emit: Emitter, region: A2AMatch, outc: list, returned: list, groups: int) -> None:
+    """What came back, per tensor, into the layout the old all-to-all delivered."""
     recvs = [emit(c10d.wait_tensor.default, r) for r in returned]
     offset = 0
-    for c, lay in zip(outc, out_pack):
-        heads = lay.shape[3] // p.groups
+    for c in outc:
+        lay = pack_layout(c, region.cp)
+        heads = lay.shape[3] // groups
         parts = [r if len(outc) == 1 else emit(aten.slice.Tensor, r, 3, offset, offset + heads) for r in recvs]
         offset += heads
         # Post-grad graphs hold no aten.stack (it is decomposed): cat of unsqueezed parts.
         parts = [emit(aten.unsqueeze.default, x, 3) for x in parts]
         stacked = emit(aten.reshape.default, emit(aten.cat.default, parts, 3), list(lay.shape))
-        emit.replace(c.wait, fused_a2a.as_delivered(emit, stacked, lay, c, cp))
+        emit.replace(c.wait, as_delivered(emit, stacked, lay, c, region.cp))
 
-    # 4. What else reads the full tensors (the forward saves q, k, v, out and log-sum-exp for
-    #    the backward) gets them back concatenated: one copy each, after the last group.
-    for name, arg in zip(inputs_by_name, inc_args):
+
+def _restore_full_tensors(emit: Emitter, node, calls: list, names, inc_args: list, backward: bool) -> None:
+    """What else reads the full tensors (the forward saves q, k, v, out and log-sum-exp for the
+    backward) gets them back concatenated: one copy each, after the last group."""
+    outs = tuple_outputs(node)
+    for name, arg in zip(names, inc_args):
         if any(u is not node for u in arg.users):
             full = _cat_like(emit, [bound_args(call)[name] for call in calls], 1, arg.meta["val"])
             emit.replace(arg, full, delete_user_cb=lambda u: u is not node)
@@ -222,6 +234,20 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> list:
         if idx > (1 if not backward else 2) and item.users:  # seeds, sizes: the same for every group
             emit.replace(item, emit(operator.getitem, calls[0], idx))
 
+
+def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition) -> list:
+    node = region.attention
+    (inc, inc_args), (outc, _) = crossing_groups(region)
+    backward = "dq" in region.outgoing
+    names = ("grad_out",) if backward else ("query", "key", "value")
+    outs = tuple_outputs(node)
+
+    sent, layouts = _send_incoming(graph, region, inc, p)
+    emit = Emitter(graph, node)
+    calls, returned = _attend_per_group(emit, region, p, sent, layouts, names, len(outc))
+    _reassemble(emit, region, outc, returned, p.groups)
+    _restore_full_tensors(emit, node, calls, names, inc_args, backward)
+
     dead = [c.wait for c in outc] + [n for c in outc for n in [c.a2a] + c.before[::-1]]
     dead += list(outs.values()) + [node]
     dead += [n for c in inc for n in c.after[::-1] + [c.wait, c.a2a] + c.before[::-1]]
@@ -231,15 +257,15 @@ def _rewrite(graph: torch.fx.Graph, region: A2ARegion, p: Partition) -> list:
     return emit.replaced
 
 
-def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> list:
-    groups, _ = choose_groups(region)
-    return _rewrite(graph, region, Partition(groups, region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups))
+def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
+    groups, _ = choose_groups(region, cfg)
+    hq, hkv = region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups
+    return _rewrite(graph, region, Partition(groups, hq, hkv))
 
 
-def head_partition_pass(graph: torch.fx.Graph) -> None:
-    # The region is fused as well (its buffers are fused_a2a's): it counts for both.
-    if config.head_partition:
-        rewrite_regions(graph, ineligible, _rewrite_region, (NAME, fused_a2a.NAME))
-
-
-head_partition_pass.rewrite = NAME
+# The emitted order (all incoming collectives, then per group: wait, attention, send) is what
+# overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
+REWRITE = Rewrite(
+    NAME, styles=("a2a",), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
+    inductor_patches={"reorder_for_peak_memory": False},
+)

@@ -22,14 +22,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import parallel
+from .. import parallel
 
-STYLES = ("ulysses",)
+STYLES = ("a2a",)
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    style: str = "ulysses"
+    style: str = "a2a"
     layout: str = "bshd"  # layout q/k/v have when they enter CP attention
     batch: int = 2
     seq: int = 64  # whole sequence; each rank holds seq/cp tokens

@@ -40,66 +40,29 @@ import operator
 import torch
 import torch.fx
 
-from .. import config
-from .detect_a2a import A2ACrossing, A2ARegion
-from .cost_model import UnpackChoice, choose_unpack
-from .fx_emit import Emitter, stride_order
-from .layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
-from .region_rewrite import rewrite_regions
-from .sdpa_ops import bound_args
+from ..detect.a2a import A2AMatch
+from ..fx_emit import Emitter, stride_order
+from ..layout_algebra import LayoutError, plan_relayout
+from ..sdpa_ops import bound_args
+from . import Rewrite
+from .ulysses_buffers import (
+    all_to_all,
+    as_delivered,
+    crossing_groups,
+    heads_view,
+    pack_layout,
+    reads_as_view,
+    unpack_choice,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "fused_a2a"
 
 
-def unpack_choice(region: A2ARegion) -> UnpackChoice:
-    """Views of the received buffer, one copy out of it, or no rewrite ("skip")
-    (``config.fused_a2a_unpack``; "auto": the cost model on this rank's attention shapes, views
-    or skip). Forward and backward regions of one attention see the same shapes, so they choose
-    alike."""
-    if config.fused_a2a_unpack != "auto":
-        if config.fused_a2a_unpack not in ("views", "copy"):
-            raise ValueError(f"fused_a2a_unpack={config.fused_a2a_unpack!r}: expected auto, views or copy")
-        return UnpackChoice(config.fused_a2a_unpack, "set by config")
-    args = bound_args(region.attention)
-    q, k = args["query"].meta["val"], args["key"].meta["val"]
-    if q.device.type != "cuda":
-        # The map is measured on GPUs; elsewhere (the CPU tests) the full rewrite is the default.
-        return UnpackChoice("views", f"no cost map for {q.device.type}")
-    b, hq, s, d = (int(x) for x in q.shape)
-    return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
-
-
-def crossing_groups(region: A2ARegion, unpack: str = "views") -> list[tuple[list, list]]:
-    """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
-    # Incoming groups first: rewriting them changes attention's output strides, which the
-    # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
-    # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with views.
-    views = unpack == "views"
-    if "dq" in region.outgoing:
-        grad_out = [([region.incoming["grad_out"]], [region.attention.args[0]])]
-        return (grad_out if views else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
-    out = [([region.outgoing["out"]], [None])]
-    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if views else [])
-
-
-def pack_layout(c: A2ACrossing, cp: int) -> Layout:
-    """[chunk destination, local seq, batch, heads, head_dim] of this crossing's send."""
-    swapped = c.send.all_to_all(cp).pinned  # the factor that chooses the destination rank
-    by_role = {"b": [], "h": [], "s": [], "d": []}
-    for f, role in c.roles.items():
-        if f not in (swapped, c.send.pinned):
-            by_role[role].append(f)
-    if len(by_role["s"]) != 1 or len(by_role["d"]) != 1 or len(by_role["h"]) > 1:
-        raise LayoutError("cannot name sequence, head and head_dim factors")
-    dims = ((swapped,), tuple(by_role["s"]), tuple(by_role["b"]), tuple(by_role["h"]), tuple(by_role["d"]))
-    return Layout(dims, c.send.pinned)
-
-
-def ineligible(region: A2ARegion) -> str | None:
+def why_not(region: A2AMatch, cfg, decided=None) -> str | None:
     """Why fused_a2a cannot rewrite this region, or None."""
-    unpack = unpack_choice(region)
+    unpack = unpack_choice(region, cfg)
     if unpack.choice == "skip":
         return f"cost model: {unpack.reason}"
     for crossings, _ in crossing_groups(region, unpack.choice):
@@ -109,7 +72,7 @@ def ineligible(region: A2ARegion) -> str | None:
     return None
 
 
-def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
+def _group_ineligible(region: A2AMatch, crossings: list) -> str | None:
     if (opaque := next((c.opaque for c in crossings if c.opaque), None)) is not None:
         return opaque
     if len({c.a2a for c in crossings}) != len(crossings):
@@ -138,43 +101,6 @@ def _group_ineligible(region: A2ARegion, crossings: list) -> str | None:
     return None
 
 
-def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
-    """Whether attention's input ``attn_arg`` is a permuted view of the received buffer.
-
-    ``lay`` is the send ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so what arrives
-    viewed as ``[B, H, S, D]`` is the attention input unless heads were replicated or reordered
-    between the collective and attention."""
-    if attn_arg is None or not c.pure:
-        return False
-    if (c.after[-1] if c.after else c.wait) is not attn_arg:
-        return False
-    cp_, s_l, b, h, d = lay.shape
-    want = apply_chain(c.send.all_to_all(cp), c.after)[-1]
-    mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
-    return [canonical(x) for x in mine.dims] == [canonical(x) for x in want.dims]
-
-
-def heads_view(emit: Emitter, part) -> torch.fx.Node:
-    """``[cp, S/cp, B, H, D]`` received part -> ``[B, H, S, D]`` view (cuDNN and flash read it
-    at full speed)."""
-    cp_, s_l, b, h, d = part.meta["val"].shape
-    return emit(aten.permute.default, emit(aten.view.default, part, [cp_ * s_l, b, h, d]), [1, 2, 0, 3])
-
-
-def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
-    """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
-    splits = [int(buf.meta["val"].shape[0]) // cp] * cp
-    return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
-
-
-def as_delivered(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int) -> torch.fx.Node:
-    """The received ``part`` (sent as ``lay``) copied into exactly the layout the old all-to-all
-    delivered: everything downstream stays as it was, and Inductor fuses this copy with the
-    unpack copy that follows."""
-    part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
-    return emit(aten.clone.default, part, memory_format=torch.contiguous_format)
-
-
 def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
     """Recompute an attention node's outputs after its inputs changed strides."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
@@ -185,7 +111,7 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
             user.meta["val"] = node.meta["val"][user.args[1]]
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2ARegion, crossings: list, attn_args: list, unpack: str) -> list:
+def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args: list, unpack: str) -> list:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
@@ -250,7 +176,7 @@ def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
     return emit(aten.view.default, emit(aten.permute.default, dense, inverse5), list(like.shape))
 
 
-def _layout_required(region: A2ARegion, attn_arg) -> torch.Tensor | None:
+def _layout_required(region: A2AMatch, attn_arg) -> torch.Tensor | None:
     """The layout an attention input must keep whatever we hand it, or None. cuDNN's backward
     (torch 2.11, cuDNN 9.19, H200) returns wrong gradients when dO's strides differ from O's
     (benchmarks/bench_attention_layouts.py, ``mismatched_do``): dO must be laid out like O."""
@@ -260,17 +186,17 @@ def _layout_required(region: A2ARegion, attn_arg) -> torch.Tensor | None:
     return None
 
 
-def _rewrite_region(graph: torch.fx.Graph, region: A2ARegion) -> list:
-    unpack = unpack_choice(region).choice
+def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
+    unpack = unpack_choice(region, cfg).choice
     return [
         r for crossings, attn_args in crossing_groups(region, unpack)
         for r in _rewrite(graph, region, crossings, attn_args, unpack)
     ]
 
 
-def fused_a2a_pass(graph: torch.fx.Graph) -> None:
-    if config.fused_a2a:
-        rewrite_regions(graph, ineligible, _rewrite_region, (NAME,))
+def detail(region: A2AMatch, cfg) -> str:
+    unpack = unpack_choice(region, cfg)  # why_not already asked: it cannot fail here
+    return f"unpack={unpack.choice} ({unpack.reason})"
 
 
-fused_a2a_pass.rewrite = NAME
+REWRITE = Rewrite(NAME, styles=("a2a",), why_not=why_not, apply=apply, detail=detail)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from . import parallel
+from .. import parallel
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def check_cp_attention(
             "eager_vs_ref": errors(eager, want),
             "compiled_vs_ref": errors(compiled, want),
             "compiled_vs_eager": errors(compiled, eager),
-            "report": [(r.graph, r.style, r.cp_size, r.layout) for r in cp_inductor.report().regions],
+            "report": [(r.graph_kind, r.style, r.cp_size, r.layout) for r in cp_inductor.report().regions],
             "applied": sorted({a for r in cp_inductor.report().regions for a in r.applied}),
             "rewritten": dict(counters["cp_inductor"]),  # what the post-grad passes actually did
         })

@@ -1,8 +1,10 @@
-"""One Inductor ``CustomGraphPass`` per hook key: our passes in order, then the user's.
+"""One Inductor ``CustomGraphPass`` per hook key: our pipeline's work on that key, then the user's
+pass.
 
 torch 2.11 accepts exactly one pass per key, so we chain instead of replacing whatever the user
-set. ``uuid()`` covers our source and the config snapshot, so the FX graph cache neither misses
-needlessly nor serves code compiled under another config.
+set. ``uuid()`` covers our source and the compile's config snapshot (the very object the pipeline
+reads), so the FX graph cache neither misses needlessly nor serves code compiled under another
+config.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from pathlib import Path
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-
-from .. import config
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -28,21 +28,17 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def config_hash(cfg: dict) -> str:
-    return hashlib.sha256(repr(sorted(cfg.items())).encode()).hexdigest()
-
-
 class CPGraphPass(CustomGraphPass):
-    def __init__(self, hook: str, passes: list, cfg: dict, user_pass=None):
+    """``run(hook, graph, cfg)`` on every graph Inductor hands to ``hook``, then ``user_pass``."""
+
+    def __init__(self, hook: str, run, cfg, user_pass=None):
         self.hook = hook
-        self.passes = list(passes)
-        self.cfg = dict(cfg)
+        self.run = run
+        self.cfg = cfg
         self.user_pass = user_pass
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        with config.patch(self.cfg):
-            for p in self.passes:
-                p(graph)
+        self.run(self.hook, graph, self.cfg)
         if self.user_pass is not None:
             self.user_pass(graph)
 
@@ -53,5 +49,5 @@ class CPGraphPass(CustomGraphPass):
             if user is None:
                 # A pass without a uuid makes the graph uncacheable; keep Inductor's behaviour.
                 return None  # type: ignore[return-value]
-        parts = [self.hook, source_hash(), config_hash(self.cfg), repr(user)]
+        parts = [self.hook, source_hash(), self.cfg.digest(), repr(user)]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.fx
 
-from .collectives import Collective, collective_at, collective_of
-from .guard import internal_error
-from .layout_algebra import (
+from ..collectives import Collective, collective_at, collective_of
+from ..guard import internal_error
+from ..layout_algebra import (
     LAYOUT_OPS,
     RANK_AXIS,
     Factor,
@@ -37,7 +38,8 @@ from .layout_algebra import (
     is_broadcast,
     is_layout_op,
 )
-from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+from ..match import CPMatch
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -66,19 +68,13 @@ class A2ACrossing:
 
 
 @dataclass
-class A2ARegion:
-    graph: str  # "forward" | "backward" | "inference"
-    attention: torch.fx.Node
-    cp: int
-    group_name: str
-    layout: str
+class A2AMatch(CPMatch):
+    """A Ulysses region: attention plus the all-to-all crossings that feed it and carry its
+    results back."""
+
+    style: ClassVar[str] = "a2a"
     incoming: dict = field(default_factory=dict)  # "q"/"k"/"v" or "grad_out" -> A2ACrossing
     outgoing: dict = field(default_factory=dict)  # "out" or "dq"/"dk"/"dv" -> A2ACrossing
-    is_causal: bool = False
-    heads_q: int = 0
-    heads_kv: int = 0
-    has_mask: bool = False
-    dropout_p: float = 0.0
 
 
 def _val(node):
@@ -407,7 +403,10 @@ def _roles_for(lay: Layout) -> dict:
     return _roles_at_attention(lay, allow_broadcast=True)
 
 
-def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARegion]:
+STYLE = A2AMatch.style
+
+
+def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[A2AMatch]:
     """Every Ulysses region in ``graph``. ``log(node, reason)`` hears why an attention op is
     not one."""
     regions = []
@@ -420,24 +419,24 @@ def find_regions(graph: torch.fx.Graph, graph_kind: str, log=None) -> list[A2ARe
             if log is not None:
                 log(node, str(e))
         except Exception as e:  # noqa: BLE001 - see guard.py
-            reason = internal_error(e)
+            reason = internal_error(e, cfg)
             if log is not None:
                 log(node, reason)
     return regions
 
 
-def region_at(node: torch.fx.Node, graph_kind: str) -> A2ARegion | None:
-    """The region of the attention op ``node``, or None (the reason is find_regions' to log)."""
+def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> A2AMatch | None:
+    """The region of the attention op ``node``, or None (the reason is find's to log)."""
     try:
         return _region(node, graph_kind)
     except LayoutError:
         return None
     except Exception as e:  # noqa: BLE001 - see guard.py
-        internal_error(e)
+        internal_error(e, cfg)
         return None
 
 
-def _region(node, graph_kind) -> A2ARegion:
+def _region(node, graph_kind) -> A2AMatch:
     if node.target in SDPA_FORWARD:
         return _forward_region(node, graph_kind)
     return _backward_region(node, graph_kind)
@@ -454,7 +453,7 @@ def _attention_facts(args, cp: int) -> dict:
     )
 
 
-def _forward_region(node, graph_kind) -> A2ARegion:
+def _forward_region(node, graph_kind) -> A2AMatch:
     args = bound_args(node)
     crossings, groups = {}, set()
     q_cross, q_roles, q_lay, cp, g = _incoming(args["query"], allow_broadcast=False)
@@ -475,13 +474,13 @@ def _forward_region(node, graph_kind) -> A2ARegion:
     groups.add(g)
     if len(groups) != 1:
         raise LayoutError("crossings use different process groups")
-    return A2ARegion(
-        graph=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=q_cross.layout,
+    return A2AMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=q_cross.layout,
         incoming=crossings, outgoing={"out": out_cross}, **_attention_facts(args, cp),
     )
 
 
-def _backward_region(node, graph_kind) -> A2ARegion:
+def _backward_region(node, graph_kind) -> A2AMatch:
     args = bound_args(node)
     go_cross, _, go_lay, cp, g = _incoming(args["grad_out"], allow_broadcast=False)
     groups = {g}
@@ -500,7 +499,7 @@ def _backward_region(node, graph_kind) -> A2ARegion:
         groups.add(g)
     if len(groups) != 1:
         raise LayoutError("crossings use different process groups")
-    return A2ARegion(
-        graph=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=go_cross.layout,
+    return A2AMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=go_cross.layout,
         incoming={"grad_out": go_cross}, outgoing=outgoing, **_attention_facts(args, cp),
     )

@@ -1,0 +1,52 @@
+"""Sequence sharding for context parallelism: a rank's slice of a full-sequence tensor and back.
+
+Contiguous sharding gives rank r tokens ``[r*S/cp, (r+1)*S/cp)``; load-balanced sharding (for
+causal attention) splits the sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
+    # Two-chunk (head-tail) causal balance: rank r holds chunks r and 2*cp-1-r.
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(
+    x: torch.Tensor, seq_dim: int, rank: int, cp: int, *, load_balanced: bool = False
+) -> torch.Tensor:
+    """This rank's slice of a full-sequence tensor (a copy)."""
+    if x.shape[seq_dim] % (2 * cp if load_balanced else cp):
+        raise ValueError(f"sequence length {x.shape[seq_dim]} does not split over cp={cp}")
+    if not load_balanced:
+        return x.chunk(cp, dim=seq_dim)[rank].contiguous()
+    chunks = x.chunk(2 * cp, dim=seq_dim)
+    first, second = _load_balanced_chunks(rank, cp)
+    return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
+
+
+def unshard_sequence(
+    shards: list[torch.Tensor], seq_dim: int, *, load_balanced: bool = False
+) -> torch.Tensor:
+    """Full-sequence tensor from every rank's slice, in rank order (inverse of shard_sequence)."""
+    cp = len(shards)
+    if not load_balanced:
+        return torch.cat(shards, dim=seq_dim)
+    ordered: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        first, second = _load_balanced_chunks(rank, cp)
+        ordered[first], ordered[second] = shard.chunk(2, dim=seq_dim)
+    return torch.cat(ordered, dim=seq_dim)
+
+
+def gather_sequence(
+    x: torch.Tensor, seq_dim: int, *, group=None, load_balanced: bool = False
+) -> torch.Tensor:
+    """All-gather every rank's slice and unshard (for checks; not differentiable)."""
+    group = group if group is not None else dist.group.WORLD
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard_sequence(shards, seq_dim, load_balanced=load_balanced)

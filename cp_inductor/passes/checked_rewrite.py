@@ -1,0 +1,76 @@
+"""The check that keeps a buggy rewrite from ever costing the user's compile.
+
+A rewrite is first tried on a copy of the graph (its match found again there), and the copy is
+checked: every tensor that leaves the region keeps its shape, dtype and (where promised)
+strides, the graph still sorts topologically (no cycle) and lints. Only a rewrite that passes is
+applied to the real graph; one that fails leaves the graph as it was and says why in the report
+(strict mode raises instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from ..reporting import RewriteUndone, record_undone
+
+
+class RewriteCheckError(Exception):
+    """A rewrite produced a graph that does not keep what leaves the region."""
+
+
+def _copy(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
+    copy, val_map = torch.fx.Graph(), {}
+    copy.output(copy.graph_copy(graph, val_map))
+    return copy, val_map
+
+
+def _same_tensor(old, new, strides: bool) -> str | None:
+    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+        return None if type(old) is type(new) else f"{type(old).__name__} became {type(new).__name__}"
+    if old.shape != new.shape or old.dtype != new.dtype:
+        return f"{tuple(old.shape)} {old.dtype} became {tuple(new.shape)} {new.dtype}"
+    if strides:
+        significant = [i for i, n in enumerate(old.shape) if n > 1]
+        if [old.stride(i) for i in significant] != [new.stride(i) for i in significant]:
+            return f"strides {old.stride()} became {new.stride()}"
+    return None
+
+
+def check(graph: torch.fx.Graph, replaced: list) -> None:
+    """Raise :class:`RewriteCheckError` unless the rewritten ``graph`` is sound.
+
+    ``replaced``: ``(old value, new node, strides kept?)`` for each tensor the rewrite handed to
+    the rest of the graph in place of an old one."""
+    for old, new, strides in replaced:
+        if (why := _same_tensor(old, new.meta.get("val"), strides)) is not None:
+            raise RewriteCheckError(f"{new.name}: {why}")
+    try:
+        stable_topological_sort(graph)
+    except AssertionError as e:
+        raise RewriteCheckError("the rewritten graph has a cycle") from e
+    graph.lint()
+
+
+def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg) -> bool:
+    """Apply ``rewrite`` (a :class:`~cp_inductor.passes.rewrites.Rewrite`) to ``match`` if its
+    trial on a copy of ``graph`` passes :func:`check`; ``match_at(node, graph_kind, cfg)`` finds
+    the match again on the copy. Counts the kept rewrite (and those it replaces) in
+    ``counters["cp_inductor"]``; returns whether it was kept."""
+    attention = match.attention
+    try:
+        trial, val_map = _copy(graph)
+        check(trial, rewrite.apply(trial, match_at(val_map[attention], match.graph_kind, cfg), cfg))
+    except Exception as e:  # noqa: BLE001 - a bug in a rewrite costs the rewrite only
+        if cfg.strict:
+            raise
+        record_undone(RewriteUndone(rewrite.name, attention.name, f"{type(e).__name__}: {e}"))
+        counters["cp_inductor"][f"{rewrite.name}_undone"] += 1
+        return False
+    rewrite.apply(graph, match, cfg)
+    stable_topological_sort(graph)  # the next region's trial copies the graph in order
+    for name in (rewrite.name, *rewrite.replaces):
+        counters["cp_inductor"][name] += 1
+    return True

@@ -1,0 +1,102 @@
+"""What fused_a2a and head_partition share: how a Ulysses region's tensors are laid out in the
+one buffer an all-to-all sends, and how attention reads what arrives.
+
+The send buffer of one tensor is ``[cp, S/cp, B, H, D]`` (destination rank, local position,
+batch, heads, head_dim): sequence-major, so each destination's chunk is one contiguous block and
+what arrives, viewed as ``[B, H, S, D]``, is attention's input with no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..cost_model import UnpackChoice, choose_unpack
+from ..detect.a2a import A2ACrossing, A2AMatch
+from ..fx_emit import Emitter
+from ..layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
+from ..sdpa_ops import bound_args
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def unpack_choice(region: A2AMatch, cfg) -> UnpackChoice:
+    """Views of the received buffer, one copy out of it, or no rewrite ("skip")
+    (``cfg.fused_a2a_unpack``; "auto": the cost model on this rank's attention shapes, views
+    or skip). Forward and backward regions of one attention see the same shapes, so they choose
+    alike."""
+    if cfg.fused_a2a_unpack != "auto":
+        if cfg.fused_a2a_unpack not in ("views", "copy"):
+            raise ValueError(f"fused_a2a_unpack={cfg.fused_a2a_unpack!r}: expected auto, views or copy")
+        return UnpackChoice(cfg.fused_a2a_unpack, "set by config")
+    args = bound_args(region.attention)
+    q, k = args["query"].meta["val"], args["key"].meta["val"]
+    if q.device.type != "cuda":
+        # The map is measured on GPUs; elsewhere (the CPU tests) the full rewrite is the default.
+        return UnpackChoice("views", f"no cost map for {q.device.type}")
+    b, hq, s, d = (int(x) for x in q.shape)
+    return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
+
+
+def crossing_groups(region: A2AMatch, unpack: str = "views") -> list[tuple[list, list]]:
+    """Crossings to fuse together, each with the attention argument it feeds (None: it leaves)."""
+    # Incoming groups first: rewriting them changes attention's output strides, which the
+    # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
+    # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with views.
+    views = unpack == "views"
+    if "dq" in region.outgoing:
+        grad_out = [([region.incoming["grad_out"]], [region.attention.args[0]])]
+        return (grad_out if views else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
+    out = [([region.outgoing["out"]], [None])]
+    return [([region.incoming[n] for n in "qkv"], list(region.attention.args[:3]))] + (out if views else [])
+
+
+def pack_layout(c: A2ACrossing, cp: int) -> Layout:
+    """[chunk destination, local seq, batch, heads, head_dim] of this crossing's send."""
+    swapped = c.send.all_to_all(cp).pinned  # the factor that chooses the destination rank
+    by_role = {"b": [], "h": [], "s": [], "d": []}
+    for f, role in c.roles.items():
+        if f not in (swapped, c.send.pinned):
+            by_role[role].append(f)
+    if len(by_role["s"]) != 1 or len(by_role["d"]) != 1 or len(by_role["h"]) > 1:
+        raise LayoutError("cannot name sequence, head and head_dim factors")
+    dims = ((swapped,), tuple(by_role["s"]), tuple(by_role["b"]), tuple(by_role["h"]), tuple(by_role["d"]))
+    return Layout(dims, c.send.pinned)
+
+
+def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
+    """Whether attention's input ``attn_arg`` is a permuted view of the received buffer.
+
+    ``lay`` is the send ``[cp, S/cp, B, H, D]`` of one tensor, sequence-major, so what arrives
+    viewed as ``[B, H, S, D]`` is the attention input unless heads were replicated or reordered
+    between the collective and attention."""
+    if attn_arg is None or not c.pure:
+        return False
+    if (c.after[-1] if c.after else c.wait) is not attn_arg:
+        return False
+    cp_, s_l, b, h, d = lay.shape
+    want = apply_chain(c.send.all_to_all(cp), c.after)[-1]
+    mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
+    return [canonical(x) for x in mine.dims] == [canonical(x) for x in want.dims]
+
+
+def heads_view(emit: Emitter, part) -> torch.fx.Node:
+    """``[cp, S/cp, B, H, D]`` received part -> ``[B, H, S, D]`` view (cuDNN and flash read it
+    at full speed)."""
+    cp_, s_l, b, h, d = part.meta["val"].shape
+    return emit(aten.permute.default, emit(aten.view.default, part, [cp_ * s_l, b, h, d]), [1, 2, 0, 3])
+
+
+def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
+    """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
+    splits = [int(buf.meta["val"].shape[0]) // cp] * cp
+    return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
+
+
+def as_delivered(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int) -> torch.fx.Node:
+    """The received ``part`` (sent as ``lay``) copied into exactly the layout the old all-to-all
+    delivered: everything downstream stays as it was, and Inductor fuses this copy with the
+    unpack copy that follows."""
+    part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
+    return emit(aten.clone.default, part, memory_format=torch.contiguous_format)
