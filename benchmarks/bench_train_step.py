@@ -63,7 +63,7 @@ def time_round(step, x, y, warmup, iters, device) -> list[float]:
     return t.tolist()
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192)
@@ -77,8 +77,42 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def build_steps(arms: list, cfg, x, y, device, dtype) -> tuple[dict, dict, dict, dict]:
+    """Compile every arm: (steps, first three losses, peak GiB, rewrites the report applied)."""
+    cuda = device.type == "cuda"
+    steps, first_losses, memory, rewritten = {}, {}, {}, {}
+    for name in arms:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        cp_inductor.clear_report()
+        steps[name] = build(name, cfg, device, dtype)
+        first_losses[name] = [float(steps[name](x, y)) for _ in range(3)]  # compile + check
+        # What the passes did to the step graph (from the report, which a warm FX cache also
+        # fills): an arm without rewrites measures nothing of ours.
+        rewritten[name] = dict(Counter(a for r in cp_inductor.report().regions for a in r.applied))
+        if cuda:
+            memory[name] = torch.cuda.max_memory_allocated() / 2**30
+    return steps, first_losses, memory, rewritten
+
+
+def print_table(args, cfg, cp: int, arms: list, medians: dict, first_losses: dict, memory: dict, rewritten: dict):
+    base = "inductor" if "inductor" in arms else arms[0]
+    ref = first_losses.get("eager", first_losses[arms[0]])
+    print(f"\nCP training step, cp={cp}, B{args.batch} S{args.seq} dim{args.dim} H{args.heads} "
+          f"Hkv{cfg.kv_heads} {args.dtype}, {args.rounds} rounds x {args.iters} iters, slowest rank")
+    print(f"{'arm':24s} {'median ms':>10s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'loss diff':>10s}  rewrites")
+    for n in arms:
+        med = statistics.median(medians[n])
+        paired = paired_ratio(medians, n, base)
+        diff = max(abs(a - b) / abs(b) for a, b in zip(first_losses[n], ref))
+        print(f"{n:24s} {med:10.3f} {paired:22.3f} {memory.get(n, float('nan')):9.2f} {diff:10.2e}  {rewritten[n]}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -93,33 +127,12 @@ def main() -> int:
     x, y = (t.to(dtype) for t in step_inputs(cfg, rank, cp, device=device))
 
     arms = [a for a in args.arms.split(",") if a in ARMS]
-    steps, first_losses, memory, rewritten = {}, {}, {}, {}
-    for name in arms:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        cp_inductor.clear_report()
-        steps[name] = build(name, cfg, device, dtype)
-        first_losses[name] = [float(steps[name](x, y)) for _ in range(3)]  # compile + check
-        # What the passes did to the step graph (from the report, which a warm FX cache also
-        # fills): an arm without rewrites measures nothing of ours.
-        rewritten[name] = dict(Counter(a for r in cp_inductor.report().regions for a in r.applied))
-        if cuda:
-            memory[name] = torch.cuda.max_memory_allocated() / 2**30
+    steps, first_losses, memory, rewritten = build_steps(arms, cfg, x, y, device, dtype)
     medians = alternating_rounds(
         arms, args.rounds, lambda name: time_round(steps[name], x, y, args.warmup, args.iters, device)
     )
-
     if rank == 0:
-        base = "inductor" if "inductor" in arms else arms[0]
-        ref = first_losses.get("eager", first_losses[arms[0]])
-        print(f"\nCP training step, cp={cp}, B{args.batch} S{args.seq} dim{args.dim} H{args.heads} "
-              f"Hkv{cfg.kv_heads} {args.dtype}, {args.rounds} rounds x {args.iters} iters, slowest rank")
-        print(f"{'arm':24s} {'median ms':>10s} {f'vs {base} (paired)':>22s} {'peak GiB':>9s} {'loss diff':>10s}  rewrites")
-        for n in arms:
-            med = statistics.median(medians[n])
-            paired = paired_ratio(medians, n, base)
-            diff = max(abs(a - b) / abs(b) for a, b in zip(first_losses[n], ref))
-            print(f"{n:24s} {med:10.3f} {paired:22.3f} {memory.get(n, float('nan')):9.2f} {diff:10.2e}  {rewritten[n]}")
+        print_table(args, cfg, cp, arms, medians, first_losses, memory, rewritten)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "cp": cp, "round_medians_ms": medians, "peak_gib": memory,

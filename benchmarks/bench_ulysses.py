@@ -243,7 +243,7 @@ def best_default(medians: dict, arm: str) -> float | None:
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_copy", "cp_views", "cp_inductor")}
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=32768)
@@ -261,38 +261,38 @@ def main() -> int:
                    help="skip the one-GPU fp32 reference check (shapes whose full problem does not fit one GPU)")
     p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    return args
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    bench = Bench(args)
-    rank = bench.rank
-    ref = bench.reference() if rank == 0 and args.reference else None
-    torch.cuda.empty_cache()
 
+def build_arm(bench: Bench, name: str):
+    if name == "native":
+        return bench.native_arm()
+    if name == "floor":
+        return bench.floor_arm()
+    if name in HAND_ARMS:
+        return bench.ulysses_arm(*HAND_ARMS[name], code="hand")
+    return bench.ulysses_arm(*ARMS[name])
+
+
+def build_arms(bench: Bench, names: list, ref: dict | None) -> tuple[dict, dict, dict, dict]:
+    """Compile every arm once: (steps, errors vs the reference (rank 0), compile seconds, peak
+    GiB above what was allocated before the arm, max over ranks)."""
     arms, checks, compile_s, memory = {}, {}, {}, {}
-    for name in args.arms.split(","):
+    for name in names:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         # Earlier arms keep their tensors alive: count this arm's peak above what was allocated.
         before = torch.cuda.memory_allocated()
-        if name == "native":
-            arm = bench.native_arm()
-        elif name == "floor":
-            arm = bench.floor_arm()
-        elif name in HAND_ARMS:
-            arm = bench.ulysses_arm(*HAND_ARMS[name], code="hand")
-        else:
-            arm = bench.ulysses_arm(*ARMS[name])
-        step, results = arm
+        step, results = build_arm(bench, name)
         step()  # compiles
         torch.cuda.synchronize()
         compile_s[name] = time.perf_counter() - t0
-        if results is not None and args.reference:
+        if results is not None and bench.args.reference:
             got = results()
-            if rank == 0:
+            if bench.rank == 0:
                 checks[name] = {n: _rel(got[n], ref[n]) for n in ref}
         mem = torch.tensor([(torch.cuda.max_memory_allocated() - before) / 2**30], device=bench.dev)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -300,18 +300,22 @@ def main() -> int:
         if hasattr(step, "close"):
             step.close()
         arms[name] = step
-    del ref
+    return arms, checks, compile_s, memory
 
+
+def profile_arms(bench: Bench, arms: dict, names: str, trace_dir: str | None) -> dict:
     kernels = {}
-    if args.profile:
-        for name in args.profile.split(","):
-            if name in arms and name != "native":
-                trace = None
-                if args.trace:
-                    os.makedirs(args.trace, exist_ok=True)
-                    trace = os.path.join(args.trace, f"{name}_rank{rank}.json")
-                kernels[name] = bench.breakdown(arms[name], trace=trace)
+    for name in names.split(",") if names else ():
+        if name in arms and name != "native":
+            trace = None
+            if trace_dir:
+                os.makedirs(trace_dir, exist_ok=True)
+                trace = os.path.join(trace_dir, f"{name}_rank{bench.rank}.json")
+            kernels[name] = bench.breakdown(arms[name], trace=trace)
+    return kernels
 
+
+def time_arms(bench: Bench, arms: dict, rounds: int) -> dict:
     def time_arm(name):
         if name != "native":
             return bench.time_round(arms[name])
@@ -321,42 +325,65 @@ def main() -> int:
         step.close()
         return times
 
-    medians = alternating_rounds(list(arms), args.rounds, time_arm)
+    return alternating_rounds(list(arms), rounds, time_arm)
 
-    if rank == 0:
-        med = {n: statistics.median(v) for n, v in medians.items()}
-        floor = med.get("floor")
-        base = next((b for b in ("cp_off", "inductor", "hand_cp_off", "hand_inductor") if b in med), next(iter(med)))
-        print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
-              f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
-              f"{args.rounds} rounds x {args.iters} iters, slowest rank")
-        print(f"{'arm':16s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'vs best default':>16s} "
-              f"{'peak GiB':>9s} {'max rel err':>12s}")
-        vs_default = {}
-        for n in med:
-            paired = paired_ratio(medians, n, base)
-            best = best_default(medians, n)
-            if best is not None:
-                vs_default[n] = best
-            vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
-            err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
-            best = f"{best:.3f}" if best is not None else "-"
-            print(f"{n:16s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {best:>16s} {memory[n]:9.2f} {err:>12s}")
-        if kernels:
-            print("kernel time per iteration, rank 0 (ms): arm, attention, nccl, exposed nccl, other kernels, "
-                  "iteration - (attention + exposed nccl + other)")
-            for n, k in kernels.items():
-                gap = med[n] - k["attention"] - k["exposed_nccl"] - k["other"]
-                top = sorted(k["other_kernels"].items(), key=lambda kv: -kv[1])[:4]
-                top = ", ".join(f"{name[:32]} {ms:.3f}" for name, ms in top)
-                print(f"  {n:12s} {k['attention']:8.2f} {k['nccl']:8.2f} {k['exposed_nccl']:8.2f} {k['other']:8.2f} {gap:8.2f}"
-                      f"   largest other: {top}")
+
+def print_table(bench: Bench, medians: dict, checks: dict, memory: dict, kernels: dict) -> dict:
+    """The table (rank 0); returns each cp arm's median paired ratio to the best default."""
+    args = bench.args
+    med = {n: statistics.median(v) for n, v in medians.items()}
+    floor = med.get("floor")
+    base = next((b for b in ("cp_off", "inductor", "hand_cp_off", "hand_inductor") if b in med), next(iter(med)))
+    print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
+          f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
+          f"{args.rounds} rounds x {args.iters} iters, slowest rank")
+    print(f"{'arm':16s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'vs best default':>16s} "
+          f"{'peak GiB':>9s} {'max rel err':>12s}")
+    vs_default = {}
+    for n in med:
+        paired = paired_ratio(medians, n, base)
+        best = best_default(medians, n)
+        if best is not None:
+            vs_default[n] = best
+        vs_floor = f"{med[n] / floor:.3f}x" if floor else "-"
+        err = f"{max(checks[n].values()):.2e}" if n in checks else "-"
+        best = f"{best:.3f}" if best is not None else "-"
+        print(f"{n:16s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {best:>16s} {memory[n]:9.2f} {err:>12s}")
+    if kernels:
+        print("kernel time per iteration, rank 0 (ms): arm, attention, nccl, exposed nccl, other kernels, "
+              "iteration - (attention + exposed nccl + other)")
+        for n, k in kernels.items():
+            gap = med[n] - k["attention"] - k["exposed_nccl"] - k["other"]
+            top = sorted(k["other_kernels"].items(), key=lambda kv: -kv[1])[:4]
+            top = ", ".join(f"{name[:32]} {ms:.3f}" for name, ms in top)
+            print(f"  {n:12s} {k['attention']:8.2f} {k['nccl']:8.2f} {k['exposed_nccl']:8.2f} {k['other']:8.2f} {gap:8.2f}"
+                  f"   largest other: {top}")
+    return vs_default
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    bench = Bench(args)
+    ref = bench.reference() if bench.rank == 0 and args.reference else None
+    torch.cuda.empty_cache()
+
+    arms, checks, compile_s, memory = build_arms(bench, args.arms.split(","), ref)
+    del ref
+    kernels = profile_arms(bench, arms, args.profile, args.trace)
+    medians = time_arms(bench, arms, args.rounds)
+
+    if bench.rank == 0:
+        vs_default = print_table(bench, medians, checks, memory, kernels)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
                     "args": vars(args), "cp": bench.cp, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
-                    "median_ms": med, "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels, "max_rel_err": checks, "compile_s": compile_s,
+                    "median_ms": {n: statistics.median(v) for n, v in medians.items()},
+                    "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels,
+                    "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)
     teardown()

@@ -11,7 +11,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import cp_inductor
 from cp_inductor.backend import graph_passes
 from cp_inductor.parallel import ulysses_attention
-from graph_utils import fake_pg
+from helpers import fake_pg
 
 
 def test_found_by_name_without_import():

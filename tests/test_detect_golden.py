@@ -15,7 +15,7 @@ def regions(cp, fn, *inputs):
     """What detection finds in ``fn``'s graphs on a fake process group of size ``cp``."""
     with fake_pg(cp):
         return describe_regions(aot_graphs(fn, *inputs))
-from graph_utils import aot_graphs, describe_regions, fake_pg, report_text
+from helpers import aot_graphs, describe_regions, fake_pg, report_text
 
 
 def qkv(shape_q, shape_kv, grad=True):

@@ -10,7 +10,7 @@ from expecttest import TestCase
 import variants
 import cp_inductor
 from cp_inductor.parallel import ulysses_attention
-from graph_utils import aot_graphs, fake_pg, fused_a2a_pass, report_text, rewrite_summary
+from helpers import aot_graphs, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 
 
 def qkv(shape_q, shape_kv, dtypes=(torch.float32,) * 3):

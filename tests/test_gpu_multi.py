@@ -6,7 +6,7 @@ import torch
 
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from cp_results import assert_cp_results
+from helpers import assert_cp_results
 from test_gpu_nccl import TOL
 
 

@@ -9,7 +9,7 @@ import torch
 import variants
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from cp_results import assert_cp_results
+from helpers import assert_cp_results
 
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2

@@ -14,8 +14,7 @@ import variants
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import pipeline
-from cp_results import assert_cp_results
-from graph_utils import aot_graphs, fake_pg, schedule
+from helpers import aot_graphs, assert_cp_results, fake_pg, schedule
 from test_fused_a2a import qkv, ulysses
 
 

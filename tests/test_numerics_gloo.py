@@ -13,7 +13,7 @@ import torch
 import variants
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention, full_inputs, run_cp, ulysses_fn
 from cp_inductor.testing.launch import run_on_ranks
-from cp_results import assert_cp_results
+from helpers import assert_cp_results
 
 TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
 

@@ -9,7 +9,7 @@ from expecttest import TestCase
 import cp_inductor
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.parallel import ulysses_attention
-from graph_utils import aot_graphs, fake_pg, report_text
+from helpers import aot_graphs, fake_pg, report_text
 
 
 def ulysses_for_hf(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -11,7 +11,7 @@ import cp_inductor
 import ulysses_programs as up
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import pipeline
-from graph_utils import aot_graphs, fake_pg, fused_a2a_pass
+from helpers import aot_graphs, fake_pg, fused_a2a_pass
 
 SEEDS = range(90)
 

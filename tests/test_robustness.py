@@ -14,7 +14,7 @@ from cp_inductor.passes import cost_model
 from cp_inductor.passes.rewrites import fused_a2a
 from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
 from cp_inductor.reporting import clear_report, report
-from graph_utils import aot_graphs, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
+from helpers import aot_graphs, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 from test_fused_a2a import qkv
 
 

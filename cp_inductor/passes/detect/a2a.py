@@ -456,7 +456,7 @@ def _attention_facts(args, cp: int) -> dict:
 def _forward_region(node, graph_kind) -> A2AMatch:
     args = bound_args(node)
     crossings, groups = {}, set()
-    q_cross, q_roles, q_lay, cp, g = _incoming(args["query"], allow_broadcast=False)
+    q_cross, _, q_lay, cp, g = _incoming(args["query"], allow_broadcast=False)
     crossings["q"] = q_cross
     groups.add(g)
     for name in ("key", "value"):

@@ -94,7 +94,7 @@ def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
     fused_a2a's verdict on the same region."""
     if not cfg.fused_a2a:
         return "needs fused_a2a (disabled by config)"
-    if "out" in region.outgoing and not cfg.head_partition_forward:
+    if region.direction == "forward" and not cfg.head_partition_forward:
         return "forward region (head_partition_forward=False)"
     reason = decided[fused_a2a.NAME] if fused_a2a.NAME in decided else fused_a2a.why_not(region, cfg)
     if reason is not None:
@@ -111,7 +111,7 @@ def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
         if not reads_as_view(pack_layout(c, region.cp), c, region.cp, arg):
             return "attention does not read the received buffer as a view"
     outs = tuple_outputs(region.attention)
-    if "dq" in region.outgoing:
+    if region.direction == "backward":
         for idx, name in enumerate(("dq", "dk", "dv")):
             if region.outgoing[name].source is not outs[idx]:
                 return "a gradient is summed over replicated heads before its all_to_all"
@@ -238,7 +238,7 @@ def _restore_full_tensors(emit: Emitter, node, calls: list, names, inc_args: lis
 def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition) -> list:
     node = region.attention
     (inc, inc_args), (outc, _) = crossing_groups(region)
-    backward = "dq" in region.outgoing
+    backward = region.direction == "backward"
     names = ("grad_out",) if backward else ("query", "key", "value")
     outs = tuple_outputs(node)
 

@@ -45,7 +45,7 @@ def crossing_groups(region: A2AMatch, unpack: str = "views") -> list[tuple[list,
     # outgoing packs then plan from. A lone tensor gains only from the sequence-major layout
     # (its unpack (dO) or pack (out) becomes a view), so it is rewritten only with views.
     views = unpack == "views"
-    if "dq" in region.outgoing:
+    if region.direction == "backward":
         grad_out = [([region.incoming["grad_out"]], [region.attention.args[0]])]
         return (grad_out if views else []) + [([region.outgoing[n] for n in ("dq", "dk", "dv")], [None] * 3)]
     out = [([region.outgoing["out"]], [None])]
