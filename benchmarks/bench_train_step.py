@@ -26,6 +26,7 @@ import torch.distributed as dist
 from common import alternating_rounds, paired_ratio, teardown
 
 import cp_inductor
+from torch._dynamo.utils import counters
 from cp_inductor.testing.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
 HP = {"cp_inductor.head_partition": True}
@@ -33,6 +34,7 @@ ARMS = {  # name -> (backend, mode, options); backend None = eager
     "eager": (None, None, None),
     "inductor": ("inductor", None, None),
     "cp_inductor": ("cp_inductor", None, None),
+    "cp_views": ("cp_inductor", None, {"cp_inductor.fused_a2a_unpack": "views"}),
     "cp_inductor+cudagraphs": ("cp_inductor", "reduce-overhead", None),
     "cp_hp+cudagraphs": ("cp_inductor", "reduce-overhead", HP),
 }
@@ -93,6 +95,9 @@ def build_steps(arms: list, cfg, x, y, device, dtype) -> tuple[dict, dict, dict,
         # What the passes did to the step graph (from the report, which a warm FX cache also
         # fills): an arm without rewrites measures nothing of ours.
         rewritten[name] = dict(Counter(a for r in cp_inductor.report().regions for a in r.applied))
+        if counters["cp_inductor"]["grad_out_layout"]:  # the guard's dO copies (cold cache only)
+            rewritten[name]["grad_out_layout"] = counters["cp_inductor"]["grad_out_layout"]
+        counters.clear()
         if cuda:
             memory[name] = torch.cuda.max_memory_allocated() / 2**30
     return steps, first_losses, memory, rewritten

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._dynamo.utils import counters
 
 from .fx_emit import Emitter, stride_order
 from .sdpa_ops import bound_args
@@ -47,3 +48,4 @@ def grad_out_layout_pass(graph: torch.fx.Graph) -> None:
         inverse = [order.index(i) for i in range(want.dim())]
         dense = emit(aten.clone.default, emit(aten.permute.default, d_out, order), memory_format=torch.contiguous_format)
         node.replace_input_with(d_out, emit(aten.permute.default, dense, inverse))
+        counters["cp_inductor"][NAME] += 1  # a copy the program did not have
