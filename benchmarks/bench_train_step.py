@@ -35,6 +35,7 @@ ARMS = {  # name -> (backend, mode, options); backend None = eager
     "inductor": ("inductor", None, None),
     "cp_inductor": ("cp_inductor", None, None),
     "cp_views": ("cp_inductor", None, {"cp_inductor.fused_a2a_unpack": "views"}),
+    "cp_copy": ("cp_inductor", None, {"cp_inductor.fused_a2a_unpack": "copy"}),
     "cp_inductor+cudagraphs": ("cp_inductor", "reduce-overhead", None),
     "cp_hp+cudagraphs": ("cp_inductor", "reduce-overhead", HP),
 }

@@ -17,7 +17,8 @@ region::
 
     penalty_ms = (views_ms / cp_off_ms - 1) at the nearest measured shapes x attention_ms
     copy_ms    = 2 x bytes(q, k, v, dO, out) / COPY_GBPS
-    choose views iff copy_ms - penalty_ms > max(MARGIN_MS, MIN_GAIN x attention_ms), else skip
+    fused_ms   = COLLECTIVES_SAVED x SAVED_COLLECTIVE_MS
+    choose views iff copy_ms + fused_ms - penalty_ms > max(MARGIN_MS, MIN_GAIN x attention_ms), else skip
 
 ``attention_ms`` scales the nearest measured cp_off time by the work ratio (B S^2 Hq D). The
 nearest shapes: same causality and MHA/GQA class, the ``NEIGHBOURS`` closest in log2 of
@@ -46,6 +47,15 @@ DATA = Path(__file__).resolve().parent.parent / "cost_data" / "h200_attention_la
 # kernels (3.8-4.0 TB/s, h200_pack_kernels_run5.json) and its isolated unpack of the fused
 # buffer (0.5-0.8 TB/s, the grid's unpack_ms).
 COPY_GBPS = 1800.0
+
+# Fusing sends q, k, v (and dq, dk, dv) through one all-to-all instead of three: two collectives
+# fewer per direction, with their waits and their pack/unpack kernel launches. That fixed saving
+# dominates small regions. Calibrated on the 2xH200 training step (B1 S8K, 4 local q heads, D128,
+# benchmarks/results/h200x2_train_step_s8k_dim1024_run12.json and _run13.json): views took 0.44
+# and 0.19 ms off a 3.2 / 2.3 ms step where the bandwidth terms above predict 0.014 ms, i.e.
+# 0.04-0.11 ms per collective saved; the lower end is used.
+SAVED_COLLECTIVE_MS = 0.04
+COLLECTIVES_SAVED = 4
 
 # Views must win by more than this (ms) and by MIN_GAIN of attention time: identical arms differ
 # by 1-2% between rounds at B1 S32K-S64K (runs 8 and 9), so a smaller predicted win is noise.
@@ -94,12 +104,18 @@ def choose_unpack(batch, seq, heads_q, heads_kv, head_dim, causal, itemsize) -> 
     """The cost model's choice for one region (shapes are this rank's, after the all-to-all):
     "views", or "skip" (leave the region as the program wrote it)."""
     attention, penalty, copy = predict(batch, seq, heads_q, heads_kv, head_dim, causal, itemsize)
-    gain = copy - penalty
+    fused = COLLECTIVES_SAVED * SAVED_COLLECTIVE_MS
+    gain = copy + fused - penalty
     need = max(MARGIN_MS, MIN_GAIN * attention)
     if gain > need:
-        return UnpackChoice("views", f"views save copies {copy:.2f} ms > attention penalty {penalty:+.2f} ms (attention ~{attention:.1f} ms)")
+        return UnpackChoice(
+            "views",
+            f"views save copies {copy:.2f} ms + {COLLECTIVES_SAVED} collectives {fused:.2f} ms > attention penalty "
+            f"{penalty:+.2f} ms (attention ~{attention:.1f} ms)",
+        )
     return UnpackChoice(
         "skip",
-        f"views would save {gain:+.2f} ms (copies {copy:.2f} ms, attention penalty {penalty:+.2f} ms), "
-        f"under {100 * MIN_GAIN:.0f}% of attention ~{attention:.1f} ms; copy was no faster than no rewrite",
+        f"views would save {gain:+.2f} ms (copies {copy:.2f} ms, {COLLECTIVES_SAVED} collectives {fused:.2f} ms, "
+        f"attention penalty {penalty:+.2f} ms), under {100 * MIN_GAIN:.0f}% of attention ~{attention:.1f} ms; "
+        "copy was no faster than no rewrite",
     )
