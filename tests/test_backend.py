@@ -28,6 +28,27 @@ def test_found_by_name_without_import():
     assert proc.stdout.strip() == "ok", proc.stderr
 
 
+def test_the_compiler_imports_neither_testing_nor_parallel():
+    """The backend and its passes stand apart from the helpers users and tests run."""
+    code = (
+        "import sys, cp_inductor.backend, cp_inductor.passes.pipeline\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('cp_inductor.testing', 'cp_inductor.parallel'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_a_config_snapshot_is_read_only():
+    from cp_inductor.config_snapshot import snapshot
+
+    cfg = snapshot({"head_groups": 4})
+    assert cfg.head_groups == 4 and cfg["fused_a2a"] is cp_inductor.config.fused_a2a
+    with pytest.raises(AttributeError):
+        cfg.head_groups = 2
+    with cp_inductor.config.patch(head_groups=8):
+        assert cfg.head_groups == 4  # frozen when taken
+
+
 def test_uuid_follows_config_and_source():
     cfg = cp_inductor.config.get_config_copy()
     base = graph_passes(cfg, {})["post_grad_custom_pre_pass"].uuid()
