@@ -144,27 +144,37 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
     for match in sorted(matches, key=lambda m: order[m.attention]):
-        attention, detector = match.attention, _detector(match)
-        if attention._erased:
+        detector = _detector(match)
+        if match.attention._erased:
             continue
         if changed:
             # An earlier rewrite may have replaced nodes this region was found through (two
             # layers back to back share the first one's returned output): find it again.
-            match = detector.match_at(attention, "post_grad", cfg)
-        for rewrite in decide(match, cfg, only).to_run(hook) if match is not None else ():
-            if apply_checked(graph, match, rewrite, detector.match_at, cfg):
-                changed = True
-                if attention._erased:
-                    break
-                match = detector.match_at(attention, "post_grad", cfg)
-                if match is None:
-                    break
+            match = detector.match_at(match.attention, "post_grad", cfg)
+            if match is None:
+                continue
+        changed |= _rewrite_region(graph, match, detector, hook, cfg, only)
     if changed:
         graph.eliminate_dead_code()
         graph.lint()
     if only is None:
         for guard in GUARDS.get(hook, ()):
             guard(graph)
+
+
+def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only) -> bool:
+    """Apply what :func:`decide` chose for ``match`` on ``hook``, each rewrite checked first;
+    whether any was kept."""
+    kept = False
+    for rewrite in decide(match, cfg, only).to_run(hook):
+        if not apply_checked(graph, match, rewrite, detector.match_at, cfg):
+            continue
+        kept = True
+        attention = match.attention
+        match = None if attention._erased else detector.match_at(attention, "post_grad", cfg)
+        if match is None:
+            break
+    return kept
 
 
 def rewrite_graph(graph: torch.fx.Graph, cfg=None, only=None) -> None:
