@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-def _load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
+def load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
     # Two-chunk (head-tail) causal balance: rank r holds chunks r and 2*cp-1-r.
     return rank, 2 * cp - 1 - rank
 
@@ -24,7 +24,7 @@ def shard_sequence(
     if not load_balanced:
         return x.chunk(cp, dim=seq_dim)[rank].contiguous()
     chunks = x.chunk(2 * cp, dim=seq_dim)
-    first, second = _load_balanced_chunks(rank, cp)
+    first, second = load_balanced_chunks(rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
 
 
@@ -37,7 +37,7 @@ def unshard_sequence(
         return torch.cat(shards, dim=seq_dim)
     ordered: list[torch.Tensor | None] = [None] * (2 * cp)
     for rank, shard in enumerate(shards):
-        first, second = _load_balanced_chunks(rank, cp)
+        first, second = load_balanced_chunks(rank, cp)
         ordered[first], ordered[second] = shard.chunk(2, dim=seq_dim)
     return torch.cat(ordered, dim=seq_dim)
 

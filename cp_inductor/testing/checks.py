@@ -27,6 +27,7 @@ class AttentionCase:
     layout: str = "bshd"
     causal: bool = True
     dtype: torch.dtype = torch.float32
+    load_balanced: bool = False  # shard as chunks r and 2cp-1-r (parallel.shard_sequence)
 
     @property
     def seq_dim(self) -> int:
@@ -63,7 +64,9 @@ def run_cp(fn, case: AttentionCase, full: dict, rank: int, cp: int, device="cpu"
     ``dynamic_seq`` marks the sequence dim dynamic for torch.compile."""
     sd = case.seq_dim
     local = {
-        n: parallel.shard_sequence(full[n], sd, rank, cp).to(device=device, dtype=case.dtype)
+        n: parallel.shard_sequence(full[n], sd, rank, cp, load_balanced=case.load_balanced).to(
+            device=device, dtype=case.dtype
+        )
         for n in ("q", "k", "v", "dout")
     }
     q, k, v = (local[n].requires_grad_() for n in "qkv")
@@ -73,7 +76,10 @@ def run_cp(fn, case: AttentionCase, full: dict, rank: int, cp: int, device="cpu"
     out = fn(q, k, v)
     out.backward(local["dout"])
     results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    return {n: parallel.gather_sequence(t, sd).double().cpu() for n, t in results.items()}
+    return {
+        n: parallel.gather_sequence(t, sd, load_balanced=case.load_balanced).double().cpu()
+        for n, t in results.items()
+    }
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,6 +92,12 @@ def errors(got: dict, want: dict) -> dict:
 
 def ulysses_fn(case: AttentionCase):
     return lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=case.layout, is_causal=case.causal)
+
+
+def allgather_fn(case: AttentionCase):
+    return lambda q, k, v: parallel.allgather_attention(
+        q, k, v, layout=case.layout, is_causal=case.causal, load_balanced=case.load_balanced
+    )
 
 
 def check_cp_attention(

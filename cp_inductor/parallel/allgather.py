@@ -1,0 +1,155 @@
+"""K/V all-gather context-parallel attention (Llama3 style) in plain PyTorch.
+
+Each rank keeps its query shard and gathers every rank's K and V (small under GQA). The
+gather runs on dim 0 (``all_gather_tensor_autograd``: its backward is the reduce-scatter of
+dK/dV; torch 2.11 breaks the graph for other gather dims).
+
+* Not causal: one attention call of the local queries over the gathered K/V, in any key order.
+* Causal: queries must see keys in sequence order up to their own position. With
+  ``load_balanced=True`` (the default; shard with ``shard_sequence(..., load_balanced=True)``)
+  rank r holds chunks r and 2cp-1-r of 2cp equal chunks, so every rank does the same work. Each
+  local chunk c attends to its causal prefix, bottom-right aligned: the keys before the chunk
+  in full, its own block causally (a square block, where SDPA's top-left causal mask is the
+  right one). The two calls are merged by their log-sum-exp; chunk 0 has no prefix and is one
+  causal call. No S x S mask is built: every call is one the fused kernels take.
+
+Layouts as in :mod:`cp_inductor.parallel.ulysses`: ``"bshd"`` ``[B, S/cp, H, D]`` or ``"bhsd"``
+``[B, H, S/cp, D]``; GQA when k/v have fewer heads than q.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from .sharding import load_balanced_chunks
+from .ulysses import LAYOUTS
+
+aten = torch.ops.aten
+
+
+def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return x.transpose(1, 2) if layout == "bshd" else x
+
+
+def _gather_sequence(x: torch.Tensor, cp: int, group, load_balanced: bool) -> torch.Tensor:
+    """This rank's ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order."""
+    b, h, s_l, d = x.shape
+    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group).view(cp, b, h, s_l, d)
+    if load_balanced:
+        halves = gathered.view(cp, b, h, 2, s_l // 2, d)
+        # First halves are chunks 0..cp-1 in rank order; second halves chunks 2cp-1-r, so in
+        # reversed rank order they are chunks cp..2cp-1.
+        gathered = torch.cat([halves[:, :, :, 0], halves.flip(0)[:, :, :, 1]], dim=0)
+    return gathered.permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
+
+
+def _attention_with_lse(q, k, v, causal: bool, scale: float):
+    """(out, log-sum-exp [B, H, L] fp32, what the backward op needs besides) from the fused
+    kernel of q's device (CPU: flash for CPU; CUDA: flash, not run on a GPU yet)."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _attention_backward(dout, q, k, v, out, lse, extra: tuple, causal: bool, scale: float):
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+    )
+
+
+class _PrefixThenDiagonal(torch.autograd.Function):
+    """Query chunk over ``[prefix keys | its own block]``: the prefix in full, the block causally,
+    merged by log-sum-exp. The backward of each call takes the merged output and log-sum-exp,
+    which makes its probabilities the merged softmax's: the gradients are exact."""
+
+    @staticmethod
+    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag, scale: float):
+        out_p, lse_p, ctx.extra_p = _attention_with_lse(q, k_prefix, v_prefix, False, scale)
+        out_d, lse_d, ctx.extra_d = _attention_with_lse(q, k_diag, v_diag, True, scale)
+        lse = torch.logaddexp(lse_p, lse_d)
+        out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_d * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq_p, dk_p, dv_p = _attention_backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
+        dq_d, dk_d, dv_d = _attention_backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
+        return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None
+
+
+def _chunk_attention(q, k_full, v_full, chunk: int, length: int, scale: float) -> torch.Tensor:
+    """Query chunk ``chunk`` (``length`` positions) over its causal prefix, bottom-right aligned."""
+    start, end = chunk * length, (chunk + 1) * length
+    k_diag, v_diag = k_full[:, :, start:end], v_full[:, :, start:end]
+    if chunk == 0:
+        return F.scaled_dot_product_attention(q, k_diag, v_diag, is_causal=True, scale=scale)
+    return _PrefixThenDiagonal.apply(q, k_full[:, :, :start], v_full[:, :, :start], k_diag, v_diag, scale)
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "bshd",
+    is_causal: bool = False,
+    load_balanced: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """K/V all-gather CP attention over sequence-sharded q, k, v; returns q's layout.
+
+    Causal attention needs q, k, v sharded as ``shard_sequence(..., load_balanced=...)`` with the
+    same ``load_balanced``; without causality the sharding does not matter."""
+    group = group if group is not None else dist.group.WORLD
+    cp = dist.get_world_size(group)
+    q, k, v = (_to_bhsd(x, layout) for x in (q, k, v))
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not is_causal:
+        k_all, v_all = (funcol.all_gather_tensor_autograd(x.contiguous(), 0, group) for x in (k, v))
+        # Key order does not matter without a mask: [cp*B, H, S/cp, D] -> [B, H, S, D] any order.
+        k_all, v_all = (x.view(cp, *k.shape).permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (k_all, v_all))
+        out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=hq != hkv)
+        return out.transpose(1, 2) if layout == "bshd" else out
+
+    rank = dist.get_rank(group)
+    s_l = q.shape[2]
+    if load_balanced and s_l % 2:
+        raise ValueError(f"load-balanced causal attention needs an even local sequence, got {s_l}")
+    k_full, v_full = (_gather_sequence(x, cp, group, load_balanced) for x in (k, v))
+    if hq != hkv:  # the fused kernels' LSE path takes equal heads: replicate K/V heads
+        k_full, v_full = (x.repeat_interleave(hq // hkv, dim=1) for x in (k_full, v_full))
+    if load_balanced:
+        length = s_l // 2
+        chunks = load_balanced_chunks(rank, cp)
+        parts = [
+            _chunk_attention(q[:, :, i * length:(i + 1) * length], k_full, v_full, c, length, scale)
+            for i, c in enumerate(chunks)
+        ]
+        out = torch.cat(parts, dim=2)
+    else:
+        out = _chunk_attention(q, k_full, v_full, rank, s_l, scale)
+    return out.transpose(1, 2) if layout == "bshd" else out
