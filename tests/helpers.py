@@ -78,6 +78,18 @@ def describe_regions(graphs: dict) -> str:
     return "\n".join(lines) if lines else "no regions"
 
 
+def describe_matches(graphs: dict) -> str:
+    """One line per CP match of every style (graph order), then the rejected attention ops."""
+    lines = []
+    for kind, gm in graphs.items():
+        rejected = []
+        for row in pipeline.analyze(gm.graph, kind, rejected):
+            causal = " causal" if "causal" in row.detail.split() else ""
+            lines.append(f"{kind}: {row.style} cp={row.cp_size} {row.layout} {row.attention} {row.detail.split(' causal')[0]}{causal}")
+        lines += [f"{kind}: not a region: {r.attention}: {r.reason}" for r in rejected]
+    return "\n".join(lines) if lines else "no regions"
+
+
 def count_ops(gm) -> str:
     """all_to_all and copy counts of a graph, for before/after comparisons."""
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -1,8 +1,8 @@
 """K/V all-gather CP attention (``cp_inductor.parallel.allgather_attention``) on gloo: output and
 every gradient against a single-device fp64 reference, eager and compiled with cp_inductor.
 
-Detection of all-gather regions does not exist yet: the compiled run must keep the answer and
-rewrite nothing."""
+The compiled run finds the all-gather regions in both graphs (no all-gather rewrite exists yet),
+keeps the answer and rewrites nothing."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ CASES = {
 def test_allgather_attention_matches_single_device(cp):
     for rank_results in run_on_ranks(_check, cp, CASES[cp]):
         assert_cp_results(rank_results, TOL, applied=())
+        for r in rank_results:
+            assert {row[:3] for row in r["report"]} == {("forward", "allgather", cp), ("backward", "allgather", cp)}, r
 
 
 def test_load_balanced_chunks_cover_the_sequence_once():

@@ -29,11 +29,11 @@ from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
 from . import grad_out_layout
 from .checked_rewrite import apply_checked
-from .detect import a2a
+from .detect import a2a, allgather
 from .guard import why_not
 from .rewrites import POST_GRAD, Rewrite, fused_a2a, head_partition, planned
 
-DETECTORS = (a2a,)
+DETECTORS = (a2a, allgather)  # Ulysses, K/V all-gather
 
 # Decision order: a rewrite's why_not sees the verdicts of those before it on the same region
 # (head_partition builds on fused_a2a's buffers). The report lists each region's rewrites in
@@ -104,24 +104,40 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     if not cfg.detect:
         return []
 
-    def reject(node, reason):
-        if rejected is not None:
-            rejected.append(Rejected(graph_kind, _op_name(node), reason))
-
-    rows = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
     for detector in DETECTORS:
-        for match in detector.find(graph, graph_kind, cfg, log=reject):
+        for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
             decision = decide(match, cfg)
             detail = match.describe()
             for rewrite in REWRITES:
                 if rewrite.name in decision.applied and rewrite.detail is not None:
                     detail += " " + rewrite.detail(match, cfg)
-            rows.append(Region(
+            rows.append((order[match.attention], Region(
                 style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
                 applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
                 detail=detail,
-            ))
-    return rows
+            )))
+    matched = {i for i, _ in rows}
+    if rejected is not None:
+        for node in sorted(reasons, key=order.__getitem__):
+            if order[node] not in matched:
+                rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node])))
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+def _reasons_into(reasons: dict, style: str):
+    def log(node, reason):
+        reasons.setdefault(node, {})[style] = reason
+
+    return log
+
+
+def _why_no_region(by_style: dict) -> str:
+    """One reason from each detector's: the ones that saw their collective, else Ulysses' "no
+    all-to-all feeds it" (an op no all-gather feeds gets no reason from that detector)."""
+    specific = [r for style, r in by_style.items() if not (style == a2a.STYLE and r == a2a.NO_ALL_TO_ALL)]
+    return "; ".join(specific) if specific else by_style[a2a.STYLE]
 
 
 def inductor_patches(rows: list[Region]) -> dict:

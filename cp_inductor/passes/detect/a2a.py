@@ -44,6 +44,8 @@ from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 ROLE_NAMES = "bhsd"  # roles of the four attention dims
+# The reason for an attention op no all-to-all feeds: not this style's (another may claim it).
+NO_ALL_TO_ALL = "input does not come from an all_to_all"
 
 
 @dataclass
@@ -140,7 +142,7 @@ def _walk_to_collective(node):
         if coll is not None:
             return coll, after
         if not _is_value_op(node):
-            raise LayoutError("input does not come from an all_to_all")
+            raise LayoutError(NO_ALL_TO_ALL)
         after.insert(0, node)
         node = node.args[0]
 

@@ -92,6 +92,8 @@ def choose_groups(region: A2AMatch, cfg) -> tuple[int, str | None]:
 def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
     """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
     fused_a2a's verdict on the same region."""
+    if region.style != "a2a":
+        return f"not implemented yet for {region.style}"
     if not cfg.fused_a2a:
         return "needs fused_a2a (disabled by config)"
     if region.direction == "forward" and not cfg.head_partition_forward:
@@ -266,6 +268,6 @@ def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 REWRITE = Rewrite(
-    NAME, styles=("a2a",), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
+    NAME, styles=("a2a", "allgather"), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
     inductor_patches={"reorder_for_peak_memory": False},
 )

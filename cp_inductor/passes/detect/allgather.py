@@ -1,0 +1,250 @@
+"""Find K/V all-gather CP attention regions (Llama3 style) in an ATen graph.
+
+A forward (or inference) region::
+
+    q_local ------------------------------------------------> attention(q, k, v)
+    k_local -> all_gather -> wait -> reorder / slice / GQA repeat -^      ^
+    v_local -> all_gather -> wait -> ...  ------------------------------/
+
+One attention op is one match: a load-balanced causal block makes several per rank (chunk 0's
+causal call; a later chunk's prefix call and diagonal call, merged by log-sum-exp). Between the
+wait and attention any layout op, ``cat`` of pieces (chunk reorders), ``rev``/``flip``,
+``index_select``, a cast may sit, as long as every piece comes from one all-gather of the same
+group; q must not come from a collective (a gathered q means every rank attends over the whole
+sequence: not context parallelism).
+
+A backward region is an attention backward op whose dK and dV reach a ``reduce_scatter_tensor``
+(the all-gather's backward) through scatters into the full-sequence gradient, adds, sums over
+replicated heads and layout ops, while dQ stays on this rank.
+
+This finds and reports regions; which rewrites apply is the pipeline's decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.fx
+
+from ..guard import internal_error
+from ..layout_algebra import LayoutError, is_layout_op
+from ..match import CPMatch
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+# Ops that move or pick elements of the gathered K/V on its way to attention (first argument is
+# the tracked tensor), besides the layout algebra's own.
+_REORDER_OPS = (prims.rev.default, aten.flip.default, aten.index_select.default, aten.repeat_interleave.self_int)
+# Ops through which a dK/dV contribution reaches the reduce-scatter: the tracked tensor is any
+# tensor argument.
+_ACCUMULATE_OPS = (
+    aten.slice_scatter.default, aten.select_scatter.default, aten.add.Tensor, aten.sum.dim_IntList,
+    aten.cat.default, prims.rev.default, aten.flip.default, aten.index_add.default, aten.index_put.default,
+)
+_MAX_DEPTH = 256  # nodes a walk may visit; deeper means it is not one attention's K/V
+
+
+@dataclass
+class AllGatherMatch(CPMatch):
+    """An attention op of a K/V all-gather region: where its K/V were gathered (forward) or
+    where its dK/dV are reduce-scattered (backward)."""
+
+    style: ClassVar[str] = "allgather"
+    gathers: dict = field(default_factory=dict)  # "k"/"v" -> the all_gather_into_tensor node
+    reduce_scatters: dict = field(default_factory=dict)  # "dk"/"dv" -> the reduce_scatter_tensor node
+
+
+STYLE = AllGatherMatch.style
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is_cast(node) -> bool:
+    return (
+        isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
+        and torch.Tag.pointwise in getattr(node.target, "tags", ())
+        and isinstance(_val(node.args[0]), torch.Tensor) and isinstance(_val(node), torch.Tensor)
+        and _val(node.args[0]).shape == _val(node).shape
+    )
+
+
+def _gather_of_wait(node):
+    """The all_gather_into_tensor whose result ``node`` waits for, or None."""
+    if isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default:
+        src = node.args[0]
+        if isinstance(src, torch.fx.Node) and src.target is c10d.all_gather_into_tensor.default:
+            return src
+    return None
+
+
+def _sources(node) -> tuple[set, bool]:
+    """Walk up from an attention input: (all-gathers reached, whether every path ends at one).
+    Other collectives and compute end a path without a gather."""
+    gathers, seen, stack, complete = set(), set(), [node], True
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _MAX_DEPTH:
+            return gathers, False
+        gather = _gather_of_wait(n)
+        if gather is not None:
+            gathers.add(gather)
+        elif n.op == "call_function" and n.target is aten.cat.default:
+            stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
+        elif is_layout_op(n) or _is_cast(n) or (n.op == "call_function" and n.target in _REORDER_OPS):
+            stack.append(n.args[0])
+        else:
+            complete = False
+    return gathers, complete
+
+
+def _gathered_input(node, name: str):
+    """The one all-gather ``node`` (k or v) comes from, None if it comes from none, or a reason."""
+    gathers, complete = _sources(node)
+    if not gathers:
+        return None
+    if not complete:
+        raise LayoutError(f"{name} mixes gathered and local data")
+    if len(gathers) != 1:
+        raise LayoutError(f"{name} comes from {len(gathers)} all_gathers")
+    return gathers.pop()
+
+
+def _group(gather) -> tuple[int, str]:
+    _, size, name = gather.args[:3]
+    if isinstance(size, torch.SymInt):
+        raise LayoutError("dynamic shapes")
+    return int(size), name
+
+
+def _layout(node) -> str:
+    """How the rank holds q (forward) or dO (backward), from the permutes between the tensor its
+    chain starts at and attention's [B, H, S, D] (slices and copies keep the order)."""
+    where = [0, 1, 2, 3]  # attention dim i is dim where[i] of the tensor at the walk's position
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is aten.permute.default:
+            where = [node.args[1][w] for w in where]
+        elif node.target is aten.transpose.int:
+            a, b = (x % 4 for x in node.args[1:3])
+            where = [b if w == a else a if w == b else w for w in where]
+        elif node.target not in (aten.clone.default, aten.alias.default, aten.slice.Tensor, aten.contiguous.default):
+            break
+        node = node.args[0]
+    src = _val(node)
+    if not isinstance(src, torch.Tensor) or src.dim() != 4:
+        return "?"
+    return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
+
+
+def _facts(args, cp: int) -> dict:
+    q, k = _val(args["query"]), _val(args["key"])
+    return dict(
+        is_causal=bool(args.get("is_causal", False)),
+        heads_q=int(q.shape[1]), heads_kv=int(k.shape[1]),
+        has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
+        dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
+    )
+
+
+def _forward_match(node, graph_kind) -> AllGatherMatch | None:
+    args = bound_args(node)
+    gathers = {n: _gathered_input(args[arg], arg) for n, arg in (("k", "key"), ("v", "value"))}
+    if all(g is None for g in gathers.values()):
+        return None
+    if any(g is None for g in gathers.values()):
+        raise LayoutError("only one of key and value comes from an all_gather")
+    if _sources(args["query"])[0]:
+        raise LayoutError("query is gathered too: every rank attends over the whole sequence")
+    groups = {_group(g) for g in gathers.values()}
+    if len(groups) != 1:
+        raise LayoutError("key and value are gathered over different groups")
+    (cp, group), = groups
+    return AllGatherMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["query"]),
+        gathers=gathers, **_facts(args, cp),
+    )
+
+
+def _reduce_scatter_below(node) -> set:
+    """The reduce_scatter_tensor ops a gradient reaches going down through accumulation and
+    layout ops."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.target is c10d.reduce_scatter_tensor.default:
+                found.add(user)
+            elif is_layout_op(user) or _is_cast(user) or user.target in _ACCUMULATE_OPS:
+                stack.append(user)
+    return found
+
+
+def _backward_match(node, graph_kind) -> AllGatherMatch | None:
+    outs = tuple_outputs(node)
+    scatters = {name: _reduce_scatter_below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
+    if not any(scatters.values()):
+        return None
+    if not all(len(s) == 1 for s in scatters.values()):
+        raise LayoutError("dK and dV do not each reach one reduce_scatter")
+    if 0 in outs and _reduce_scatter_below(outs[0]):
+        raise LayoutError("dQ is reduce-scattered too")
+    rs = {name: s.pop() for name, s in scatters.items()}
+    sizes = {(int(r.args[2]), r.args[3]) for r in rs.values()}
+    if len(sizes) != 1:
+        raise LayoutError("dK and dV are reduce-scattered over different groups")
+    (cp, group), = sizes
+    args = bound_args(node)
+    return AllGatherMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["grad_out"]),
+        reduce_scatters=rs, **_facts(args, cp),
+    )
+
+
+def _match(node, graph_kind) -> AllGatherMatch | None:
+    if node.target in SDPA_FORWARD:
+        return _forward_match(node, graph_kind)
+    return _backward_match(node, graph_kind)
+
+
+def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[AllGatherMatch]:
+    """Every K/V all-gather attention op in ``graph``. ``log(node, reason)`` hears why an attention
+    op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's)."""
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in SDPA_FORWARD + SDPA_BACKWARD:
+            continue
+        try:
+            m = _match(node, graph_kind)
+        except LayoutError as e:
+            if log is not None:
+                log(node, str(e))
+            continue
+        except Exception as e:  # noqa: BLE001 - see guard.py
+            if log is not None:
+                log(node, internal_error(e, cfg))
+            continue
+        if m is not None:
+            matches.append(m)
+    return matches
+
+
+def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> AllGatherMatch | None:
+    try:
+        return _match(node, graph_kind)
+    except LayoutError:
+        return None
+    except Exception as e:  # noqa: BLE001 - see guard.py
+        internal_error(e, cfg)
+        return None

@@ -1,0 +1,113 @@
+"""Golden detection of K/V all-gather CP regions (fake process group, no codegen): our helper at
+cp = 2, 4, 8, hand-written variants, and all-gathers that are not CP attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from cp_inductor.parallel import allgather_attention
+from helpers import aot_graphs, describe_matches, fake_pg
+
+
+def _qkv(b, s_l, hq, hkv, d):
+    mk = lambda h: torch.randn(b, s_l, h, d, requires_grad=True)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def _gather(x):
+    """[B, S/cp, H, D] -> every rank's [B, S, H, D] (gathered on dim 0, then put in sequence order)."""
+    cp = dist.get_world_size()
+    b, s_l, h, d = x.shape
+    g = funcol.all_gather_tensor_autograd(x.contiguous(), 0, dist.group.WORLD).view(cp, b, s_l, h, d)
+    return g.permute(1, 0, 2, 3, 4).reshape(b, cp * s_l, h, d)
+
+
+def vision_style(q, k, v):
+    """DiT / vision style: local queries over every rank's keys, not causal."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), _gather(k).transpose(1, 2), _gather(v).transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+def gathered_weight(x, w_shard):
+    """FSDP-style weight all-gather feeding the k/v projection: not CP attention."""
+    w = funcol.all_gather_tensor_autograd(w_shard, 0, dist.group.WORLD)
+    b, s, e = x.shape
+    qkv = (x @ w.t()).view(b, s, 3, 2, e // 2)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+
+
+def gathered_query_too(q, k, v):
+    """Every rank attends over the whole sequence: a gather of q as well is not CP."""
+    out = F.scaled_dot_product_attention(_gather(q).transpose(1, 2), _gather(k).transpose(1, 2), _gather(v).transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+def gathered_key_only(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), _gather(k).transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+class TestAllGatherGolden(TestCase):
+    def test_helper_causal_load_balanced_gqa(self):
+        # Each rank's two chunks: chunk r (prefix + diagonal calls, or one causal call for chunk 0)
+        # and chunk 2cp-1-r. Rank 0 of cp=2 holds chunks 0 and 3: 1 + 2 calls, and their backwards.
+        # The helper replicates K/V heads before its log-sum-exp calls: attention sees Hkv = Hq.
+        with fake_pg(2):
+            graphs = aot_graphs(lambda q, k, v: allgather_attention(q, k, v, is_causal=True), *_qkv(1, 8, 4, 2, 8))
+            text = describe_matches(graphs)
+        self.assertExpectedInline(text, """\
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4 causal
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4 causal""")
+
+    def test_helper_cp4_and_cp8_rank0(self):
+        lines = []
+        for cp in (4, 8):
+            with fake_pg(cp):
+                graphs = aot_graphs(
+                    lambda q, k, v: allgather_attention(q, k, v, layout="bhsd", is_causal=True),
+                    *(t.transpose(1, 2).detach().requires_grad_() for t in _qkv(1, 4, 2, 2, 8)),
+                )
+                lines.append(describe_matches(graphs))
+        self.assertExpectedInline("\n".join(lines), """\
+forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
+backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
+backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal""")
+
+    def test_vision_style_not_causal(self):
+        with fake_pg(2):
+            text = describe_matches(aot_graphs(vision_style, *_qkv(1, 4, 2, 2, 8)))
+        self.assertExpectedInline(text, """\
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2""")
+
+    def test_not_cp_attention(self):
+        with fake_pg(2):
+            x = torch.randn(1, 4, 8, requires_grad=True)
+            w = torch.randn(12, 8, requires_grad=True)
+            lines = [describe_matches(aot_graphs(gathered_weight, x, w))]
+            lines.append(describe_matches(aot_graphs(gathered_query_too, *_qkv(1, 4, 2, 2, 8))))
+            lines.append(describe_matches(aot_graphs(gathered_key_only, *_qkv(1, 4, 2, 2, 8))))
+        self.assertExpectedInline("\n".join(lines), """\
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: input does not come from an all_to_all
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: input does not come from an all_to_all
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: query is gathered too: every rank attends over the whole sequence
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dQ is reduce-scattered too
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: only one of key and value comes from an all_gather
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dK and dV do not each reach one reduce_scatter""")
