@@ -23,3 +23,19 @@ def test_compiled_step_matches_eager(cfg):
         # The region starts at the QKV projection's output, [B, S/cp, H, D], whatever layout the
         # block hands to ulysses_attention: detection walks up through the transposes.
         assert all(r.applied == ["fused_a2a"] and r.cp_size == 2 and r.layout == "bshd" for r in regions)
+
+
+def test_allgather_step_matches_eager():
+    """The same step with K/V all-gather attention (load-balanced causal, GQA): its regions are
+    found in the one step graph (no all-gather rewrite yet) and the answer is eager's."""
+    cfg = StepConfig(style="allgather", layout="bshd", heads=4, kv_heads=2)
+    for result in run_on_ranks(compare_with_eager, 2, cfg, 3, "cpu", "cp_inductor"):
+        for e, c in zip(result["eager"], result["compiled"]):
+            assert abs(e - c) <= 1e-5 * abs(e), (result["eager"], result["compiled"])
+        assert result["eager"][-1] < result["eager"][0]
+        assert result["max_param_diff"] < 1e-5
+        regions = result["report"].regions
+        assert {(r.style, r.attention.endswith("_backward")) for r in regions} == {
+            ("allgather", False), ("allgather", True),
+        }, regions
+        assert all(r.applied == [] for r in regions)

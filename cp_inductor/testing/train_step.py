@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import parallel
 
-STYLES = ("a2a",)
+STYLES = ("a2a", "allgather")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ class StepConfig:
     kv_heads: int = 2
     causal: bool = True
     lr: float = 0.1
+
+    @property
+    def load_balanced(self) -> bool:
+        """All-gather causal attention takes the two-chunk layout (rank r: chunks r, 2cp-1-r)."""
+        return self.style == "allgather" and self.causal
 
 
 class TransformerBlock(nn.Module):
@@ -60,7 +65,12 @@ class TransformerBlock(nn.Module):
         q, k, v = qkv.split([c.heads, c.kv_heads, c.kv_heads], dim=2)
         if c.layout == "bhsd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = parallel.ulysses_attention(q, k, v, group=self.group, layout=c.layout, is_causal=c.causal)
+        if c.style == "a2a":
+            o = parallel.ulysses_attention(q, k, v, group=self.group, layout=c.layout, is_causal=c.causal)
+        else:
+            o = parallel.allgather_attention(
+                q, k, v, group=self.group, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced
+            )
         if c.layout == "bhsd":
             o = o.transpose(1, 2)
         return self.wo(o.flatten(2))
@@ -108,7 +118,7 @@ def step_inputs(cfg: StepConfig, rank: int, cp: int, seed: int = 0, device="cpu"
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=g)
     y = torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=g)
-    return tuple(parallel.shard_sequence(t, 1, rank, cp).to(device) for t in (x, y))
+    return tuple(parallel.shard_sequence(t, 1, rank, cp, load_balanced=cfg.load_balanced).to(device) for t in (x, y))
 
 
 def compare_with_eager(
