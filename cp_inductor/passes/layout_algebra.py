@@ -267,6 +267,22 @@ def is_layout_op(node) -> bool:
     return True
 
 
+def node_val(node):
+    """The fake tensor (or value) a graph node computes, None if unknown."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def is_value_op(node) -> bool:
+    """A pointwise op on the tracked tensor (its first argument) that keeps its shape: a scale,
+    a cast, an activation. It changes values, not where they sit."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if torch.Tag.pointwise not in getattr(node.target, "tags", ()) or not node.args:
+        return False
+    src, out = node_val(node.args[0]), node_val(node)
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
+
+
 def _slice_args(node) -> tuple:
     args = list(node.args[1:]) + [None] * 4
     dim, start, end, step = args[:4]

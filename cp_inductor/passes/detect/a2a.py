@@ -37,6 +37,8 @@ from ..layout_algebra import (
     canonical,
     is_broadcast,
     is_layout_op,
+    is_value_op,
+    node_val,
 )
 from ..match import CPMatch
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
@@ -79,28 +81,13 @@ class A2AMatch(CPMatch):
     outgoing: dict = field(default_factory=dict)  # "out" or "dq"/"dk"/"dv" -> A2ACrossing
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is_value_op(node) -> bool:
-    """A pointwise op on the tracked tensor (its first argument) that keeps its shape: a scale,
-    a cast, an activation. It changes values, not where they sit."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        return False
-    if torch.Tag.pointwise not in getattr(node.target, "tags", ()) or not node.args:
-        return False
-    src, out = _val(node.args[0]), _val(node)
-    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
-
-
 def _next_layout(lay: Layout, node) -> Layout:
-    return lay if _is_value_op(node) and not is_layout_op(node) else LAYOUT_OPS[node.target](lay, node)
+    return lay if is_value_op(node) and not is_layout_op(node) else LAYOUT_OPS[node.target](lay, node)
 
 
 def _equal_split_cp(coll: Collective) -> int:
     cp = _group_size(coll.group_name)
-    n0 = _val(coll.input).shape[0]
+    n0 = node_val(coll.input).shape[0]
     # Comparing symbolic sizes would add guards: the compiler must not specialize the user's graph.
     if any(isinstance(x, torch.SymInt) for x in [n0, *(coll.splits[0] or ()), *(coll.splits[1] or ())]):
         raise LayoutError("dynamic shapes")
@@ -141,7 +128,7 @@ def _walk_to_collective(node):
         coll = collective_at(node)
         if coll is not None:
             return coll, after
-        if not _is_value_op(node):
+        if not is_value_op(node):
             raise LayoutError(NO_ALL_TO_ALL)
         after.insert(0, node)
         node = node.args[0]
@@ -251,9 +238,9 @@ def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     coll, after = _walk_to_collective(node)
     cp = _equal_split_cp(coll)
     source, before = _walk_up(coll.input, pieces=False)
-    if _val(source) is None:
+    if node_val(source) is None:
         raise LayoutError("no shape on the rank-local tensor")
-    pre = apply_chain(Layout.source(_val(source).shape, source.name, cp), before)
+    pre = apply_chain(Layout.source(node_val(source).shape, source.name, cp), before)
     post = [pre[-1].all_to_all(cp)]
     for n in after:
         post.append(_next_layout(post[-1], n))
@@ -287,14 +274,14 @@ def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node) -> Layout:
     ``add`` of same-shaped tensors (q, k and v were one tensor) or ``cat`` of equal pieces (the
     backward of a packed q/k/v cut by unbind, split or chunk)."""
     if node.target is aten.add.Tensor:
-        vals = [_val(a) for a in node.args[:2]]
+        vals = [node_val(a) for a in node.args[:2]]
         if node.kwargs.get("alpha", 1) != 1 or any(not isinstance(v, torch.Tensor) for v in vals):
             raise LayoutError("add of a scaled or non-tensor operand")
         if vals[0].shape != vals[1].shape:
             raise LayoutError("add that broadcasts")
         return lay
     parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    shapes = {tuple(_val(p).shape) for p in parts}
+    shapes = {tuple(node_val(p).shape) for p in parts}
     if len(shapes) != 1:
         raise LayoutError("cat of pieces of different shapes")
     dim = dim % len(lay.dims)
@@ -343,7 +330,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
                 except LayoutError:
                     continue
                 visit(user, [], reduced, user, reduced, depth + 1)
-            elif _is_value_op(user) and user.args[0] is n:
+            elif is_value_op(user) and user.args[0] is n:
                 visit(user, [], lay, user, lay, depth + 1)
 
     visit(node, [], start, node, start)
@@ -390,7 +377,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
 
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
     """An attention-side layout with the head_dim of ``like`` (the output takes v's head_dim)."""
-    head_dim = (Factor(name, 1, int(_val(like).shape[-1])),)
+    head_dim = (Factor(name, 1, int(node_val(like).shape[-1])),)
     return Layout(lay.dims[:3] + (head_dim,), lay.pinned)
 
 
@@ -448,8 +435,8 @@ def _attention_facts(args, cp: int) -> dict:
     q, k = args["query"], args["key"]
     return dict(
         is_causal=bool(args.get("is_causal", False)),
-        heads_q=int(_val(q).shape[1]) * cp,
-        heads_kv=int(_val(k).shape[1]) * cp,
+        heads_q=int(node_val(q).shape[1]) * cp,
+        heads_kv=int(node_val(k).shape[1]) * cp,
         has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
         dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
     )
@@ -491,7 +478,7 @@ def _backward_region(node, graph_kind) -> A2AMatch:
     for idx, (name, like) in enumerate((("dq", "query"), ("dk", "key"), ("dv", "value"))):
         if idx not in outs:
             raise LayoutError(f"{name} unused")
-        shape = _val(args[like]).shape
+        shape = node_val(args[like]).shape
         if name == "dq":
             start = _with_head_dim(go_lay, args[like], ("dq", "d"))
         else:

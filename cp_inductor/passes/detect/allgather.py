@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from ..guard import internal_error
-from ..layout_algebra import LayoutError, is_layout_op
+from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
 from ..match import CPMatch
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
@@ -62,19 +62,6 @@ class AllGatherMatch(CPMatch):
 STYLE = AllGatherMatch.style
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is_cast(node) -> bool:
-    return (
-        isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
-        and torch.Tag.pointwise in getattr(node.target, "tags", ())
-        and isinstance(_val(node.args[0]), torch.Tensor) and isinstance(_val(node), torch.Tensor)
-        and _val(node.args[0]).shape == _val(node).shape
-    )
-
-
 def _gather_of_wait(node):
     """The all_gather_into_tensor whose result ``node`` waits for, or None."""
     if isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default:
@@ -100,7 +87,7 @@ def _sources(node) -> tuple[set, bool]:
             gathers.add(gather)
         elif n.op == "call_function" and n.target is aten.cat.default:
             stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
-        elif is_layout_op(n) or _is_cast(n) or (n.op == "call_function" and n.target in _REORDER_OPS):
+        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in _REORDER_OPS):
             stack.append(n.args[0])
         else:
             complete = False
@@ -139,14 +126,14 @@ def _layout(node) -> str:
         elif node.target not in (aten.clone.default, aten.alias.default, aten.slice.Tensor, aten.contiguous.default):
             break
         node = node.args[0]
-    src = _val(node)
+    src = node_val(node)
     if not isinstance(src, torch.Tensor) or src.dim() != 4:
         return "?"
     return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
 
 
 def _facts(args, cp: int) -> dict:
-    q, k = _val(args["query"]), _val(args["key"])
+    q, k = node_val(args["query"]), node_val(args["key"])
     return dict(
         is_causal=bool(args.get("is_causal", False)),
         heads_q=int(q.shape[1]), heads_kv=int(k.shape[1]),
@@ -186,7 +173,7 @@ def _reduce_scatter_below(node) -> set:
         for user in n.users:
             if user.target is c10d.reduce_scatter_tensor.default:
                 found.add(user)
-            elif is_layout_op(user) or _is_cast(user) or user.target in _ACCUMULATE_OPS:
+            elif is_layout_op(user) or is_value_op(user) or user.target in _ACCUMULATE_OPS:
                 stack.append(user)
     return found
 
