@@ -61,3 +61,23 @@ def test_causal_needs_an_even_local_sequence_when_load_balanced():
         x = torch.randn(1, 3, 2, 8)
         with pytest.raises(ValueError, match="even local sequence"):
             allgather_attention(x, x, x, is_causal=True, group=dist.group.WORLD)
+
+
+def _check_hand_written(rank, cp):
+    from test_detect_allgather import head_stride_loop, llama3_style_masked
+
+    shape = dict(batch=1, seq=16, heads_q=2, heads_kv=2, head_dim=8)
+    masked = AttentionCase(**shape, causal=True, load_balanced=True)
+    strided = AttentionCase(**shape, causal=False)
+    return check_cp_attention(rank, cp, [masked], llama3_style_masked) + check_cp_attention(
+        rank, cp, [strided], head_stride_loop
+    )
+
+
+def test_hand_written_allgather_matches_single_device():
+    """Llama3-style hand-written code (index reorder, per-chunk bottom-right masks) and a head-stride
+    gather loop: found in both graphs, answer unchanged."""
+    for rank_results in run_on_ranks(_check_hand_written, 2):
+        assert_cp_results(rank_results, TOL, applied=())
+        for r in rank_results:
+            assert {row[:2] for row in r["report"]} == {("forward", "allgather"), ("backward", "allgather")}, r

@@ -32,6 +32,34 @@ def vision_style(q, k, v):
     return out.transpose(1, 2)
 
 
+def llama3_style_masked(q, k, v):
+    """Load-balanced causal as Llama3-style code writes it by hand: gather K/V, put the chunks in
+    sequence order with index_select, and give each local chunk its bottom-right causal mask."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    b, s_l, h, d = k.shape
+    chunk = s_l // 2
+    order = torch.tensor([r * 2 + half for c in range(2 * cp) for r in range(cp) for half in (0, 1)
+                          if (c == r and half == 0) or (c == 2 * cp - 1 - r and half == 1)])
+    kv = [funcol.all_gather_tensor_autograd(t.contiguous(), 0, dist.group.WORLD).view(cp, b, 2, chunk, h, d)
+          for t in (k, v)]
+    k_all, v_all = (t.permute(0, 2, 1, 3, 4, 5).reshape(cp * 2, b, chunk, h, d).index_select(0, order)
+                    .permute(1, 0, 2, 3, 4).reshape(b, 2 * cp * chunk, h, d).transpose(1, 2) for t in kv)
+    outs = []
+    for i, c in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (c + 1) * chunk
+        mask = torch.ones(chunk, end, dtype=torch.bool).tril(end - chunk)
+        qc = q[:, i * chunk:(i + 1) * chunk].transpose(1, 2)
+        outs.append(F.scaled_dot_product_attention(qc, k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def head_stride_loop(q, k, v):
+    """K/V heads gathered a few at a time (to bound the gathered buffer), then concatenated."""
+    parts = [(_gather(k[:, :, h:h + 1]), _gather(v[:, :, h:h + 1])) for h in range(k.shape[2])]
+    k_all, v_all = (torch.cat(x, dim=2) for x in zip(*parts))
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2)).transpose(1, 2)
+
+
 def gathered_weight(x, w_shard):
     """FSDP-style weight all-gather feeding the k/v projection: not CP attention."""
     w = funcol.all_gather_tensor_autograd(w_shard, 0, dist.group.WORLD)
@@ -97,6 +125,18 @@ backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backwa
 forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
 backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2""")
 
+    def test_hand_written_masked_chunks_and_head_stride_loop(self):
+        with fake_pg(2):
+            lines = [describe_matches(aot_graphs(llama3_style_masked, *_qkv(1, 4, 2, 2, 8)))]
+            lines.append(describe_matches(aot_graphs(head_stride_loop, *_qkv(1, 4, 2, 2, 8))))
+        self.assertExpectedInline("\n".join(lines), """\
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2""")
+
     def test_not_cp_attention(self):
         with fake_pg(2):
             x = torch.randn(1, 4, 8, requires_grad=True)
@@ -110,4 +150,4 @@ backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: in
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: query is gathered too: every rank attends over the whole sequence
 backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dQ is reduce-scattered too
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: only one of key and value comes from an all_gather
-backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dK and dV do not each reach one reduce_scatter""")
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: only one of dK and dV reaches a reduce_scatter""")

@@ -8,13 +8,13 @@ A forward (or inference) region::
 
 One attention op is one match: a load-balanced causal block makes several per rank (chunk 0's
 causal call; a later chunk's prefix call and diagonal call, merged by log-sum-exp). Between the
-wait and attention any layout op, ``cat`` of pieces (chunk reorders), ``rev``/``flip``,
-``index_select``, a cast may sit, as long as every piece comes from one all-gather of the same
-group; q must not come from a collective (a gathered q means every rank attends over the whole
+wait and attention any layout op, ``cat`` of pieces (chunk reorders, or heads gathered a few at
+a time), ``rev``/``flip``, ``index_select``, a cast may sit, as long as every piece comes from
+an all-gather of the same group; a mask (per-chunk bottom-right causality) is allowed; q must not come from a collective (a gathered q means every rank attends over the whole
 sequence: not context parallelism).
 
-A backward region is an attention backward op whose dK and dV reach a ``reduce_scatter_tensor``
-(the all-gather's backward) through scatters into the full-sequence gradient, adds, sums over
+A backward region is an attention backward op whose dK and dV reach ``reduce_scatter_tensor``
+ops of one group (the all-gathers' backward) through scatters into the full-sequence gradient, adds, sums over
 replicated heads and layout ops, while dQ stays on this rank.
 
 This finds and reports regions; which rewrites apply is the pipeline's decision.
@@ -39,7 +39,9 @@ c10d = torch.ops._c10d_functional
 
 # Ops that move or pick elements of the gathered K/V on its way to attention (first argument is
 # the tracked tensor), besides the layout algebra's own.
-_REORDER_OPS = (prims.rev.default, aten.flip.default, aten.index_select.default, aten.repeat_interleave.self_int)
+_REORDER_OPS = (
+    prims.rev.default, aten.flip.default, aten.index_select.default, aten.index.Tensor, aten.repeat_interleave.self_int,
+)
 # Ops through which a dK/dV contribution reaches the reduce-scatter: the tracked tensor is any
 # tensor argument.
 _ACCUMULATE_OPS = (
@@ -55,8 +57,8 @@ class AllGatherMatch(CPMatch):
     where its dK/dV are reduce-scattered (backward)."""
 
     style: ClassVar[str] = "allgather"
-    gathers: dict = field(default_factory=dict)  # "k"/"v" -> the all_gather_into_tensor node
-    reduce_scatters: dict = field(default_factory=dict)  # "dk"/"dv" -> the reduce_scatter_tensor node
+    gathers: dict = field(default_factory=dict)  # "k"/"v" -> its all_gather_into_tensor nodes
+    reduce_scatters: dict = field(default_factory=dict)  # "dk"/"dv" -> its reduce_scatter_tensor nodes
 
 
 STYLE = AllGatherMatch.style
@@ -94,16 +96,16 @@ def _sources(node) -> tuple[set, bool]:
     return gathers, complete
 
 
-def _gathered_input(node, name: str):
-    """The one all-gather ``node`` (k or v) comes from, None if it comes from none, or a reason."""
+def _gathered_input(node, name: str) -> tuple:
+    """The all-gathers ``node`` (k or v) comes from, in graph order: one, or several when heads
+    are gathered a few at a time and concatenated; () if it comes from none."""
     gathers, complete = _sources(node)
     if not gathers:
-        return None
+        return ()
     if not complete:
         raise LayoutError(f"{name} mixes gathered and local data")
-    if len(gathers) != 1:
-        raise LayoutError(f"{name} comes from {len(gathers)} all_gathers")
-    return gathers.pop()
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return tuple(sorted(gathers, key=order.__getitem__))
 
 
 def _group(gather) -> tuple[int, str]:
@@ -145,13 +147,13 @@ def _facts(args, cp: int) -> dict:
 def _forward_match(node, graph_kind) -> AllGatherMatch | None:
     args = bound_args(node)
     gathers = {n: _gathered_input(args[arg], arg) for n, arg in (("k", "key"), ("v", "value"))}
-    if all(g is None for g in gathers.values()):
+    if not any(gathers.values()):
         return None
-    if any(g is None for g in gathers.values()):
+    if not all(gathers.values()):
         raise LayoutError("only one of key and value comes from an all_gather")
     if _sources(args["query"])[0]:
         raise LayoutError("query is gathered too: every rank attends over the whole sequence")
-    groups = {_group(g) for g in gathers.values()}
+    groups = {_group(g) for gs in gathers.values() for g in gs}
     if len(groups) != 1:
         raise LayoutError("key and value are gathered over different groups")
     (cp, group), = groups
@@ -183,12 +185,13 @@ def _backward_match(node, graph_kind) -> AllGatherMatch | None:
     scatters = {name: _reduce_scatter_below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
     if not any(scatters.values()):
         return None
-    if not all(len(s) == 1 for s in scatters.values()):
-        raise LayoutError("dK and dV do not each reach one reduce_scatter")
+    if not all(scatters.values()):
+        raise LayoutError("only one of dK and dV reaches a reduce_scatter")
     if 0 in outs and _reduce_scatter_below(outs[0]):
         raise LayoutError("dQ is reduce-scattered too")
-    rs = {name: s.pop() for name, s in scatters.items()}
-    sizes = {(int(r.args[2]), r.args[3]) for r in rs.values()}
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    rs = {name: tuple(sorted(s, key=order.__getitem__)) for name, s in scatters.items()}
+    sizes = {(int(r.args[2]), r.args[3]) for group in rs.values() for r in group}
     if len(sizes) != 1:
         raise LayoutError("dK and dV are reduce-scattered over different groups")
     (cp, group), = sizes
