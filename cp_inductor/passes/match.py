@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch.fx
 
+from .layout_algebra import node_val
 from .sdpa_ops import SDPA_BACKWARD
 
 
@@ -38,3 +39,17 @@ class CPMatch:
     def describe(self) -> str:
         """The report's detail column: heads and masking."""
         return f"Hq={self.heads_q} Hkv={self.heads_kv}" + (" causal" if self.is_causal else "")
+
+
+def attention_facts(args: dict, heads_per_rank: int = 1) -> dict:
+    """CPMatch's attention fields from an attention op's bound arguments; ``heads_per_rank``
+    turns the heads attention sees into global heads (cp for Ulysses, where each rank sees its
+    head block)."""
+    q, k = node_val(args["query"]), node_val(args["key"])
+    return dict(
+        is_causal=bool(args.get("is_causal", False)),
+        heads_q=int(q.shape[1]) * heads_per_rank,
+        heads_kv=int(k.shape[1]) * heads_per_rank,
+        has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
+        dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
+    )

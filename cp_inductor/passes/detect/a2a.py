@@ -26,7 +26,6 @@ import torch
 import torch.fx
 
 from ..collectives import Collective, collective_at, collective_of
-from ..guard import internal_error
 from ..layout_algebra import (
     LAYOUT_OPS,
     RANK_AXIS,
@@ -40,8 +39,9 @@ from ..layout_algebra import (
     is_value_op,
     node_val,
 )
-from ..match import CPMatch
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+from ..match import CPMatch, attention_facts
+from . import find_with, match_or_none
+from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -398,48 +398,18 @@ STYLE = A2AMatch.style
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[A2AMatch]:
     """Every Ulysses region in ``graph``. ``log(node, reason)`` hears why an attention op is
     not one."""
-    regions = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA_FORWARD + SDPA_BACKWARD:
-            continue
-        try:
-            regions.append(_region(node, graph_kind))
-        except LayoutError as e:
-            if log is not None:
-                log(node, str(e))
-        except Exception as e:  # noqa: BLE001 - see guard.py
-            reason = internal_error(e, cfg)
-            if log is not None:
-                log(node, reason)
-    return regions
+    return find_with(_region, graph, graph_kind, cfg, log)
 
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> A2AMatch | None:
     """The region of the attention op ``node``, or None (the reason is find's to log)."""
-    try:
-        return _region(node, graph_kind)
-    except LayoutError:
-        return None
-    except Exception as e:  # noqa: BLE001 - see guard.py
-        internal_error(e, cfg)
-        return None
+    return match_or_none(_region, node, graph_kind, cfg)
 
 
 def _region(node, graph_kind) -> A2AMatch:
     if node.target in SDPA_FORWARD:
         return _forward_region(node, graph_kind)
     return _backward_region(node, graph_kind)
-
-
-def _attention_facts(args, cp: int) -> dict:
-    q, k = args["query"], args["key"]
-    return dict(
-        is_causal=bool(args.get("is_causal", False)),
-        heads_q=int(node_val(q).shape[1]) * cp,
-        heads_kv=int(node_val(k).shape[1]) * cp,
-        has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
-        dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
-    )
 
 
 def _forward_region(node, graph_kind) -> A2AMatch:
@@ -465,7 +435,7 @@ def _forward_region(node, graph_kind) -> A2AMatch:
         raise LayoutError("crossings use different process groups")
     return A2AMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=q_cross.layout,
-        incoming=crossings, outgoing={"out": out_cross}, **_attention_facts(args, cp),
+        incoming=crossings, outgoing={"out": out_cross}, **attention_facts(args, heads_per_rank=cp),
     )
 
 
@@ -490,5 +460,5 @@ def _backward_region(node, graph_kind) -> A2AMatch:
         raise LayoutError("crossings use different process groups")
     return A2AMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=groups.pop(), layout=go_cross.layout,
-        incoming={"grad_out": go_cross}, outgoing=outgoing, **_attention_facts(args, cp),
+        incoming={"grad_out": go_cross}, outgoing=outgoing, **attention_facts(args, heads_per_rank=cp),
     )

@@ -28,10 +28,10 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from ..guard import internal_error
 from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
-from ..match import CPMatch
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+from ..match import CPMatch, attention_facts
+from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
+from . import find_with, match_or_none
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -96,6 +96,11 @@ def _sources(node) -> tuple[set, bool]:
     return gathers, complete
 
 
+def _in_graph_order(nodes, graph: torch.fx.Graph) -> tuple:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return tuple(sorted(nodes, key=order.__getitem__))
+
+
 def _gathered_input(node, name: str) -> tuple:
     """The all-gathers ``node`` (k or v) comes from, in graph order: one, or several when heads
     are gathered a few at a time and concatenated; () if it comes from none."""
@@ -104,8 +109,7 @@ def _gathered_input(node, name: str) -> tuple:
         return ()
     if not complete:
         raise LayoutError(f"{name} mixes gathered and local data")
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return tuple(sorted(gathers, key=order.__getitem__))
+    return _in_graph_order(gathers, node.graph)
 
 
 def _group(gather) -> tuple[int, str]:
@@ -134,16 +138,6 @@ def _layout(node) -> str:
     return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
 
 
-def _facts(args, cp: int) -> dict:
-    q, k = node_val(args["query"]), node_val(args["key"])
-    return dict(
-        is_causal=bool(args.get("is_causal", False)),
-        heads_q=int(q.shape[1]), heads_kv=int(k.shape[1]),
-        has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
-        dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
-    )
-
-
 def _forward_match(node, graph_kind) -> AllGatherMatch | None:
     args = bound_args(node)
     gathers = {n: _gathered_input(args[arg], arg) for n, arg in (("k", "key"), ("v", "value"))}
@@ -159,7 +153,7 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
     (cp, group), = groups
     return AllGatherMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["query"]),
-        gathers=gathers, **_facts(args, cp),
+        gathers=gathers, **attention_facts(args),
     )
 
 
@@ -189,8 +183,7 @@ def _backward_match(node, graph_kind) -> AllGatherMatch | None:
         raise LayoutError("only one of dK and dV reaches a reduce_scatter")
     if 0 in outs and _reduce_scatter_below(outs[0]):
         raise LayoutError("dQ is reduce-scattered too")
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    rs = {name: tuple(sorted(s, key=order.__getitem__)) for name, s in scatters.items()}
+    rs = {name: _in_graph_order(s, node.graph) for name, s in scatters.items()}
     sizes = {(int(r.args[2]), r.args[3]) for group in rs.values() for r in group}
     if len(sizes) != 1:
         raise LayoutError("dK and dV are reduce-scattered over different groups")
@@ -198,7 +191,7 @@ def _backward_match(node, graph_kind) -> AllGatherMatch | None:
     args = bound_args(node)
     return AllGatherMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["grad_out"]),
-        reduce_scatters=rs, **_facts(args, cp),
+        reduce_scatters=rs, **attention_facts(args),
     )
 
 
@@ -211,30 +204,8 @@ def _match(node, graph_kind) -> AllGatherMatch | None:
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[AllGatherMatch]:
     """Every K/V all-gather attention op in ``graph``. ``log(node, reason)`` hears why an attention
     op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's)."""
-    matches = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA_FORWARD + SDPA_BACKWARD:
-            continue
-        try:
-            m = _match(node, graph_kind)
-        except LayoutError as e:
-            if log is not None:
-                log(node, str(e))
-            continue
-        except Exception as e:  # noqa: BLE001 - see guard.py
-            if log is not None:
-                log(node, internal_error(e, cfg))
-            continue
-        if m is not None:
-            matches.append(m)
-    return matches
+    return find_with(_match, graph, graph_kind, cfg, log)
 
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> AllGatherMatch | None:
-    try:
-        return _match(node, graph_kind)
-    except LayoutError:
-        return None
-    except Exception as e:  # noqa: BLE001 - see guard.py
-        internal_error(e, cfg)
-        return None
+    return match_or_none(_match, node, graph_kind, cfg)
