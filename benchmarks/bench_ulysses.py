@@ -11,7 +11,7 @@ round is reported, and ratios are medians of per-round ratios (paired). Arms sha
 per shape (not a fresh process per arm: compile time on the lent machine is the limit), which
 the JSON records. Every arm's output and q/k/v gradients are checked against a one-GPU fp32
 reference. Peak memory is torch.cuda.max_memory_allocated per rank above what was allocated before
-the arm was built (inputs of earlier arms stay alive), max over ranks, during its first step.
+the arm was built (inputs of earlier arms stay alive), max over ranks, during its second step.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def _rel(a, b) -> float:
 
 
 class Bench:
+    title = "Ulysses"
+
     def __init__(self, args):
         self.args = args
         self.rank, self.cp = dist.get_rank(), dist.get_world_size()
@@ -142,6 +144,16 @@ class Bench:
             out.backward(dout)
 
         return step, None
+
+    def arm(self, name: str):
+        """(step, results) of the arm called ``name`` (ARMS, HAND_ARMS, native, floor)."""
+        if name == "native":
+            return self.native_arm()
+        if name == "floor":
+            return self.floor_arm()
+        if name in HAND_ARMS:
+            return self.ulysses_arm(*HAND_ARMS[name], code="hand")
+        return self.ulysses_arm(*ARMS[name])
 
     # --- measurement ---
     def time_round(self, step) -> list[float]:
@@ -266,34 +278,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_arm(bench: Bench, name: str):
-    if name == "native":
-        return bench.native_arm()
-    if name == "floor":
-        return bench.floor_arm()
-    if name in HAND_ARMS:
-        return bench.ulysses_arm(*HAND_ARMS[name], code="hand")
-    return bench.ulysses_arm(*ARMS[name])
-
-
 def build_arms(bench: Bench, names: list, ref: dict | None) -> tuple[dict, dict, dict, dict]:
     """Compile every arm once: (steps, errors vs the reference (rank 0), compile seconds, peak
-    GiB above what was allocated before the arm, max over ranks)."""
+    GiB of its second step above what was allocated before the arm was built, max over ranks).
+    An arm that fails to build is reported and left out (one bad arm must not lose the run)."""
     arms, checks, compile_s, memory = {}, {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         # Earlier arms keep their tensors alive: count this arm's peak above what was allocated.
         before = torch.cuda.memory_allocated()
-        step, results = build_arm(bench, name)
-        step()  # compiles
+        try:
+            step, results = bench.arm(name)
+            step()  # compiles
+        except Exception as e:  # noqa: BLE001 - reported, the other arms still run
+            if bench.rank == 0:
+                print(f"arm {name} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            dist.barrier()
+            continue
         torch.cuda.synchronize()
         compile_s[name] = time.perf_counter() - t0
         if results is not None and bench.args.reference:
             got = results()
             if bench.rank == 0:
                 checks[name] = {n: _rel(got[n], ref[n]) for n in ref}
+            del got
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()  # the peak of a step after the first (compile-time buffers gone)
+        torch.cuda.synchronize()
         mem = torch.tensor([(torch.cuda.max_memory_allocated() - before) / 2**30], device=bench.dev)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         memory[name] = float(mem)
@@ -334,7 +347,7 @@ def print_table(bench: Bench, medians: dict, checks: dict, memory: dict, kernels
     med = {n: statistics.median(v) for n, v in medians.items()}
     floor = med.get("floor")
     base = next((b for b in ("cp_off", "inductor", "hand_cp_off", "hand_inductor") if b in med), next(iter(med)))
-    print(f"\nUlysses fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
+    print(f"\n{bench.title} fwd+bwd, cp={bench.cp}, B{args.batch} S{args.seq} Hq{args.heads} Hkv{args.kv_heads} "
           f"D{args.head_dim} {args.layout} {'causal' if args.causal else 'full'} bf16, "
           f"{args.rounds} rounds x {args.iters} iters, slowest rank")
     print(f"{'arm':16s} {'median ms':>10s} {'vs floor':>9s} {f'vs {base} (paired)':>22s} {'vs best default':>16s} "

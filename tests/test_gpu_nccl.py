@@ -13,6 +13,7 @@ from helpers import assert_cp_results
 
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 TOL = 2e-2  # bf16 CP attention vs the fp64 reference, relative L2
+ALLGATHER_APPLIED = ()  # rewrites the default config applies to all-gather regions
 
 
 @needs_gpus
@@ -110,3 +111,47 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= tol * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < tol, r["max_param_diff"]
+
+
+def _allgather_bf16(rank, cp, kernel):
+    from cp_inductor import parallel
+
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
+        AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", dtype=bf16),
+        AttentionCase(batch=1, seq=1024, heads_q=8, heads_kv=2, head_dim=128, causal=False, dtype=bf16),
+    ]
+    out = []
+    for c in cases:
+        fn = functools.partial(
+            parallel.allgather_attention, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced,
+            kernel=kernel,
+        )
+        out += check_cp_attention(rank, cp, [c], fn, device="cuda")
+    return out
+
+
+@needs_gpus
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_allgather_nccl_bf16(kernel):
+    """K/V all-gather on NCCL in bf16, with each log-sum-exp kernel the causal chunks can use."""
+    for rank_results in run_on_ranks(_allgather_bf16, 2, kernel, pg_backend="nccl"):
+        assert_cp_results(rank_results, TOL, applied=ALLGATHER_APPLIED)
+        for r in rank_results:
+            assert {row[:3] for row in r["report"]} == {("forward", "allgather", 2), ("backward", "allgather", 2)}, r
+
+
+@needs_gpus
+def test_allgather_cuda_graph_training_step():
+    from cp_inductor.testing.train_step import StepConfig, compare_with_eager
+
+    cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01)
+    results = run_on_ranks(
+        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", None, torch.bfloat16, pg_backend="nccl"
+    )
+    for r in results:
+        assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
+        for e, c in zip(r["eager"], r["compiled"]):
+            assert abs(e - c) <= 2e-2 * abs(e), (r["eager"], r["compiled"])
+        assert r["max_param_diff"] < 2e-2, r["max_param_diff"]

@@ -50,27 +50,58 @@ def _gather_sequence(x: torch.Tensor, cp: int, group, load_balanced: bool) -> to
     return gathered.permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
 
 
-def _attention_with_lse(q, k, v, causal: bool, scale: float):
-    """(out, log-sum-exp [B, H, L] fp32, what the backward op needs besides) from the fused
-    kernel of q's device (CPU: flash for CPU; CUDA: flash, not run on a GPU yet)."""
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
+# The fused kernels that return the log-sum-exp the merge needs, by name: (forward, backward,
+# whether it takes fewer K/V heads than query heads). "auto" picks per device (KERNELS_BY_DEVICE).
+def _cpu_forward(q, k, v, causal, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, extra, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _flash_forward(q, k, v, causal, scale):
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
     return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def _attention_backward(dout, q, k, v, out, lse, extra: tuple, causal: bool, scale: float):
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
+def _flash_backward(dout, q, k, v, out, lse, extra, causal, scale):
     cum_q, cum_k, max_q, max_k, seed, offset = extra
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
     )
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, extra, causal, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale
+    )
+
+
+KERNELS = {
+    "cpu": (_cpu_forward, _cpu_backward, True),
+    "flash": (_flash_forward, _flash_backward, True),
+    "cudnn": (_cudnn_forward, _cudnn_backward, True),
+}
+KERNELS_BY_DEVICE = {"cpu": "cpu", "cuda": "flash"}
+
+
+def _kernel(device: torch.device, kernel: str) -> str:
+    name = KERNELS_BY_DEVICE.get(device.type) if kernel == "auto" else kernel
+    if name not in KERNELS:
+        raise ValueError(f"no log-sum-exp attention kernel {kernel!r} for device {device.type!r}")
+    return name
 
 
 class _PrefixThenDiagonal(torch.autograd.Function):
@@ -79,31 +110,37 @@ class _PrefixThenDiagonal(torch.autograd.Function):
     which makes its probabilities the merged softmax's: the gradients are exact."""
 
     @staticmethod
-    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag, scale: float):
-        out_p, lse_p, ctx.extra_p = _attention_with_lse(q, k_prefix, v_prefix, False, scale)
-        out_d, lse_d, ctx.extra_d = _attention_with_lse(q, k_diag, v_diag, True, scale)
+    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag, scale: float, kernel: str):
+        forward, _, _ = KERNELS[kernel]
+        out_p, lse_p, ctx.extra_p = forward(q, k_prefix, v_prefix, False, scale)
+        out_d, lse_d, ctx.extra_d = forward(q, k_diag, v_diag, True, scale)
+        # Kernels differ in the log-sum-exp's trailing dims ([B, H, L] or [B, H, L, 1]).
+        lse_p, lse_d = (x.reshape(q.shape[:3]) for x in (lse_p, lse_d))
         lse = torch.logaddexp(lse_p, lse_d)
         out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_d * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.kernel, ctx.lse_shape = scale, kernel, out_p.shape[:3] + lse_d.shape[3:]
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq_p, dk_p, dv_p = _attention_backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
-        dq_d, dk_d, dv_d = _attention_backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
-        return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None
+        _, backward, _ = KERNELS[ctx.kernel]
+        dout, lse = dout.contiguous(), lse.reshape(ctx.lse_shape)
+        dq_p, dk_p, dv_p = backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
+        dq_d, dk_d, dv_d = backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
+        return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None, None
 
 
-def _chunk_attention(q, k_full, v_full, chunk: int, length: int, scale: float) -> torch.Tensor:
+def _chunk_attention(q, k_full, v_full, chunk: int, length: int, scale: float, kernel: str) -> torch.Tensor:
     """Query chunk ``chunk`` (``length`` positions) over its causal prefix, bottom-right aligned."""
     start, end = chunk * length, (chunk + 1) * length
     k_diag, v_diag = k_full[:, :, start:end], v_full[:, :, start:end]
     if chunk == 0:
-        return F.scaled_dot_product_attention(q, k_diag, v_diag, is_causal=True, scale=scale)
-    return _PrefixThenDiagonal.apply(q, k_full[:, :, :start], v_full[:, :, :start], k_diag, v_diag, scale)
+        gqa = q.shape[1] != k_full.shape[1]
+        return F.scaled_dot_product_attention(q, k_diag, v_diag, is_causal=True, scale=scale, enable_gqa=gqa)
+    k_prefix, v_prefix = k_full[:, :, :start], v_full[:, :, :start]
+    return _PrefixThenDiagonal.apply(q, k_prefix, v_prefix, k_diag, v_diag, scale, kernel)
 
 
 def allgather_attention(
@@ -116,11 +153,13 @@ def allgather_attention(
     is_causal: bool = False,
     load_balanced: bool = True,
     scale: float | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """K/V all-gather CP attention over sequence-sharded q, k, v; returns q's layout.
 
     Causal attention needs q, k, v sharded as ``shard_sequence(..., load_balanced=...)`` with the
-    same ``load_balanced``; without causality the sharding does not matter."""
+    same ``load_balanced``; without causality the sharding does not matter. ``kernel`` names the
+    log-sum-exp attention kernel of the causal prefix calls (``KERNELS``; "auto": per device)."""
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
     q, k, v = (_to_bhsd(x, layout) for x in (q, k, v))
@@ -140,16 +179,17 @@ def allgather_attention(
     if load_balanced and s_l % 2:
         raise ValueError(f"load-balanced causal attention needs an even local sequence, got {s_l}")
     k_full, v_full = (_gather_sequence(x, cp, group, load_balanced) for x in (k, v))
-    if hq != hkv:  # the fused kernels' LSE path takes equal heads: replicate K/V heads
+    kernel = _kernel(q.device, kernel)
+    if hq != hkv and not KERNELS[kernel][2]:  # a kernel without GQA: replicate K/V heads
         k_full, v_full = (x.repeat_interleave(hq // hkv, dim=1) for x in (k_full, v_full))
     if load_balanced:
         length = s_l // 2
         chunks = load_balanced_chunks(rank, cp)
         parts = [
-            _chunk_attention(q[:, :, i * length:(i + 1) * length], k_full, v_full, c, length, scale)
+            _chunk_attention(q[:, :, i * length:(i + 1) * length], k_full, v_full, c, length, scale, kernel)
             for i, c in enumerate(chunks)
         ]
         out = torch.cat(parts, dim=2)
     else:
-        out = _chunk_attention(q, k_full, v_full, rank, s_l, scale)
+        out = _chunk_attention(q, k_full, v_full, rank, s_l, scale, kernel)
     return out.transpose(1, 2) if layout == "bshd" else out
