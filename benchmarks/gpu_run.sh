@@ -29,5 +29,5 @@ for shape in "$@"; do
   i=$((i+1))
   timeout "${SHAPE_TIMEOUT:-3600}" torchrun --nproc-per-node "$NGPU" benchmarks/${BENCH:-bench_ulysses.py} $shape --json "$OUT/bench_$i.json" \
     > /tmp/bench_$i.log 2>&1 || tail -30 /tmp/bench_$i.log
-  grep -v -i warn /tmp/bench_$i.log | grep -B3 -A30 "fwd+bwd, cp="
+  grep "^arm " /tmp/bench_$i.log; grep -v -i warn /tmp/bench_$i.log | grep -A30 "fwd+bwd, cp="
 done
