@@ -38,10 +38,28 @@ def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.transpose(1, 2) if layout == "bshd" else x
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the all-gather's backward is a
+    reduce-scatter, which NCCL only takes contiguous, and the reorders after the gather hand it
+    a permuted gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    return _ContiguousGrad.apply(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
+
+
 def _gather_sequence(x: torch.Tensor, cp: int, group, load_balanced: bool) -> torch.Tensor:
     """This rank's ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order."""
     b, h, s_l, d = x.shape
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group).view(cp, b, h, s_l, d)
+    gathered = _all_gather(x, group).view(cp, b, h, s_l, d)
     if load_balanced:
         halves = gathered.view(cp, b, h, 2, s_l // 2, d)
         # First halves are chunks 0..cp-1 in rank order; second halves chunks 2cp-1-r, so in
@@ -115,11 +133,12 @@ class _PrefixThenDiagonal(torch.autograd.Function):
         out_p, lse_p, ctx.extra_p = forward(q, k_prefix, v_prefix, False, scale)
         out_d, lse_d, ctx.extra_d = forward(q, k_diag, v_diag, True, scale)
         # Kernels differ in the log-sum-exp's trailing dims ([B, H, L] or [B, H, L, 1]).
+        ctx.lse_shape = lse_p.shape
         lse_p, lse_d = (x.reshape(q.shape[:3]) for x in (lse_p, lse_d))
         lse = torch.logaddexp(lse_p, lse_d)
         out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_d * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
-        ctx.scale, ctx.kernel, ctx.lse_shape = scale, kernel, out_p.shape[:3] + lse_d.shape[3:]
+        ctx.scale, ctx.kernel = scale, kernel
         return out
 
     @staticmethod
@@ -168,7 +187,7 @@ def allgather_attention(
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not is_causal:
-        k_all, v_all = (funcol.all_gather_tensor_autograd(x.contiguous(), 0, group) for x in (k, v))
+        k_all, v_all = (_all_gather(x, group) for x in (k, v))
         # Key order does not matter without a mask: [cp*B, H, S/cp, D] -> [B, H, S, D] any order.
         k_all, v_all = (x.view(cp, *k.shape).permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (k_all, v_all))
         out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=hq != hkv)
