@@ -90,10 +90,10 @@ class TestAllGatherGolden(TestCase):
         self.assertExpectedInline(text, """\
 forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 causal
 forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2
-forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 causal
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
 backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2
 backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2 causal
-backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2 causal""")
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
 
     def test_helper_cp4_and_cp8_rank0(self):
         lines = []
@@ -107,16 +107,16 @@ backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backwa
         self.assertExpectedInline("\n".join(lines), """\
 forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
 forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
-forward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
 backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
 backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
-backward: allgather cp=4 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)
 forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
 forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
-forward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
 backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2
 backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
-backward: allgather cp=8 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal""")
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
 
     def test_vision_style_not_causal(self):
         with fake_pg(2):
@@ -145,8 +145,8 @@ backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backwa
             lines.append(describe_matches(aot_graphs(gathered_query_too, *_qkv(1, 4, 2, 2, 8))))
             lines.append(describe_matches(aot_graphs(gathered_key_only, *_qkv(1, 4, 2, 2, 8))))
         self.assertExpectedInline("\n".join(lines), """\
-forward: not a region: _scaled_dot_product_flash_attention_for_cpu: input does not come from an all_to_all
-backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: input does not come from an all_to_all
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: query is gathered too: every rank attends over the whole sequence
 backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dQ is reduce-scattered too
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: only one of key and value comes from an all_gather

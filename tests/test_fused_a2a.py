@@ -139,7 +139,7 @@ class TestEligibility(TestCase):
             text = report_text(aot_graphs(uneven_splits, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
 rejected forward _scaled_dot_product_flash_attention_for_cpu: uneven all_to_all splits [12, 4]
-rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: input does not come from an all_to_all""")
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
 
     def test_different_wire_dtypes_are_skipped_with_a_reason(self):
         with fake_pg(2):

@@ -9,9 +9,12 @@ dK/dV; torch 2.11 breaks the graph for other gather dims).
   ``load_balanced=True`` (the default; shard with ``shard_sequence(..., load_balanced=True)``)
   rank r holds chunks r and 2cp-1-r of 2cp equal chunks, so every rank does the same work. Each
   local chunk c attends to its causal prefix, bottom-right aligned: the keys before the chunk
-  in full, its own block causally (a square block, where SDPA's top-left causal mask is the
-  right one). The two calls are merged by their log-sum-exp; chunk 0 has no prefix and is one
-  causal call. No S x S mask is built: every call is one the fused kernels take.
+  in full (gathered), its own block causally (the rank's own K/V chunk: a square block, where
+  SDPA's top-left causal mask is the right one, and a call that needs nothing gathered, so it
+  can run while the gather is in flight). The two calls are merged by their log-sum-exp; chunk
+  0 has no prefix and is one causal call. No S x S mask is built: every call is one the fused
+  kernels take. The diagonal blocks' dK/dV stay local; only the prefixes' go through the
+  reduce-scatter.
 
 Layouts as in :mod:`cp_inductor.parallel.ulysses`: ``"bshd"`` ``[B, S/cp, H, D]`` or ``"bhsd"``
 ``[B, H, S/cp, D]``; GQA when k/v have fewer heads than q.
@@ -56,20 +59,23 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     return _ContiguousGrad.apply(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
 
 
-def _gather_sequence(x: torch.Tensor, cp: int, group, load_balanced: bool) -> torch.Tensor:
-    """This rank's ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order."""
-    b, h, s_l, d = x.shape
-    gathered = _all_gather(x, group).view(cp, b, h, s_l, d)
+def _gather_sequence(k: torch.Tensor, v: torch.Tensor, cp: int, group, load_balanced: bool):
+    """This rank's k, v ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order.
+    One all-gather of k and v stacked: one reduce-scatter in the backward, so every rank issues
+    the same collectives in the same order whatever order autograd reaches dK and dV in."""
+    b, h, s_l, d = k.shape
+    gathered = _all_gather(torch.stack([k, v]), group).view(cp, 2, b, h, s_l, d)
     if load_balanced:
-        halves = gathered.view(cp, b, h, 2, s_l // 2, d)
+        halves = gathered.view(cp, 2, b, h, 2, s_l // 2, d)
         # First halves are chunks 0..cp-1 in rank order; second halves chunks 2cp-1-r, so in
         # reversed rank order they are chunks cp..2cp-1.
-        gathered = torch.cat([halves[:, :, :, 0], halves.flip(0)[:, :, :, 1]], dim=0)
-    return gathered.permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
+        gathered = torch.cat([halves[:, :, :, :, 0], halves.flip(0)[:, :, :, :, 1]], dim=0)
+    full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, -1, d)
+    return full[0], full[1]
 
 
-# The fused kernels that return the log-sum-exp the merge needs, by name: (forward, backward,
-# whether it takes fewer K/V heads than query heads). "auto" picks per device (KERNELS_BY_DEVICE).
+# The fused kernels that return the log-sum-exp the merge needs, by name: (forward, backward).
+# All take fewer K/V heads than query heads (GQA). "auto" picks per device (KERNELS_BY_DEVICE).
 def _cpu_forward(q, k, v, causal, scale):
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
@@ -108,9 +114,9 @@ def _cudnn_backward(dout, q, k, v, out, lse, extra, causal, scale):
 
 
 KERNELS = {
-    "cpu": (_cpu_forward, _cpu_backward, True),
-    "flash": (_flash_forward, _flash_backward, True),
-    "cudnn": (_cudnn_forward, _cudnn_backward, True),
+    "cpu": (_cpu_forward, _cpu_backward),
+    "flash": (_flash_forward, _flash_backward),
+    "cudnn": (_cudnn_forward, _cudnn_backward),
 }
 KERNELS_BY_DEVICE = {"cpu": "cpu", "cuda": "flash"}
 
@@ -129,7 +135,7 @@ class _PrefixThenDiagonal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag, scale: float, kernel: str):
-        forward, _, _ = KERNELS[kernel]
+        forward, _ = KERNELS[kernel]
         out_p, lse_p, ctx.extra_p = forward(q, k_prefix, v_prefix, False, scale)
         out_d, lse_d, ctx.extra_d = forward(q, k_diag, v_diag, True, scale)
         # Kernels differ in the log-sum-exp's trailing dims ([B, H, L] or [B, H, L, 1]).
@@ -144,22 +150,26 @@ class _PrefixThenDiagonal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
-        _, backward, _ = KERNELS[ctx.kernel]
+        _, backward = KERNELS[ctx.kernel]
         dout, lse = dout.contiguous(), lse.reshape(ctx.lse_shape)
         dq_p, dk_p, dv_p = backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
         dq_d, dk_d, dv_d = backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
         return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None, None
 
 
-def _chunk_attention(q, k_full, v_full, chunk: int, length: int, scale: float, kernel: str) -> torch.Tensor:
-    """Query chunk ``chunk`` (``length`` positions) over its causal prefix, bottom-right aligned."""
-    start, end = chunk * length, (chunk + 1) * length
-    k_diag, v_diag = k_full[:, :, start:end], v_full[:, :, start:end]
+def _chunk_attention(q, k, v, k_full, v_full, chunk: int, scale: float, kernel: str) -> torch.Tensor:
+    """Local query chunk ``chunk`` over its causal prefix, bottom-right aligned: its own block is
+    the local k, v chunk (no gathered data: this call can run while the gather is in flight),
+    the keys before it come from the gathered ``k_full``, ``v_full``."""
     if chunk == 0:
-        gqa = q.shape[1] != k_full.shape[1]
-        return F.scaled_dot_product_attention(q, k_diag, v_diag, is_causal=True, scale=scale, enable_gqa=gqa)
-    k_prefix, v_prefix = k_full[:, :, :start], v_full[:, :, :start]
-    return _PrefixThenDiagonal.apply(q, k_prefix, v_prefix, k_diag, v_diag, scale, kernel)
+        # Chunk 0's block is read from the gathered copy: were it the only chunk of a rank (rank
+        # 0, not load balanced) and read locally, that rank would not use the gather, and a
+        # compiled graph would drop its all-gather and reduce-scatter while the others wait.
+        length = q.shape[2]
+        k, v = k_full[:, :, :length], v_full[:, :, :length]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    start = chunk * q.shape[2]
+    return _PrefixThenDiagonal.apply(q, k_full[:, :, :start], v_full[:, :, :start], k, v, scale, kernel)
 
 
 def allgather_attention(
@@ -187,9 +197,9 @@ def allgather_attention(
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not is_causal:
-        k_all, v_all = (_all_gather(x, group) for x in (k, v))
-        # Key order does not matter without a mask: [cp*B, H, S/cp, D] -> [B, H, S, D] any order.
-        k_all, v_all = (x.view(cp, *k.shape).permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (k_all, v_all))
+        # Key order does not matter without a mask: [cp*2, B, H, S/cp, D] -> [B, H, S, D] any order.
+        kv = _all_gather(torch.stack([k, v]), group).view(cp, 2, *k.shape)
+        k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=hq != hkv)
         return out.transpose(1, 2) if layout == "bshd" else out
 
@@ -197,18 +207,11 @@ def allgather_attention(
     s_l = q.shape[2]
     if load_balanced and s_l % 2:
         raise ValueError(f"load-balanced causal attention needs an even local sequence, got {s_l}")
-    k_full, v_full = (_gather_sequence(x, cp, group, load_balanced) for x in (k, v))
+    k_full, v_full = _gather_sequence(k, v, cp, group, load_balanced)
     kernel = _kernel(q.device, kernel)
-    if hq != hkv and not KERNELS[kernel][2]:  # a kernel without GQA: replicate K/V heads
-        k_full, v_full = (x.repeat_interleave(hq // hkv, dim=1) for x in (k_full, v_full))
-    if load_balanced:
-        length = s_l // 2
-        chunks = load_balanced_chunks(rank, cp)
-        parts = [
-            _chunk_attention(q[:, :, i * length:(i + 1) * length], k_full, v_full, c, length, scale, kernel)
-            for i, c in enumerate(chunks)
-        ]
-        out = torch.cat(parts, dim=2)
-    else:
-        out = _chunk_attention(q, k_full, v_full, rank, s_l, scale, kernel)
+    chunks = load_balanced_chunks(rank, cp) if load_balanced else (rank,)
+    length = s_l // len(chunks)
+    pieces = [tuple(x[:, :, i * length:(i + 1) * length] for x in (q, k, v)) for i in range(len(chunks))]
+    parts = [_chunk_attention(*qkv, k_full, v_full, c, scale, kernel) for qkv, c in zip(pieces, chunks)]
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2) if layout == "bshd" else out

@@ -133,11 +133,14 @@ def _reasons_into(reasons: dict, style: str):
     return log
 
 
+NO_COLLECTIVE = "no all_to_all or all_gather feeds q, k or v (attention on local data)"
+
+
 def _why_no_region(by_style: dict) -> str:
-    """One reason from each detector's: the ones that saw their collective, else Ulysses' "no
-    all-to-all feeds it" (an op no all-gather feeds gets no reason from that detector)."""
+    """One reason from each detector's: the ones that saw their collective, else that none feeds
+    it (an op no all-gather feeds gets no reason from that detector)."""
     specific = [r for style, r in by_style.items() if not (style == a2a.STYLE and r == a2a.NO_ALL_TO_ALL)]
-    return "; ".join(specific) if specific else by_style[a2a.STYLE]
+    return "; ".join(specific) if specific else NO_COLLECTIVE
 
 
 def inductor_patches(rows: list[Region]) -> dict:
