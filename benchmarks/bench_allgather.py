@@ -40,7 +40,10 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
        for g in (1, 2, 4, 8)},
 }
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
-KERNEL_ARMS = {f"eager_{k}": k for k in ("flash", "cudnn")}  # the helper's causal kernel, eager
+# The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
+KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
+# Inductor's own compute/communication reordering (sinks waits, raises collectives).
+ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
 
 
 class AllGatherBench(Bench):
@@ -88,7 +91,8 @@ class AllGatherBench(Bench):
         if name in ("native", "floor"):
             return super().arm(name)
         if name in KERNEL_ARMS:
-            return self.allgather_arm(None, kernel=KERNEL_ARMS[name])
+            arm, kernel = KERNEL_ARMS[name]
+            return self.allgather_arm(*arm, kernel=kernel)
         if name in HAND_ARMS:
             if self.args.causal:
                 raise ValueError("the hand-written all-gather block is not causal: run with --no-causal")
