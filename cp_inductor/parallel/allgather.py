@@ -75,7 +75,7 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, cp: int, group, load_bala
 
 
 # The fused kernels that return the log-sum-exp the merge needs, by name: (forward, backward).
-# All take fewer K/V heads than query heads (GQA). "auto" picks per device (KERNELS_BY_DEVICE).
+# All take fewer K/V heads than query heads (GQA). "auto" picks per device (_auto_kernel).
 def _cpu_forward(q, k, v, causal, scale):
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
@@ -118,11 +118,21 @@ KERNELS = {
     "flash": (_flash_forward, _flash_backward),
     "cudnn": (_cudnn_forward, _cudnn_backward),
 }
-KERNELS_BY_DEVICE = {"cpu": "cpu", "cuda": "flash"}
+
+
+def _auto_kernel(device: torch.device) -> str | None:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        return None
+    # cuDNN where SDPA may use it (fwd+bwd 1.6x faster than flash on H200, B1 S32K Hq32 Hkv8
+    # D128 causal: benchmarks/results/h200x2_allgather_kernels_run16.json), else flash.
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
+    return "cudnn" if cudnn and torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
 
 
 def _kernel(device: torch.device, kernel: str) -> str:
-    name = KERNELS_BY_DEVICE.get(device.type) if kernel == "auto" else kernel
+    name = _auto_kernel(device) if kernel == "auto" else kernel
     if name not in KERNELS:
         raise ValueError(f"no log-sum-exp attention kernel {kernel!r} for device {device.type!r}")
     return name
@@ -143,6 +153,9 @@ class _PrefixThenDiagonal(torch.autograd.Function):
         lse_p, lse_d = (x.reshape(q.shape[:3]) for x in (lse_p, lse_d))
         lse = torch.logaddexp(lse_p, lse_d)
         out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_d * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
+        # cuDNN's backward returns wrong gradients when dO's strides differ from O's: both are
+        # made contiguous (O here, dO in the backward), whatever layout a compiler picks.
+        out = out.contiguous()
         ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
         ctx.scale, ctx.kernel = scale, kernel
         return out
@@ -151,7 +164,7 @@ class _PrefixThenDiagonal(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
         _, backward = KERNELS[ctx.kernel]
-        dout, lse = dout.contiguous(), lse.reshape(ctx.lse_shape)
+        dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous().reshape(ctx.lse_shape)
         dq_p, dk_p, dv_p = backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
         dq_d, dk_d, dv_d = backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
         return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None, None
