@@ -120,15 +120,21 @@ KERNELS = {
 }
 
 
-def _auto_kernel(device: torch.device) -> str | None:
-    if device.type == "cpu":
-        return "cpu"
-    if device.type != "cuda":
-        return None
+@torch.compiler.assume_constant_result  # a fact of the machine: traced code takes it as a constant
+def _cuda_kernel(index: int) -> str:
+    index = torch.cuda.current_device() if index < 0 else index
     # cuDNN where SDPA may use it (fwd+bwd 1.6x faster than flash on H200, B1 S32K Hq32 Hkv8
     # D128 causal: benchmarks/results/h200x2_allgather_kernels_run16.json), else flash.
     cudnn = torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
-    return "cudnn" if cudnn and torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
+    return "cudnn" if cudnn and torch.cuda.get_device_capability(index) >= (9, 0) else "flash"
+
+
+def _auto_kernel(device: torch.device) -> str | None:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return _cuda_kernel(-1 if device.index is None else device.index)
+    return None
 
 
 def _kernel(device: torch.device, kernel: str) -> str:
