@@ -159,9 +159,6 @@ class _PrefixThenDiagonal(torch.autograd.Function):
         lse_p, lse_d = (x.reshape(q.shape[:3]) for x in (lse_p, lse_d))
         lse = torch.logaddexp(lse_p, lse_d)
         out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_d * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
-        # cuDNN's backward returns wrong gradients when dO's strides differ from O's: both are
-        # made contiguous (O here, dO in the backward), whatever layout a compiler picks.
-        out = out.contiguous()
         ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
         ctx.scale, ctx.kernel = scale, kernel
         return out
@@ -170,7 +167,10 @@ class _PrefixThenDiagonal(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
         _, backward = KERNELS[ctx.kernel]
-        dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous().reshape(ctx.lse_shape)
+        # cuDNN's backward returns wrong gradients when dO's strides differ from O's: both are
+        # made contiguous here. (Making O contiguous in the forward instead gave wrong compiled
+        # gradients on H200 even with aot_eager: benchmarks/results/gpu_debug_allgather_run17.log.)
+        dout, out, lse = dout.contiguous(), out.contiguous(), lse.reshape(ctx.lse_shape)
         dq_p, dk_p, dv_p = backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
         dq_d, dk_d, dv_d = backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)
         return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None, None
