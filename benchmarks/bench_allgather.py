@@ -34,10 +34,6 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
     "inductor": ("inductor",),
     "cp_off": ("cp_inductor", OFF),
     "cp_inductor": ("cp_inductor",),
-    "cp_no_zero_init": ("cp_inductor", {"cp_inductor.zero_init": False}),
-    "cp_no_first_grad_reuse": ("cp_inductor", {"cp_inductor.first_grad_reuse": False}),
-    **{f"cp_hp{g}": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": g})
-       for g in (1, 2, 4, 8)},
 }
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.

@@ -31,7 +31,7 @@ from . import grad_out_layout
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather
 from .guard import why_not
-from .rewrites import POST_GRAD, Rewrite, fused_a2a, head_partition, planned
+from .rewrites import POST_GRAD, Rewrite, accumulators, fused_a2a, head_partition, planned
 
 DETECTORS = (a2a, allgather)  # Ulysses, K/V all-gather
 
@@ -40,8 +40,8 @@ DETECTORS = (a2a, allgather)  # Ulysses, K/V all-gather
 # this order.
 REWRITES: tuple[Rewrite, ...] = (
     fused_a2a.REWRITE,
-    planned.ZERO_INIT,
-    planned.FIRST_GRAD_REUSE,
+    accumulators.ZERO_INIT,
+    accumulators.FIRST_GRAD_REUSE,
     head_partition.REWRITE,
     planned.UNIFORM_THD,
     planned.OWNER_GRAD_RETURN,
@@ -76,10 +76,13 @@ def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
             continue
         if not cfg[rewrite.name]:
             reason = "disabled by config"
-        elif not rewrite.implemented:
+        elif rewrite.why_not is None and not rewrite.implemented:
             reason = "not implemented yet"
         else:
+            # A rewrite not written yet may still say why it has nothing to do on this region.
             reason = why_not(rewrite.why_not, match, cfg, decided, cfg=cfg)
+            if reason is None and not rewrite.implemented:
+                reason = "not implemented yet"
         decided[rewrite.name] = reason
         if reason is None:
             decision.applied.append(rewrite.name)

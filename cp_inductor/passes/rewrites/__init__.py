@@ -1,6 +1,8 @@
 """The rewrite record: everything the pipeline needs to know about one rewrite.
 
-Each implemented rewrite is one module here that defines ``REWRITE``; ``planned.py`` holds the
+Each implemented rewrite is one module here that defines ``REWRITE``; ``accumulators.py`` holds
+two that have only an eligibility check so far (it says why Inductor leaves them nothing to do);
+``planned.py`` holds the
 catalogue entries that exist as config switches but not yet as code. The pipeline
 (``passes/pipeline.py``) lists them in order.
 """

@@ -5,7 +5,5 @@ from __future__ import annotations
 
 from . import Rewrite
 
-ZERO_INIT = Rewrite("zero_init", ("a2a", "allgather", "ring"))
-FIRST_GRAD_REUSE = Rewrite("first_grad_reuse", ("allgather", "ring"))
 UNIFORM_THD = Rewrite("uniform_thd", ("a2a", "allgather", "ring"))
 OWNER_GRAD_RETURN = Rewrite("owner_grad_return", ("allgather",))

@@ -1,0 +1,91 @@
+"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather regions: what Inductor already does.
+
+A backward region's dK/dV contributions (one per attention call that read gathered keys) reach
+the reduce-scatter through scatters into a zero full-sequence gradient, adds and the reorder
+back to the gathered layout::
+
+    full(0) -> slice_scatter(., dK_prefix_a, [0, a)) -+
+    full(0) -> slice_scatter(., dK_prefix_b, [0, b)) -+-> add -> reorder -> reduce_scatter
+
+Inductor inlines the zero ``full`` into its consumers and fuses the scatters, adds and reorder
+into the kernel that writes the reduce-scatter's input: the generated code has no fill and no
+add-into-zero, and reads each contribution once (``tests/test_accumulators.py`` checks the
+generated code). Both rewrites then have nothing to remove, and the report says so.
+
+They would act where a partial accumulator is materialized: read by an op Inductor cannot fuse
+into that kernel (a collective between steps, as in ring CP). That case is reported as not
+implemented yet, with the op that materializes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..layout_algebra import is_layout_op
+from ..sdpa_ops import tuple_outputs
+from . import Rewrite
+
+aten = torch.ops.aten
+_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
+# Ops Inductor fuses with the gradient on its way to the reduce-scatter's input kernel, besides
+# layout ops and pointwise ops.
+_FUSED = _SCATTERS + (aten.cat.default, aten.sum.dim_IntList, aten.flip.default, torch.ops.prims.rev.default)
+
+FOLDED = {
+    "zero_init": "Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the "
+                 "reduce-scatter input (no fill in the generated code): nothing to remove",
+    "first_grad_reuse": "Inductor reads each dK/dV contribution once in the kernel that writes the "
+                        "reduce-scatter input (no add-into-zero): reusing one as the accumulator would add a pass",
+}
+
+
+def _fused(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return is_layout_op(node) or node.target in _FUSED or torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
+    """The first op (graph order) that reads a partial dK/dV accumulator or a zero fill of this
+    backward attention op's gradients without being fusable into the reduce-scatter's input
+    kernel; None when everything from the dK/dV outputs to the reduce-scatter fuses."""
+    outs = tuple_outputs(attention)
+    stack = [outs[i] for i in (1, 2) if i in outs]
+    seen, blockers = set(stack), []
+    while stack:
+        node = stack.pop()
+        bases = [node.args[0]] if node.target in _SCATTERS else []
+        for base in bases:  # the zero (or partial) gradient a contribution is scattered into
+            blockers += [u for u in base.users if not _fused(u) and u.target is not _REDUCE_SCATTER]
+        for user in node.users:
+            if user.target is _REDUCE_SCATTER or user in seen:
+                continue
+            if not _fused(user):
+                blockers.append(user)
+                continue
+            seen.add(user)
+            stack.append(user)
+    if not blockers:
+        return None
+    order = {n: i for i, n in enumerate(attention.graph.nodes)}
+    return min(blockers, key=order.__getitem__)
+
+
+def _why_not(name: str):
+    def why_not(match, cfg, decided) -> str | None:
+        if match.style != "allgather":
+            return None  # not implemented yet for this style
+        if match.direction == "forward":
+            return "forward region: no gradient accumulator"
+        blocker = materialized_at(match.attention)
+        if blocker is None:
+            return FOLDED[name]
+        return f"a partial dK/dV accumulator is materialized before {blocker.target}: not implemented yet"
+
+    return why_not
+
+
+ZERO_INIT = Rewrite("zero_init", ("a2a", "allgather", "ring"), why_not=_why_not("zero_init"))
+FIRST_GRAD_REUSE = Rewrite("first_grad_reuse", ("allgather", "ring"), why_not=_why_not("first_grad_reuse"))

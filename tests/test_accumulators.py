@@ -1,0 +1,81 @@
+"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather regions: the report says why they
+have nothing to do (Inductor folds the zero-filled dK/dV accumulator), the generated backward
+code shows it, and an accumulator an unfusable op reads is reported as not implemented yet."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from expecttest import TestCase
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cp_inductor.parallel import allgather_attention
+from cp_inductor.passes.rewrites.accumulators import materialized_at
+from cp_inductor.passes import pipeline
+from helpers import aot_graphs, fake_pg
+
+aten = torch.ops.aten
+
+
+def _qkv():
+    mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731
+    return mk(4), mk(2), mk(2)
+
+
+def _helper(q, k, v):
+    return allgather_attention(q, k, v, is_causal=True)
+
+
+class TestAccumulatorReasons(TestCase):
+    def test_backward_region_reasons(self):
+        with fake_pg(2):
+            rows = [row for kind, gm in aot_graphs(_helper, *_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
+        reasons = sorted({
+            f"{row.graph}: {name}: {why}"
+            for row in rows for name, why in row.skipped.items() if name in ("zero_init", "first_grad_reuse")
+        })
+        self.assertExpectedInline("\n".join(reasons), """\
+backward: first_grad_reuse: Inductor reads each dK/dV contribution once in the kernel that writes the reduce-scatter input (no add-into-zero): reusing one as the accumulator would add a pass
+backward: zero_init: Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the reduce-scatter input (no fill in the generated code): nothing to remove
+forward: first_grad_reuse: forward region: no gradient accumulator
+forward: zero_init: forward region: no gradient accumulator""")
+
+    def test_accumulator_read_by_an_unfusable_op_is_found(self):
+        """A partial dK accumulator that a matmul reads must be materialized: that is where the
+        rewrites would act, and the check names the op."""
+
+        def backward_with_matmul(dout, q, k, v, out, lse, w):
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False)
+            acc = torch.zeros(1, 2, 16, 8).slice_scatter(dk, 2, 0, 8)
+            return dq, acc @ w, dv
+
+        q, dout, out = (torch.randn(1, 2, 8, 8) for _ in range(3))
+        k, v = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+        gm = make_fx(backward_with_matmul)(dout, q, k, v, out, torch.randn(1, 2, 8), torch.randn(8, 8))
+        attention = next(n for n in gm.graph.nodes if "attention" in str(n.target))
+        self.assertIn(str(materialized_at(attention).target), ("aten.mm.default", "aten.bmm.default"))
+
+
+class TestGeneratedBackwardCode(TestCase):
+    def test_no_fill_and_one_kernel_writes_the_reduce_scatter_input(self):
+        """Default Inductor's backward code for the helper's load-balanced causal block: the
+        reduce-scatter's input is written by one fused kernel straight from the attention
+        backward's dK/dV contributions; nothing fills a buffer with zeros or adds into one."""
+        with fake_pg(2):
+            q, k, v = _qkv()
+            fn = torch.compile(_helper, backend="cp_inductor", fullgraph=True)
+            _, codes = run_and_get_code(lambda: fn(q, k, v).sum().backward())
+        backward = codes[-1]
+        body = backward[backward.index("def call("):]
+        for zero_fill in (".fill_(", ".zero_(", "torch.zeros", "aten.full", "memset"):
+            self.assertNotIn(zero_fill, body)
+        rs = re.search(r"reduce_scatter_tensor\.default\((?:reinterpret_tensor\()?(buf\d+)", body).group(1)
+        writers = [line.strip() for line in body.splitlines()
+                   if re.match(r"\s*\w*fused\w*\(", line) and re.search(rf"\b{rs}\b", line)]
+        self.assertEqual(len(writers), 1, writers)
+        self.assertGreaterEqual(len(re.findall(r"buf\d+", writers[0])), 3)  # reads several contributions
+        kernel = writers[0].split("(")[0]
+        self.assertIn("add", kernel)  # it sums the contributions itself ...
+        self.assertIn("backward", kernel)  # ... scattered into place (slice/select backward)
