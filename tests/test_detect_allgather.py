@@ -151,3 +151,47 @@ forward: not a region: _scaled_dot_product_flash_attention_for_cpu: query is gat
 backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: dQ is reduce-scattered too
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: only one of key and value comes from an all_gather
 backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: only one of dK and dV reaches a reduce_scatter""")
+
+
+def _group_name():
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_process_group_name(dist.group.WORLD)
+
+
+def flex_cp(q, k, v):
+    """What PyTorch's flex-attention CP traces to: one custom op gathers K and V (waiting inside)."""
+    from torch.distributed.tensor.experimental._context_parallel import flex_cp_allgather
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k_full, v_full = flex_cp_allgather(k, v, 2, _group_name())
+    return flex_attention(q, k_full, v_full)
+
+
+class TestFlexCP(TestCase):
+    """PyTorch's flex CP ops are opaque (collectives and waits inside one custom op each): the
+    attention they feed is reported with that reason, never rewritten. FlexAttention has no CPU
+    backward, so the backward side is checked on the op's own backward graph shape."""
+
+    def test_forward_reported(self):
+        with fake_pg(2):
+            text = describe_matches(aot_graphs(flex_cp, *(torch.randn(1, 2, 16, 8) for _ in range(3))))
+        self.assertExpectedInline(text, """inference: not a region: flex_attention: the K/V all-gather (or its backward) is PyTorch's flex CP op cplib::flex_cp_allgather: its collectives run and wait inside one opaque custom op, so Inductor can neither overlap, fuse nor re-route them: reported, not rewritten""")
+
+    def test_backward_reported(self):
+        from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather_backward
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from cp_inductor.passes import pipeline
+
+        def backward(dout, q, k_full, v_full, out, lse):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k_full, v_full, out, lse, 0.0, False)
+            return (dq, *flex_cp_allgather_backward(dk, dv, 2, _group_name()))
+
+        with fake_pg(2):
+            t = [torch.randn(1, 2, n, 8) for n in (8, 8, 16, 16, 8)]
+            gm = make_fx(backward)(*t, torch.randn(1, 2, 8))
+            rejected = []
+            pipeline.analyze(gm.graph, "backward", rejected)
+        self.assertExpectedInline("\n".join(f"{r.attention}: {r.reason}" for r in rejected), """_scaled_dot_product_flash_attention_for_cpu_backward: the K/V all-gather (or its backward) is PyTorch's flex CP op cplib::flex_cp_allgather_backward: its collectives run and wait inside one opaque custom op, so Inductor can neither overlap, fuse nor re-route them: reported, not rewritten""")

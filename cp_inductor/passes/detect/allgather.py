@@ -22,6 +22,7 @@ This finds and reports regions; which rewrites apply is the pipeline's decision.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -201,10 +202,43 @@ def _match(node, graph_kind) -> AllGatherMatch | None:
     return _backward_match(node, graph_kind)
 
 
+# PyTorch's flex-attention CP gathers K and V (and reduce-scatters their gradients) inside one
+# custom op each.
+_FLEX_GATHER, _FLEX_GATHER_BACKWARD = "cplib.flex_cp_allgather.default", "cplib.flex_cp_allgather_backward.default"
+FLEX_REASON = (
+    "the K/V all-gather (or its backward) is PyTorch's flex CP op {op}: its collectives run and "
+    "wait inside one opaque custom op, so Inductor can neither overlap, fuse nor re-route them: "
+    "reported, not rewritten"
+)
+
+
+def _flex_attention_ops(graph: torch.fx.Graph):
+    """(attention op, the flex CP op it reads from or feeds), for every flex CP op: the ops that
+    read its gathered K/V (forward), or that produce the gradients it reduce-scatters."""
+    for node in graph.nodes:
+        name = str(node.target)
+        if name == _FLEX_GATHER:
+            outs = [u for u in node.users if u.target is operator.getitem]
+            readers = {r for o in outs for r in o.users}
+        elif name == _FLEX_GATHER_BACKWARD:
+            grads = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+            readers = {g.args[0] if g.target is operator.getitem else g for g in grads}
+        else:
+            continue
+        for reader in readers:
+            if "attention" in str(reader.target):
+                yield reader, name.removesuffix(".default").replace(".", "::")
+
+
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[AllGatherMatch]:
     """Every K/V all-gather attention op in ``graph``. ``log(node, reason)`` hears why an attention
-    op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's)."""
-    return find_with(_match, graph, graph_kind, cfg, log)
+    op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's),
+    including the attention of PyTorch's flex CP (``FLEX_REASON``)."""
+    matches = find_with(_match, graph, graph_kind, cfg, log)
+    if log is not None:
+        for attention, op in _flex_attention_ops(graph):
+            log(attention, FLEX_REASON.format(op=op))
+    return matches
 
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> AllGatherMatch | None:
