@@ -17,6 +17,9 @@ A backward region is an attention backward op whose dK and dV reach ``reduce_sca
 ops of one group (the all-gathers' backward) through scatters into the full-sequence gradient, adds, sums over
 replicated heads and layout ops, while dQ stays on this rank.
 
+PyTorch's flex-attention CP (``cplib::flex_cp_allgather`` and its backward) gathers inside one
+opaque custom op: its attention is reported with that reason (``FLEX_REASON``), never matched.
+
 This finds and reports regions; which rewrites apply is the pipeline's decision.
 """
 
