@@ -10,8 +10,9 @@ dK/dV; torch 2.11 breaks the graph for other gather dims).
   rank r holds chunks r and 2cp-1-r of 2cp equal chunks, so every rank does the same work. Each
   local chunk c attends to its causal prefix, bottom-right aligned: the keys before the chunk
   in full (gathered), its own block causally (the rank's own K/V chunk: a square block, where
-  SDPA's top-left causal mask is the right one, and a call that needs nothing gathered, so it
-  can run while the gather is in flight). The two calls are merged by their log-sum-exp; chunk
+  SDPA's top-left causal mask is the right one, and a call that needs nothing gathered: a
+  scheduler could run it while the gather is in flight, though neither eager nor Inductor's
+  default order does yet). The two calls are merged by their log-sum-exp; chunk
   0 has no prefix and is one causal call. No S x S mask is built: every call is one the fused
   kernels take. The diagonal blocks' dK/dV stay local; only the prefixes' go through the
   reduce-scatter.
@@ -178,8 +179,8 @@ class _PrefixThenDiagonal(torch.autograd.Function):
 
 def _chunk_attention(q, k, v, k_full, v_full, chunk: int, scale: float, kernel: str) -> torch.Tensor:
     """Local query chunk ``chunk`` over its causal prefix, bottom-right aligned: its own block is
-    the local k, v chunk (no gathered data: this call can run while the gather is in flight),
-    the keys before it come from the gathered ``k_full``, ``v_full``."""
+    the local k, v chunk (no gathered data), the keys before it come from the gathered
+    ``k_full``, ``v_full``."""
     if chunk == 0:
         # Chunk 0's block is read from the gathered copy: were it the only chunk of a rank (rank
         # 0, not load balanced) and read locally, that rank would not use the gather, and a
