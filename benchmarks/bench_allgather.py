@@ -15,15 +15,12 @@ over the whole sequence, with SDPA's own kernel choice.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
-from bench_ulysses import Bench, build_arms, parse_args, print_table, profile_arms, time_arms
-from common import teardown
+from bench_ulysses import Bench, parse_args, run
 from handwritten import allgather_by_hand
 
 from cp_inductor import parallel
@@ -45,43 +42,20 @@ ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": Tru
 class AllGatherBench(Bench):
     title = "K/V all-gather"
 
-    def _local(self, layout):
-        sd = 1 if layout == "bshd" else 2
-        conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
-        lb = self.args.causal
-        return {
-            n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp, load_balanced=lb) for n, t in self.full.items()
-        }, sd
-
     kernel = "auto"  # the helper's log-sum-exp kernel (--kernel)
+
+    @property
+    def load_balanced(self) -> bool:
+        return self.args.causal
 
     def allgather_arm(self, backend, options=None, code="helper", kernel=None):
         a, kernel = self.args, kernel or self.kernel
-        layout = a.layout if code == "helper" else "bshd"
-        local, sd = self._local(layout)
-        q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
         if code == "helper":
             fn = lambda q, k, v: parallel.allgather_attention(  # noqa: E731
-                q, k, v, layout=layout, is_causal=a.causal, kernel=kernel
+                q, k, v, layout=a.layout, is_causal=a.causal, kernel=kernel
             )
-        else:
-            fn = allgather_by_hand
-        if backend is not None:
-            fn = torch.compile(fn, backend=backend, fullgraph=True, options=options)
-        state = {}
-
-        def step():
-            q.grad = k.grad = v.grad = None
-            out = fn(q, k, v)
-            out.backward(local["dout"])
-            state["out"] = out
-
-        def results():
-            conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
-            got = {"out": state["out"].detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-            return {n: conv(parallel.gather_sequence(t, sd, load_balanced=a.causal)) for n, t in got.items()}
-
-        return step, results
+            return self.cp_arm(fn, a.layout, backend, options)
+        return self.cp_arm(allgather_by_hand, "bshd", backend, options)
 
     def arm(self, name: str):
         if name in ("native", "floor"):
@@ -100,36 +74,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--kernel", default="auto")
     extra, rest = p.parse_known_args(argv)
-    args = parse_args(rest)
-    if args.arms == parse_args([]).arms:  # bench_ulysses' default arms: ours instead
-        args.arms = "eager,inductor,cp_off,cp_inductor,native,floor"
-    if args.profile == parse_args([]).profile:
-        args.profile = "inductor,cp_inductor"
+    args = parse_args(rest, arms="eager,inductor,cp_off,cp_inductor,native,floor", profile="inductor,cp_inductor")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     bench = AllGatherBench(args)
     bench.kernel = extra.kernel
-    ref = bench.reference() if bench.rank == 0 and args.reference else None
-    torch.cuda.empty_cache()
-
-    arms, checks, compile_s, memory = build_arms(bench, args.arms.split(","), ref)
-    del ref
-    kernels = profile_arms(bench, arms, args.profile, args.trace)
-    medians = time_arms(bench, arms, args.rounds)
-
-    if bench.rank == 0:
-        vs_default = print_table(bench, medians, checks, memory, kernels)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({
-                    "args": vars(args), "kernel": extra.kernel, "cp": bench.cp, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
-                    "median_ms": {n: statistics.median(v) for n, v in medians.items()},
-                    "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels,
-                    "max_rel_err": checks, "compile_s": compile_s,
-                    "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
-                }, f, indent=1)
-    teardown()
+    run(bench, {"kernel": extra.kernel})
     return 0
 
 

@@ -69,19 +69,21 @@ class Bench:
         self.full = {"q": mk(hq), "k": mk(hkv), "v": mk(hkv), "dout": mk(hq)}  # BSHD, whole sequence
 
     # --- arms: each returns (step, results) where step() runs fwd+bwd once ---
+    load_balanced = False  # shards are chunks r and 2cp-1-r (the all-gather bench, causal)
+
     def _local(self, layout):
         sd = 1 if layout == "bshd" else 2
         conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
-        return {n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp) for n, t in self.full.items()}, sd
+        return {
+            n: parallel.shard_sequence(conv(t), sd, self.rank, self.cp, load_balanced=self.load_balanced)
+            for n, t in self.full.items()
+        }, sd
 
-    def ulysses_arm(self, backend, options=None, code="helper"):
-        a = self.args
-        local, sd = self._local(a.layout if code == "helper" else "bshd")
+    def cp_arm(self, fn, layout, backend, options=None):
+        """CP attention ``fn(q, k, v)`` on this rank's shards in ``layout``, compiled with
+        ``backend`` (None: eager); results() gathers output and gradients back to BSHD."""
+        local, sd = self._local(layout)
         q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
-        if code == "helper":
-            fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
-        else:  # the user's own Ulysses (BSHD), not our helper
-            fn = lambda q, k, v: ulysses_by_hand(q, k, v, is_causal=a.causal)  # noqa: E731
         if backend is not None:
             fn = torch.compile(fn, backend=backend, fullgraph=True, options=options)
         state = {}
@@ -93,11 +95,19 @@ class Bench:
             state["out"] = out
 
         def results():
-            conv = (lambda t: t) if a.layout == "bshd" or code != "helper" else (lambda t: t.transpose(1, 2))
+            conv = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
             got = {"out": state["out"].detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-            return {n: conv(parallel.gather_sequence(t, sd)) for n, t in got.items()}
+            return {n: conv(parallel.gather_sequence(t, sd, load_balanced=self.load_balanced)) for n, t in got.items()}
 
         return step, results
+
+    def ulysses_arm(self, backend, options=None, code="helper"):
+        a = self.args
+        if code == "helper":
+            fn = lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
+            return self.cp_arm(fn, a.layout, backend, options)
+        # the user's own Ulysses (BSHD), not our helper
+        return self.cp_arm(lambda q, k, v: ulysses_by_hand(q, k, v, is_causal=a.causal), "bshd", backend, options)
 
     def native_arm(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -255,7 +265,8 @@ def best_default(medians: dict, arm: str) -> float | None:
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_copy", "cp_views", "cp_inductor")}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, **defaults) -> argparse.Namespace:
+    """The command line; ``defaults`` override argument defaults (another bench's arms, say)."""
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=32768)
@@ -273,6 +284,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the one-GPU fp32 reference check (shapes whose full problem does not fit one GPU)")
     p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
+    p.set_defaults(**defaults)
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     return args
@@ -374,11 +386,9 @@ def print_table(bench: Bench, medians: dict, checks: dict, memory: dict, kernels
     return vs_default
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    bench = Bench(args)
+def run(bench: Bench, extra_json: dict | None = None) -> None:
+    """Build, profile and time the arms of ``bench``; rank 0 prints the table and writes the JSON."""
+    args = bench.args
     ref = bench.reference() if bench.rank == 0 and args.reference else None
     torch.cuda.empty_cache()
 
@@ -392,7 +402,7 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
-                    "args": vars(args), "cp": bench.cp, "torch": torch.__version__,
+                    "args": vars(args), **(extra_json or {}), "cp": bench.cp, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
                     "median_ms": {n: statistics.median(v) for n, v in medians.items()},
                     "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels,
@@ -400,6 +410,13 @@ def main(argv=None) -> int:
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)
     teardown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    run(Bench(args))
     return 0
 
 

@@ -82,8 +82,8 @@ def gathered_key_only(q, k, v):
 class TestAllGatherGolden(TestCase):
     def test_helper_causal_load_balanced_gqa(self):
         # Each rank's two chunks: chunk r (prefix + diagonal calls, or one causal call for chunk 0)
-        # and chunk 2cp-1-r. Rank 0 of cp=2 holds chunks 0 and 3: 1 + 2 calls, and their backwards.
-        # The helper replicates K/V heads before its log-sum-exp calls: attention sees Hkv = Hq.
+        # and chunk 2cp-1-r. Rank 0 of cp=2 holds chunks 0 and 3: 1 + 2 calls, and their backwards;
+        # chunk 3's diagonal call reads local K/V (not a region). GQA reaches attention as is.
         with fake_pg(2):
             graphs = aot_graphs(lambda q, k, v: allgather_attention(q, k, v, is_causal=True), *_qkv(1, 8, 4, 2, 8))
             text = describe_matches(graphs)

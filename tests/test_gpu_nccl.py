@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import variants
-from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import assert_cp_results
 
@@ -114,22 +114,13 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
 
 
 def _allgather_bf16(rank, cp, kernel):
-    from cp_inductor import parallel
-
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
         AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", dtype=bf16),
         AttentionCase(batch=1, seq=1024, heads_q=8, heads_kv=2, head_dim=128, causal=False, dtype=bf16),
     ]
-    out = []
-    for c in cases:
-        fn = functools.partial(
-            parallel.allgather_attention, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced,
-            kernel=kernel,
-        )
-        out += check_cp_attention(rank, cp, [c], fn, device="cuda")
-    return out
+    return [r for c in cases for r in check_cp_attention(rank, cp, [c], allgather_fn(c, kernel), device="cuda")]
 
 
 @needs_gpus
