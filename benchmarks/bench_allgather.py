@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
+# "<arm>_hg<G>": any arm above on the helper with head_groups=G.
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).
 ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
 
@@ -48,11 +50,11 @@ class AllGatherBench(Bench):
     def load_balanced(self) -> bool:
         return self.args.causal
 
-    def allgather_arm(self, backend, options=None, code="helper", kernel=None):
+    def allgather_arm(self, backend, options=None, code="helper", kernel=None, head_groups=None):
         a, kernel = self.args, kernel or self.kernel
         if code == "helper":
             fn = lambda q, k, v: parallel.allgather_attention(  # noqa: E731
-                q, k, v, layout=a.layout, is_causal=a.causal, kernel=kernel
+                q, k, v, layout=a.layout, is_causal=a.causal, kernel=kernel, head_groups=head_groups
             )
             return self.cp_arm(fn, a.layout, backend, options)
         return self.cp_arm(allgather_by_hand, "bshd", backend, options)
@@ -67,6 +69,9 @@ class AllGatherBench(Bench):
             if self.args.causal:
                 raise ValueError("the hand-written all-gather block is not causal: run with --no-causal")
             return self.allgather_arm(*HAND_ARMS[name], code="hand")
+        grouped = re.fullmatch(r"(.+)_hg(\d+)", name)
+        if grouped:  # the helper's head_groups=G: K/V gathered per group, again in the backward
+            return self.allgather_arm(*ARMS[grouped[1]], head_groups=int(grouped[2]))
         return self.allgather_arm(*ARMS[name])
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import alternating_rounds, paired_ratio, teardown
+from common import alternating_rounds, paired_ratio, peak_composition, teardown
 from handwritten import ulysses_by_hand
 
 from cp_inductor import parallel
@@ -284,6 +284,7 @@ def parse_args(argv=None, **defaults) -> argparse.Namespace:
                    help="skip the one-GPU fp32 reference check (shapes whose full problem does not fit one GPU)")
     p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
+    p.add_argument("--memory", default="", help="arms whose peak is broken down by allocation site (rank 0)")
     p.set_defaults(**defaults)
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
@@ -395,10 +396,16 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
     arms, checks, compile_s, memory = build_arms(bench, args.arms.split(","), ref)
     del ref
     kernels = profile_arms(bench, arms, args.profile, args.trace)
+    composition = {n: peak_composition(arms[n]) for n in args.memory.split(",") if n in arms}
     medians = time_arms(bench, arms, args.rounds)
 
     if bench.rank == 0:
         vs_default = print_table(bench, medians, checks, memory, kernels)
+        for n, comp in composition.items():
+            print(f"peak of {n}, rank 0: {comp['peak_gib']:.2f} GiB above the step's start; largest live blocks:")
+            for row in comp["blocks"]:
+                print(f"  {row['gib']:7.3f} GiB  x{row['count']:<3d} {row['where']}")
+            print(f"  {comp['rest_gib']:7.3f} GiB  the rest")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
@@ -406,6 +413,7 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
                     "median_ms": {n: statistics.median(v) for n, v in medians.items()},
                     "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels,
+                    "peak_composition_rank0": composition,
                     "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -56,3 +57,51 @@ def teardown() -> None:
     dist.barrier()
     torch._dynamo.reset()
     dist.destroy_process_group()
+
+
+def _label(frames) -> str:
+    """Where a block was allocated: the line of Inductor's generated code that allocates it, else
+    the innermost frame outside torch's own Python."""
+    import linecache
+
+    for f in frames:
+        if "torchinductor" in f["filename"]:
+            return "generated: " + linecache.getline(f["filename"], f["line"]).strip()[:110]
+    for f in frames:
+        if "/torch/" not in f["filename"]:
+            return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+    return f"{frames[0]['name']}" if frames else "?"
+
+
+def peak_composition(step, top: int = 12) -> dict:
+    """The blocks alive at the peak of one call of ``step`` (above what was allocated before it),
+    largest first, labelled by where they were allocated: what dominates the peak."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+    by_label: dict = {}
+    for size, frames in at_peak.values():
+        label = _label(frames)
+        count, nbytes = by_label.get(label, (0, 0))
+        by_label[label] = (count + 1, nbytes + size)
+    rows = sorted(by_label.items(), key=lambda kv: -kv[1][1])
+    return {
+        "peak_gib": peak / 2**30,
+        "blocks": [{"where": w, "count": c, "gib": b / 2**30} for w, (c, b) in rows[:top]],
+        "rest_gib": sum(b for _, (_, b) in rows[top:]) / 2**30,
+    }

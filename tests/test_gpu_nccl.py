@@ -113,31 +113,34 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
         assert r["max_param_diff"] < tol, r["max_param_diff"]
 
 
-def _allgather_bf16(rank, cp, kernel):
+def _allgather_bf16(rank, cp, kernel, head_groups=None):
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
         AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", dtype=bf16),
         AttentionCase(batch=1, seq=1024, heads_q=8, heads_kv=2, head_dim=128, causal=False, dtype=bf16),
     ]
-    return [r for c in cases for r in check_cp_attention(rank, cp, [c], allgather_fn(c, kernel), device="cuda")]
+    fn = lambda c: allgather_fn(c, kernel, head_groups)  # noqa: E731
+    return [r for c in cases for r in check_cp_attention(rank, cp, [c], fn(c), device="cuda")]
 
 
 @needs_gpus
-@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
-def test_allgather_nccl_bf16(kernel):
-    """K/V all-gather on NCCL in bf16, with each log-sum-exp kernel the causal chunks can use."""
-    for rank_results in run_on_ranks(_allgather_bf16, 2, kernel, pg_backend="nccl"):
+@pytest.mark.parametrize("kernel,head_groups", [("flash", None), ("cudnn", None), ("flash", 2), ("cudnn", 2)])
+def test_allgather_nccl_bf16(kernel, head_groups):
+    """K/V all-gather on NCCL in bf16, with each log-sum-exp kernel the causal chunks can use,
+    whole or in head groups (K/V gathered again in the backward)."""
+    for rank_results in run_on_ranks(_allgather_bf16, 2, kernel, head_groups, pg_backend="nccl"):
         assert_cp_results(rank_results, TOL, applied=ALLGATHER_APPLIED)
         for r in rank_results:
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", 2), ("backward", "allgather", 2)}, r
 
 
 @needs_gpus
-def test_allgather_cuda_graph_training_step():
+@pytest.mark.parametrize("head_groups", [None, 2])
+def test_allgather_cuda_graph_training_step(head_groups):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
-    cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01)
+    cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01, head_groups=head_groups)
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", None, torch.bfloat16, pg_backend="nccl"
     )

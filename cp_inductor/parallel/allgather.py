@@ -60,12 +60,12 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     return _ContiguousGrad.apply(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
 
 
-def _gather_sequence(k: torch.Tensor, v: torch.Tensor, cp: int, group, load_balanced: bool):
-    """This rank's k, v ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order.
-    One all-gather of k and v stacked: one reduce-scatter in the backward, so every rank issues
-    the same collectives in the same order whatever order autograd reaches dK and dV in."""
-    b, h, s_l, d = k.shape
-    gathered = _all_gather(torch.stack([k, v]), group).view(cp, 2, b, h, s_l, d)
+def sequence_order(gathered: torch.Tensor, cp: int, load_balanced: bool):
+    """Gathered k, v stacked, ``[cp*2, B, H, S/cp, D]`` (rank-major) -> k, v ``[B, H, S, D]``
+    in sequence order (in rank order when not load balanced: also the key order a
+    non-causal call may use)."""
+    _, b, h, s_l, d = gathered.shape
+    gathered = gathered.view(cp, 2, b, h, s_l, d)
     if load_balanced:
         halves = gathered.view(cp, 2, b, h, 2, s_l // 2, d)
         # First halves are chunks 0..cp-1 in rank order; second halves chunks 2cp-1-r, so in
@@ -73,6 +73,13 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, cp: int, group, load_bala
         gathered = torch.cat([halves[:, :, :, :, 0], halves.flip(0)[:, :, :, :, 1]], dim=0)
     full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, -1, d)
     return full[0], full[1]
+
+
+def _gather_sequence(k: torch.Tensor, v: torch.Tensor, cp: int, group, load_balanced: bool):
+    """This rank's k, v ``[B, H, S/cp, D]`` -> every rank's, ``[B, H, S, D]`` in sequence order.
+    One all-gather of k and v stacked: one reduce-scatter in the backward, so every rank issues
+    the same collectives in the same order whatever order autograd reaches dK and dV in."""
+    return sequence_order(_all_gather(torch.stack([k, v]), group), cp, load_balanced)
 
 
 # The fused kernels that return the log-sum-exp the merge needs, by name: (forward, backward).
@@ -203,12 +210,16 @@ def allgather_attention(
     load_balanced: bool = True,
     scale: float | None = None,
     kernel: str = "auto",
+    head_groups: int | None = None,
 ) -> torch.Tensor:
     """K/V all-gather CP attention over sequence-sharded q, k, v; returns q's layout.
 
     Causal attention needs q, k, v sharded as ``shard_sequence(..., load_balanced=...)`` with the
     same ``load_balanced``; without causality the sharding does not matter. ``kernel`` names the
-    log-sum-exp attention kernel of the causal prefix calls (``KERNELS``; "auto": per device)."""
+    log-sum-exp attention kernel of the causal prefix calls (``KERNELS``; "auto": per device).
+    ``head_groups=G`` runs G head groups one after the other and gathers K/V again in the
+    backward instead of saving them (:mod:`cp_inductor.parallel.allgather_groups`): about 1/G
+    of the workspace, one more all-gather; G must divide the query and the K/V heads."""
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
     q, k, v = (_to_bhsd(x, layout) for x in (q, k, v))
@@ -216,6 +227,8 @@ def allgather_attention(
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if head_groups is not None:
+        return _head_grouped(q, k, v, group, layout, is_causal, load_balanced, scale, kernel, head_groups)
     if not is_causal:
         # Key order does not matter without a mask: [cp*2, B, H, S/cp, D] -> [B, H, S, D] any order.
         kv = _all_gather(torch.stack([k, v]), group).view(cp, 2, *k.shape)
@@ -223,15 +236,37 @@ def allgather_attention(
         out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=hq != hkv)
         return out.transpose(1, 2) if layout == "bshd" else out
 
+    _check_even(q, load_balanced)
     rank = dist.get_rank(group)
-    s_l = q.shape[2]
-    if load_balanced and s_l % 2:
-        raise ValueError(f"load-balanced causal attention needs an even local sequence, got {s_l}")
     k_full, v_full = _gather_sequence(k, v, cp, group, load_balanced)
     kernel = _kernel(q.device, kernel)
     chunks = load_balanced_chunks(rank, cp) if load_balanced else (rank,)
-    length = s_l // len(chunks)
+    length = q.shape[2] // len(chunks)
     pieces = [tuple(x[:, :, i * length:(i + 1) * length] for x in (q, k, v)) for i in range(len(chunks))]
     parts = [_chunk_attention(*qkv, k_full, v_full, c, scale, kernel) for qkv, c in zip(pieces, chunks)]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _check_even(q: torch.Tensor, load_balanced: bool) -> None:
+    if load_balanced and q.shape[2] % 2:
+        raise ValueError(f"load-balanced causal attention needs an even local sequence, got {q.shape[2]}")
+
+
+def _head_grouped(q, k, v, group, layout, is_causal, load_balanced, scale, kernel, groups):
+    from .allgather_groups import HeadGroupedAllGather
+
+    hq, hkv = q.shape[1], k.shape[1]
+    if groups < 1 or hq % groups or hkv % groups:
+        raise ValueError(f"head_groups={groups} must divide the query heads {hq} and the key/value heads {hkv}")
+    if is_causal:
+        _check_even(q, load_balanced)
+        rank = dist.get_rank(group)
+        chunks = load_balanced_chunks(rank, cp=dist.get_world_size(group)) if load_balanced else (rank,)
+    else:  # one call over every key, in gather order
+        chunks, load_balanced = (None,), False
+    out = HeadGroupedAllGather.apply(
+        q, k, v, dist.get_world_size(group), group.group_name, chunks, load_balanced, groups, scale,
+        _kernel(q.device, kernel),
+    )
     return out.transpose(1, 2) if layout == "bshd" else out

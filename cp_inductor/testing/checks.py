@@ -94,9 +94,10 @@ def ulysses_fn(case: AttentionCase):
     return lambda q, k, v: parallel.ulysses_attention(q, k, v, layout=case.layout, is_causal=case.causal)
 
 
-def allgather_fn(case: AttentionCase, kernel: str = "auto"):
+def allgather_fn(case: AttentionCase, kernel: str = "auto", head_groups: int | None = None):
     return lambda q, k, v: parallel.allgather_attention(
-        q, k, v, layout=case.layout, is_causal=case.causal, load_balanced=case.load_balanced, kernel=kernel
+        q, k, v, layout=case.layout, is_causal=case.causal, load_balanced=case.load_balanced, kernel=kernel,
+        head_groups=head_groups,
     )
 
 

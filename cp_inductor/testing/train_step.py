@@ -38,6 +38,7 @@ class StepConfig:
     kv_heads: int = 2
     causal: bool = True
     lr: float = 0.1
+    head_groups: int | None = None  # all-gather style: the helper's head_groups
 
     @property
     def load_balanced(self) -> bool:
@@ -69,7 +70,8 @@ class TransformerBlock(nn.Module):
             o = parallel.ulysses_attention(q, k, v, group=self.group, layout=c.layout, is_causal=c.causal)
         else:
             o = parallel.allgather_attention(
-                q, k, v, group=self.group, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced
+                q, k, v, group=self.group, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced,
+                head_groups=c.head_groups,
             )
         if c.layout == "bhsd":
             o = o.transpose(1, 2)

@@ -51,6 +51,7 @@ _REORDER_OPS = (
 _ACCUMULATE_OPS = (
     aten.slice_scatter.default, aten.select_scatter.default, aten.add.Tensor, aten.sum.dim_IntList,
     aten.cat.default, prims.rev.default, aten.flip.default, aten.index_add.default, aten.index_put.default,
+    aten.constant_pad_nd.default,  # a prefix's dK/dV padded to the full sequence
 )
 _MAX_DEPTH = 256  # nodes a walk may visit; deeper means it is not one attention's K/V
 

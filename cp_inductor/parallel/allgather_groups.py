@@ -1,0 +1,176 @@
+"""K/V all-gather attention in G head groups, K/V gathered again in the backward.
+
+The plain all-gather block (:func:`allgather_attention` without ``head_groups``) keeps the
+whole gathered K/V alive from the forward to the backward, and its backward holds, all at
+once and for every head, the full-sequence dK/dV, each call's dK/dV of its prefix and the
+kernel's fp32 dQ workspace. Here every one of those exists for one head group at a time::
+
+    forward,  per group g:  gather K/V heads g -> attention of q heads g per chunk -> out[:, g]
+                            (gathered K/V freed: only q, k, v, out and log-sum-exp are saved)
+    backward, per group g:  gather K/V heads g again -> attention backward per chunk
+                            -> dK/dV of the prefixes in sequence order -> reduce-scatter
+                            -> + the local diagonal blocks' dK/dV -> dk[:, g], dv[:, g]
+
+Group g+1's gather is issued before group g's attention (it can travel while g computes),
+and group g's reduce-scatter is waited for only after the last group. Workspace falls
+to about 1/G; the price is a second all-gather of K/V in the backward (K/V are the small
+tensors under GQA). GQA pairs stay together: group g holds q heads ``[g*Hq/G, (g+1)*Hq/G)``
+and K/V heads ``[g*Hkv/G, (g+1)*Hkv/G)``.
+
+Every call goes to a fused kernel that returns the log-sum-exp (``KERNELS``); a chunk with a
+prefix and a diagonal block merges the two calls by log-sum-exp, and the backward of each call
+takes the merged output and log-sum-exp, which makes the gradients exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .allgather import KERNELS, sequence_order
+
+c10d = torch.ops._c10d_functional
+
+
+def _gather(k: torch.Tensor, v: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of k, v stacked: ``[cp*2, B, H, S/cp, D]`` once waited for."""
+    return c10d.all_gather_into_tensor(torch.stack([k, v]).contiguous(), cp, group_name)
+
+
+def _gathered_order(dfull: torch.Tensor, cp: int, load_balanced: bool) -> torch.Tensor:
+    """Inverse of :func:`sequence_order`: ``[2, B, H, S, D]`` in key order -> the contiguous
+    ``[cp*2, B, H, S/cp, D]`` the reduce-scatter takes (rank-major)."""
+    two, b, h, s, d = dfull.shape
+    if not load_balanced:
+        return dfull.view(2, b, h, cp, s // cp, d).permute(3, 0, 1, 2, 4, 5).reshape(cp * 2, b, h, s // cp, d)
+    chunks = dfull.view(2, b, h, 2 * cp, s // (2 * cp), d)
+    # Rank r's block is [chunk r | chunk 2cp-1-r].
+    halves = torch.stack([chunks[:, :, :, :cp], chunks[:, :, :, cp:].flip(3)], dim=4)
+    return halves.permute(3, 0, 1, 2, 4, 5, 6).reshape(cp * 2, b, h, s // cp, d)
+
+
+def _calls(q_c, k_full, v_full, k_c, v_c, chunk: int | None, length: int):
+    """The (key, value, causal) calls of one local query chunk: ``chunk`` None is not causal
+    (every key); chunk 0 is one causal call (read from the gathered copy, which keeps every
+    rank's gather in use); chunk c > 0 is its prefix in full, then its own block causally."""
+    if chunk is None:
+        return [(k_full, v_full, False, "full")]
+    if chunk == 0:
+        return [(k_full[:, :, :length], v_full[:, :, :length], True, "full")]
+    start = chunk * length
+    return [(k_full[:, :, :start], v_full[:, :, :start], False, "full"), (k_c, v_c, True, "local")]
+
+
+def _merge(q_dtype, results):
+    """Outputs and log-sum-exps of the calls of one chunk -> (out, lse ``[B, H, L]``)."""
+    if len(results) == 1:
+        out, lse = results[0]
+        return out, lse
+    lses = [lse for _, lse in results]
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(o * (l_ - lse).exp().unsqueeze(-1) for (o, l_) in results)
+    return out.to(q_dtype), lse
+
+
+class HeadGroupedAllGather(torch.autograd.Function):
+    """``forward(q, k, v, ...)`` on ``[B, H, S/cp, D]`` shards; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: int, group_name: str, chunks: tuple, load_balanced: bool, groups: int,
+                scale: float, kernel: str):
+        forward, _ = KERNELS[kernel]
+        hq, hkv = q.shape[1], k.shape[1]
+        gq, gkv = hq // groups, hkv // groups
+        length = q.shape[2] // len(chunks)
+        pending = _gather(k[:, :gkv], v[:, :gkv], cp, group_name)
+        out_all, lses, extras, lse_shapes = torch.empty_like(q), [], [], []
+        for g in range(groups):
+            gathered = c10d.wait_tensor(pending)
+            if g + 1 < groups:  # the next group's gather travels while this group computes
+                nxt = slice((g + 1) * gkv, (g + 2) * gkv)
+                pending = _gather(k[:, nxt], v[:, nxt], cp, group_name)
+            k_full, v_full = sequence_order(gathered, cp, load_balanced)
+            hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
+            for i, chunk in enumerate(chunks):
+                ls = slice(i * length, (i + 1) * length)
+                q_c = q[:, hs_q, ls]
+                results = []
+                for kc, vc, causal, _ in _calls(q_c, k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                    out, lse, extra = forward(q_c, kc, vc, causal, scale)
+                    extras.append(extra)
+                    lse_shapes.append(lse.shape)
+                    results.append((out, lse.reshape(q_c.shape[:3])))
+                out_all[:, hs_q, ls], lse = _merge(q.dtype, results)
+                lses.append(lse)
+        ctx.save_for_backward(q, k, v, out_all, *lses)
+        ctx.extras, ctx.lse_shapes = extras, lse_shapes
+        ctx.args = (cp, group_name, chunks, load_balanced, groups, scale, kernel)
+        return out_all
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, *lses = ctx.saved_tensors
+        cp, group_name, chunks, load_balanced, groups, scale, kernel = ctx.args
+        _, backward = KERNELS[kernel]
+        hq, hkv = q.shape[1], k.shape[1]
+        gq, gkv = hq // groups, hkv // groups
+        length = q.shape[2] // len(chunks)
+        seq = cp * q.shape[2]
+        extras, lse_shapes = iter(ctx.extras), iter(ctx.lse_shapes)
+        lses = iter(lses)
+        pending = _gather(k[:, :gkv], v[:, :gkv], cp, group_name)
+        # Pieces are written into dq as they come (no final concatenation holding two copies).
+        dq_all, scattered, dkvs = torch.empty_like(q), [], []
+        for g in range(groups):
+            gathered = c10d.wait_tensor(pending)
+            if g + 1 < groups:
+                nxt = slice((g + 1) * gkv, (g + 2) * gkv)
+                pending = _gather(k[:, nxt], v[:, nxt], cp, group_name)
+            k_full, v_full = sequence_order(gathered, cp, load_balanced)
+            hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
+            dfull, dlocal = None, []
+            for i, chunk in enumerate(chunks):
+                ls = slice(i * length, (i + 1) * length)
+                q_c = q[:, hs_q, ls]
+                # cuDNN's backward needs dO with O's strides: both contiguous.
+                dout_c, out_c = dout[:, hs_q, ls].contiguous(), out[:, hs_q, ls].contiguous()
+                lse = next(lses)
+                dq_c, dk_loc, dv_loc = 0, None, None
+                for kc, vc, causal, source in _calls(q_c, k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                    dq, dk, dv = backward(
+                        dout_c, q_c, kc, vc, out_c, lse.reshape(next(lse_shapes)), next(extras), causal, scale
+                    )[:3]
+                    dq_c = dq_c + dq
+                    if source == "local":
+                        dk_loc, dv_loc = dk, dv
+                        continue
+                    # A prefix's dK/dV in sequence order, padded to the full sequence: Inductor
+                    # fuses the pads, the add and the reorder into the reduce-scatter's input.
+                    part = F.pad(torch.stack([dk, dv]), (0, 0, 0, seq - dk.shape[2]))
+                    dfull = part if dfull is None else dfull + part
+                dq_all[:, hs_q, ls] = dq_c
+                dlocal.append((dk_loc, dv_loc))
+            rs = c10d.reduce_scatter_tensor(_gathered_order(dfull, cp, load_balanced), "sum", cp, group_name)
+            # The previous group's reduce-scatter had this group's compute to travel: wait for
+            # it now, so at most two groups' full-sequence dK/dV buffers are alive.
+            if scattered:
+                dkvs.append(_local_grads(*scattered.pop(), length))
+            scattered.append((rs, dlocal))
+        dkvs.append(_local_grads(*scattered.pop(), length))
+        dks, dvs = [d[0] for d in dkvs], [d[1] for d in dkvs]
+        cat1 = lambda xs: torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # noqa: E731
+        return dq_all, cat1(dks), cat1(dvs), None, None, None, None, None, None, None
+
+
+
+def _local_grads(rs: torch.Tensor, dlocal: list, length: int) -> torch.Tensor:
+    """This rank's dK/dV of one head group, ``[2, B, H/G, S/cp, D]``: the reduce-scattered
+    prefixes' plus the local diagonal blocks' (None for a chunk without one)."""
+    dkv = c10d.wait_tensor(rs)
+    if all(dk is None for dk, _ in dlocal):
+        return dkv
+    two, b, h, _, d = dkv.shape
+    diag = torch.cat([
+        torch.stack([dk, dv]) if dk is not None else dkv.new_zeros(two, b, h, length, d) for dk, dv in dlocal
+    ], dim=3)
+    return dkv + diag
