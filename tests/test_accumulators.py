@@ -79,3 +79,25 @@ class TestGeneratedBackwardCode(TestCase):
         kernel = writers[0].split("(")[0]
         self.assertIn("add", kernel)  # it sums the contributions itself ...
         self.assertIn("backward", kernel)  # ... scattered into place (slice/select backward)
+
+    def test_head_groups_each_reduce_scatter_input_written_by_one_kernel(self):
+        """The same with head_groups=2: per group, the prefixes' dK/dV are padded to the full
+        sequence and summed by the one kernel that writes that group's reduce-scatter input."""
+        with fake_pg(2):
+            q, k, v = _qkv()
+            fn = torch.compile(
+                lambda q, k, v: allgather_attention(q, k, v, is_causal=True, head_groups=2),
+                backend="cp_inductor", fullgraph=True,
+            )
+            _, codes = run_and_get_code(lambda: fn(q, k, v).sum().backward())
+        body = codes[-1][codes[-1].index("def call("):]
+        for zero_fill in (".fill_(", ".zero_(", "torch.zeros", "aten.full", "memset"):
+            self.assertNotIn(zero_fill, body)
+        inputs = re.findall(r"reduce_scatter_tensor\.default\((?:reinterpret_tensor\()?(buf\d+)", body)
+        self.assertEqual(len(inputs), 2)
+        for rs in inputs:
+            writers = [line.strip().split("(")[0] for line in body.splitlines()
+                       if re.match(r"\s*\w*fused\w*\(", line) and re.search(rf"\b{rs}\b", line)]
+            self.assertEqual(len(writers), 1, writers)
+            self.assertIn("add", writers[0])
+            self.assertIn("constant_pad_nd", writers[0])

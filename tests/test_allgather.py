@@ -81,3 +81,40 @@ def test_hand_written_allgather_matches_single_device():
         assert_cp_results(rank_results, TOL, applied=())
         for r in rank_results:
             assert {row[:2] for row in r["report"]} == {("forward", "allgather"), ("backward", "allgather")}, r
+
+
+GROUPED = {  # cp -> [(case, head groups)]
+    2: [
+        (AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True), 2),
+        (AttentionCase(batch=2, seq=16, heads_q=4, heads_kv=4, head_dim=8, layout="bhsd", causal=True), 4),
+        (AttentionCase(batch=1, seq=16, heads_q=4, heads_kv=2, head_dim=8, causal=False), 2),
+    ],
+    4: [(AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, layout="bhsd", causal=True, load_balanced=True), 2)],
+}
+
+
+def _check_grouped(rank, cp):
+    return [r for case, g in GROUPED[cp] for r in check_cp_attention(rank, cp, [case], allgather_fn(case, head_groups=g))]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_head_groups_match_single_device(cp):
+    """head_groups=G: per-group gathers, attention and reduce-scatters give the same output and
+    gradients (causal load-balanced and contiguous, not causal, GQA); both graphs are still
+    found as all-gather regions, one per attention call."""
+    for rank_results in run_on_ranks(_check_grouped, cp):
+        assert_cp_results(rank_results, TOL, applied=())
+        for r in rank_results:
+            assert {row[:3] for row in r["report"]} == {("forward", "allgather", cp), ("backward", "allgather", cp)}, r
+
+
+def test_head_groups_must_divide_the_heads():
+    import torch.distributed as dist
+    from helpers import fake_pg
+
+    from cp_inductor.parallel import allgather_attention
+
+    with fake_pg(2):
+        q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 2, 8)
+        with pytest.raises(ValueError, match="head_groups=4 must divide"):
+            allgather_attention(q, kv, kv, is_causal=True, head_groups=4, group=dist.group.WORLD)

@@ -217,9 +217,12 @@ def allgather_attention(
     Causal attention needs q, k, v sharded as ``shard_sequence(..., load_balanced=...)`` with the
     same ``load_balanced``; without causality the sharding does not matter. ``kernel`` names the
     log-sum-exp attention kernel of the causal prefix calls (``KERNELS``; "auto": per device).
-    ``head_groups=G`` runs G head groups one after the other and gathers K/V again in the
-    backward instead of saving them (:mod:`cp_inductor.parallel.allgather_groups`): about 1/G
-    of the workspace, one more all-gather; G must divide the query and the K/V heads."""
+    ``head_groups=G`` (G >= 2) runs G head groups one after the other and gathers K/V again in
+    the backward instead of saving them (:mod:`cp_inductor.parallel.allgather_groups`): about
+    1/G of the workspace for one more all-gather and smaller kernel calls (README: -16% peak at
+    +3..5% time for G=2 on H200); G must divide the query and the K/V heads. ``None`` or 1: one
+    group, K/V saved (the grouped code with one group gave wrong cuDNN gradients at S32K on
+    H200, benchmarks/results/h200x2_allgather_s32k_hg1_run23.json, so it is not used)."""
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
     q, k, v = (_to_bhsd(x, layout) for x in (q, k, v))
@@ -227,7 +230,7 @@ def allgather_attention(
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if head_groups is not None:
+    if head_groups not in (None, 1):
         return _head_grouped(q, k, v, group, layout, is_causal, load_balanced, scale, kernel, head_groups)
     if not is_causal:
         # Key order does not matter without a mask: [cp*2, B, H, S/cp, D] -> [B, H, S, D] any order.
@@ -257,7 +260,7 @@ def _head_grouped(q, k, v, group, layout, is_causal, load_balanced, scale, kerne
     from .allgather_groups import HeadGroupedAllGather
 
     hq, hkv = q.shape[1], k.shape[1]
-    if groups < 1 or hq % groups or hkv % groups:
+    if groups < 2 or hq % groups or hkv % groups:
         raise ValueError(f"head_groups={groups} must divide the query heads {hq} and the key/value heads {hkv}")
     if is_causal:
         _check_even(q, load_balanced)

@@ -1,4 +1,4 @@
-"""K/V all-gather attention in G head groups, K/V gathered again in the backward.
+"""K/V all-gather attention in G head groups.
 
 The plain all-gather block (:func:`allgather_attention` without ``head_groups``) keeps the
 whole gathered K/V alive from the forward to the backward, and its backward holds, all at
@@ -6,16 +6,21 @@ once and for every head, the full-sequence dK/dV, each call's dK/dV of its prefi
 kernel's fp32 dQ workspace. Here every one of those exists for one head group at a time::
 
     forward,  per group g:  gather K/V heads g -> attention of q heads g per chunk -> out[:, g]
-                            (gathered K/V freed: only q, k, v, out and log-sum-exp are saved)
+                            (eager: gathered K/V freed; q, k, v, out and log-sum-exp saved)
     backward, per group g:  gather K/V heads g again -> attention backward per chunk
                             -> dK/dV of the prefixes in sequence order -> reduce-scatter
                             -> + the local diagonal blocks' dK/dV -> dk[:, g], dv[:, g]
 
-Group g+1's gather is issued before group g's attention (it can travel while g computes),
-and group g's reduce-scatter is waited for only after the last group. Workspace falls
-to about 1/G; the price is a second all-gather of K/V in the backward (K/V are the small
-tensors under GQA). GQA pairs stay together: group g holds q heads ``[g*Hq/G, (g+1)*Hq/G)``
-and K/V heads ``[g*Hkv/G, (g+1)*Hkv/G)``.
+Group g+1's gather is issued before group g's attention (it can travel while g computes; 5%
+faster at G=4 on H200 than issuing it after), and group g's reduce-scatter is waited for after
+group g+1's compute, so at most two groups' full-sequence dK/dV buffers are alive. Workspace
+falls to about 1/G; the price is smaller kernel calls and 3G collectives, each a point where a
+rank waits for the slower one (README: -16% peak at +3..5% time for G=2). In eager the
+backward gathers K/V again; under torch.compile AOTAutograd's CSE merges that gather with the
+forward's (same collective, same inputs) and the gathered K/V are saved instead.
+
+GQA pairs stay together: group g holds q heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V heads
+``[g*Hkv/G, (g+1)*Hkv/G)``.
 
 Every call goes to a fused kernel that returns the log-sum-exp (``KERNELS``); a chunk with a
 prefix and a diagonal block merges the two calls by log-sum-exp, and the backward of each call

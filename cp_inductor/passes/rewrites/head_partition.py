@@ -92,6 +92,9 @@ def choose_groups(region: A2AMatch, cfg) -> tuple[int, str | None]:
 def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
     """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
     fused_a2a's verdict on the same region."""
+    if region.style == "allgather":
+        return ("not implemented yet as a graph rewrite for allgather; "
+                "allgather_attention(head_groups=G) splits the helper's own code")
     if region.style != "a2a":
         return f"not implemented yet for {region.style}"
     if not cfg.fused_a2a:
