@@ -29,11 +29,11 @@ from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
 from . import grad_out_layout
 from .checked_rewrite import apply_checked
-from .detect import a2a, allgather
+from .detect import a2a, allgather, ring
 from .guard import why_not
 from .rewrites import POST_GRAD, Rewrite, accumulators, fused_a2a, head_partition, planned
 
-DETECTORS = (a2a, allgather)  # Ulysses, K/V all-gather
+DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
 # Decision order: a rewrite's why_not sees the verdicts of those before it on the same region
 # (head_partition builds on fused_a2a's buffers). The report lists each region's rewrites in

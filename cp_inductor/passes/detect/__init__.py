@@ -6,17 +6,20 @@
 * ``match_at(attention_node, graph_kind, cfg) -> match | None``: the region of one attention op on
   the graph as it is now (after an earlier rewrite replaced nodes it was found through),
 
-where a match is a :class:`~cp_inductor.passes.match.CPMatch`. ``a2a`` (Ulysses) exists; all-gather,
-ring and packed (THD) layouts come next.
+where a match is a :class:`~cp_inductor.passes.match.CPMatch`. ``a2a`` (Ulysses), ``allgather`` (K/V all-gather) and ``ring`` (K/V rotated) exist; packed
+(THD) layouts come next.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx
 
 from ..guard import internal_error
-from ..layout_algebra import LayoutError
+from ..layout_algebra import LayoutError, node_val
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+
+aten = torch.ops.aten
 
 
 def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list:
@@ -53,3 +56,27 @@ def match_or_none(match_one, node: torch.fx.Node, graph_kind: str, cfg):
     except Exception as e:  # noqa: BLE001 - see guard.py
         internal_error(e, cfg)
         return None
+
+
+def in_graph_order(nodes, graph: torch.fx.Graph) -> tuple:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return tuple(sorted(nodes, key=order.__getitem__))
+
+
+def query_layout(node) -> str:
+    """How the rank holds q (forward) or dO (backward), from the permutes between the tensor its
+    chain starts at and attention's [B, H, S, D] (slices and copies keep the order)."""
+    where = [0, 1, 2, 3]  # attention dim i is dim where[i] of the tensor at the walk's position
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is aten.permute.default:
+            where = [node.args[1][w] for w in where]
+        elif node.target is aten.transpose.int:
+            a, b = (x % 4 for x in node.args[1:3])
+            where = [b if w == a else a if w == b else w for w in where]
+        elif node.target not in (aten.clone.default, aten.alias.default, aten.slice.Tensor, aten.contiguous.default):
+            break
+        node = node.args[0]
+    src = node_val(node)
+    if not isinstance(src, torch.Tensor) or src.dim() != 4:
+        return "?"
+    return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))

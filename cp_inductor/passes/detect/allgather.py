@@ -32,10 +32,10 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
+from ..layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..match import CPMatch, attention_facts
 from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
-from . import find_with, match_or_none
+from . import find_with, in_graph_order, match_or_none, query_layout
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,7 +48,7 @@ _REORDER_OPS = (
 )
 # Ops through which a dK/dV contribution reaches the reduce-scatter: the tracked tensor is any
 # tensor argument.
-_ACCUMULATE_OPS = (
+ACCUMULATE_OPS = (
     aten.slice_scatter.default, aten.select_scatter.default, aten.add.Tensor, aten.sum.dim_IntList,
     aten.cat.default, prims.rev.default, aten.flip.default, aten.index_add.default, aten.index_put.default,
     aten.constant_pad_nd.default,  # a prefix's dK/dV padded to the full sequence
@@ -101,11 +101,6 @@ def _sources(node) -> tuple[set, bool]:
     return gathers, complete
 
 
-def _in_graph_order(nodes, graph: torch.fx.Graph) -> tuple:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return tuple(sorted(nodes, key=order.__getitem__))
-
-
 def _gathered_input(node, name: str) -> tuple:
     """The all-gathers ``node`` (k or v) comes from, in graph order: one, or several when heads
     are gathered a few at a time and concatenated; () if it comes from none."""
@@ -114,7 +109,7 @@ def _gathered_input(node, name: str) -> tuple:
         return ()
     if not complete:
         raise LayoutError(f"{name} mixes gathered and local data")
-    return _in_graph_order(gathers, node.graph)
+    return in_graph_order(gathers, node.graph)
 
 
 def _group(gather) -> tuple[int, str]:
@@ -122,25 +117,6 @@ def _group(gather) -> tuple[int, str]:
     if isinstance(size, torch.SymInt):
         raise LayoutError("dynamic shapes")
     return int(size), name
-
-
-def _layout(node) -> str:
-    """How the rank holds q (forward) or dO (backward), from the permutes between the tensor its
-    chain starts at and attention's [B, H, S, D] (slices and copies keep the order)."""
-    where = [0, 1, 2, 3]  # attention dim i is dim where[i] of the tensor at the walk's position
-    while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target is aten.permute.default:
-            where = [node.args[1][w] for w in where]
-        elif node.target is aten.transpose.int:
-            a, b = (x % 4 for x in node.args[1:3])
-            where = [b if w == a else a if w == b else w for w in where]
-        elif node.target not in (aten.clone.default, aten.alias.default, aten.slice.Tensor, aten.contiguous.default):
-            break
-        node = node.args[0]
-    src = node_val(node)
-    if not isinstance(src, torch.Tensor) or src.dim() != 4:
-        return "?"
-    return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
 
 
 def _forward_match(node, graph_kind) -> AllGatherMatch | None:
@@ -157,7 +133,7 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
         raise LayoutError("key and value are gathered over different groups")
     (cp, group), = groups
     return AllGatherMatch(
-        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["query"]),
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
         gathers=gathers, **attention_facts(args),
     )
 
@@ -174,7 +150,7 @@ def _reduce_scatter_below(node) -> set:
         for user in n.users:
             if user.target is c10d.reduce_scatter_tensor.default:
                 found.add(user)
-            elif is_layout_op(user) or is_value_op(user) or user.target in _ACCUMULATE_OPS:
+            elif is_layout_op(user) or is_value_op(user) or user.target in ACCUMULATE_OPS:
                 stack.append(user)
     return found
 
@@ -188,14 +164,14 @@ def _backward_match(node, graph_kind) -> AllGatherMatch | None:
         raise LayoutError("only one of dK and dV reaches a reduce_scatter")
     if 0 in outs and _reduce_scatter_below(outs[0]):
         raise LayoutError("dQ is reduce-scattered too")
-    rs = {name: _in_graph_order(s, node.graph) for name, s in scatters.items()}
+    rs = {name: in_graph_order(s, node.graph) for name, s in scatters.items()}
     sizes = {(int(r.args[2]), r.args[3]) for group in rs.values() for r in group}
     if len(sizes) != 1:
         raise LayoutError("dK and dV are reduce-scattered over different groups")
     (cp, group), = sizes
     args = bound_args(node)
     return AllGatherMatch(
-        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(args["grad_out"]),
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["grad_out"]),
         reduce_scatters=rs, **attention_facts(args),
     )
 

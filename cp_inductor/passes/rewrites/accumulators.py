@@ -75,10 +75,12 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
 
 def _why_not(name: str):
     def why_not(match, cfg, decided) -> str | None:
+        # A forward has no gradient to accumulate; a ring's forward may still zero-fill its
+        # output accumulator (not written yet), an all-gather forward has none.
+        if match.direction == "forward" and (name == "first_grad_reuse" or match.style == "allgather"):
+            return "forward region: no gradient accumulator"
         if match.style != "allgather":
             return None  # not implemented yet for this style
-        if match.direction == "forward":
-            return "forward region: no gradient accumulator"
         blocker = materialized_at(match.attention)
         if blocker is None:
             return FOLDED[name]

@@ -1,0 +1,180 @@
+"""Find ring CP attention regions in an ATen graph: K/V rotate from rank to rank.
+
+A rotation is an ``all_to_all_single`` that sends the whole tensor to one rank and receives the
+whole tensor from one rank (one non-zero split size on each side): ``funcol.permute_tensor``,
+PyTorch native CP's all-to-all rotation, a hand-written ring's autograd all-to-all. A forward
+region::
+
+    kv_local -> rotate -> wait -> rotate -> wait -> ...     (step s: s rotations)
+                           |                  |
+                    split / view         split / view
+                           v                  v
+    q_local ------> attention(q, k, v)   attention(q, k, v) ... -> merged by log-sum-exp
+
+One attention op is one match; its ``step`` is the number of rotations its K/V went through.
+Step 0 reads local K/V: it is attention on local data, not a region. Between the wait and
+attention any layout op, ``cat``/``split`` (K and V rotated as one flat buffer), slice (the
+zigzag layout's halves) or cast may sit. q must not rotate (query-rotating rings are reported
+with that reason).
+
+A backward region is an attention backward op whose dK and dV reach a rotation (each step's
+gradients travel back to the rank that owns those K/V) through accumulation and layout ops,
+while dQ stays on this rank.
+
+This finds and reports regions; no ring rewrite exists yet (the pipeline says so per region).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.fx
+
+from ..layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
+from ..match import CPMatch, attention_facts
+from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
+from . import find_with, in_graph_order, match_or_none, query_layout
+from .allgather import ACCUMULATE_OPS
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_MAX_DEPTH = 512  # nodes a walk may visit (a ring of cp steps chains cp rotations)
+
+
+@dataclass
+class RingMatch(CPMatch):
+    """An attention op of a ring region: the rotations its K/V went through (forward) or its
+    dK/dV go back through (backward)."""
+
+    style: ClassVar[str] = "ring"
+    rotations: tuple = field(default_factory=tuple)  # all_to_all_single nodes, graph order
+
+    @property
+    def step(self) -> int:
+        return len(self.rotations)
+
+    def describe(self) -> str:
+        detail = super().describe()
+        return f"{detail} step={self.step}" if self.direction == "forward" else detail
+
+
+STYLE = RingMatch.style
+
+
+def rotation(node) -> tuple[int, str] | None:
+    """(cp, group) if ``node`` is an all_to_all_single that moves its whole input to one rank
+    and receives one rank's whole tensor, else None."""
+    if not isinstance(node, torch.fx.Node) or node.target is not c10d.all_to_all_single.default:
+        return None
+    _, out_splits, in_splits, group = node.args[:4]
+    if not isinstance(out_splits, (list, tuple)) or not isinstance(in_splits, (list, tuple)):
+        return None
+    if any(isinstance(s, torch.SymInt) for s in (*out_splits, *in_splits)):
+        return None
+    if sum(1 for s in out_splits if s) != 1 or sum(1 for s in in_splits if s) != 1:
+        return None
+    return len(out_splits), group
+
+
+def _rotation_of_wait(node):
+    if isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default and rotation(node.args[0]):
+        return node.args[0]
+    return None
+
+
+def _rotations_above(node) -> set:
+    """The rotations an attention input went through, walking up through layout, value, cat and
+    split ops (and through each rotation to the ones before it)."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _MAX_DEPTH:
+            break
+        rot = _rotation_of_wait(n)
+        if rot is not None:
+            found.add(rot)
+            stack.append(rot.args[0])
+        elif n.op == "call_function" and n.target is aten.cat.default:
+            stack.extend(n.args[0])
+        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
+            stack.append(n.args[0])
+    return found
+
+
+def _rotations_below(node) -> set:
+    """The rotations a gradient reaches going down through accumulation and layout ops."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if rotation(user):
+                found.add(user)
+            elif is_layout_op(user) or is_value_op(user) or user.target in ACCUMULATE_OPS:
+                stack.append(user)
+    return found
+
+
+def _one_group(rotations, what: str) -> tuple[int, str]:
+    groups = {rotation(r) for r in rotations}
+    if len(groups) != 1:
+        raise LayoutError(f"{what} rotate over different groups")
+    return next(iter(groups))
+
+
+def _forward_match(node, graph_kind) -> RingMatch | None:
+    args = bound_args(node)
+    k, v = _rotations_above(args["key"]), _rotations_above(args["value"])
+    if not k and not v:
+        return None
+    if not (k and v):
+        raise LayoutError("only one of key and value rotates")
+    if _rotations_above(args["query"]):
+        raise LayoutError("the query rotates (query-rotating rings are not supported)")
+    if len(k) != len(v):
+        raise LayoutError("key and value went through different numbers of rotations")
+    cp, group = _one_group(k | v, "key and value")
+    return RingMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
+        rotations=in_graph_order(k, node.graph), **attention_facts(args),
+    )
+
+
+def _backward_match(node, graph_kind) -> RingMatch | None:
+    outs = tuple_outputs(node)
+    below = {name: _rotations_below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
+    if not any(below.values()):
+        return None
+    if not all(below.values()):
+        raise LayoutError("only one of dK and dV rotates back")
+    if 0 in outs and _rotations_below(outs[0]):
+        raise LayoutError("dQ rotates too (query-rotating rings are not supported)")
+    cp, group = _one_group(below["dk"] | below["dv"], "dK and dV")
+    args = bound_args(node)
+    return RingMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["grad_out"]),
+        rotations=in_graph_order(below["dk"] | below["dv"], node.graph), **attention_facts(args),
+    )
+
+
+def _match(node, graph_kind) -> RingMatch | None:
+    if node.target in SDPA_FORWARD:
+        return _forward_match(node, graph_kind)
+    return _backward_match(node, graph_kind)
+
+
+def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[RingMatch]:
+    """Every ring attention op in ``graph``; ``log(node, reason)`` hears why an attention op
+    that rotated data reaches is not a region (ops no rotation reaches are not this detector's)."""
+    return find_with(_match, graph, graph_kind, cfg, log)
+
+
+def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> RingMatch | None:
+    return match_or_none(_match, node, graph_kind, cfg)

@@ -1,0 +1,90 @@
+"""Golden detection of ring CP regions (fake process group, no codegen): a hand-written ring at
+cp = 2, 4, 8, causal (zigzag) and not, and rotations that are not ring attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from helpers import aot_graphs, describe_matches, fake_pg, report_text
+from ring_programs import ring_by_hand
+
+
+def _qkv(s_l=8, hq=4, hkv=2, d=8):
+    mk = lambda h: torch.randn(1, s_l, h, d, requires_grad=True)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def _next_rank(x):
+    """permute_tensor to the next rank (not differentiable: forward graphs only)."""
+    cp = dist.get_world_size()
+    return funcol.permute_tensor(x, [(r + 1) % cp for r in range(cp)], dist.group.WORLD)
+
+
+def rotated_query(q, k, v):
+    """Queries rotating with K/V: not supported, reported."""
+    q, k, v = (_next_rank(x.flatten()).view_as(x).transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def rotated_activation(x, w):
+    """A rotation feeding a matmul, not attention: no region."""
+    return _next_rank(x.flatten()).view_as(x) @ w
+
+
+class TestRingGolden(TestCase):
+    def test_causal_zigzag_cp2(self):
+        # Forward: step 0 attends over local K/V (not a region); step 1 reads K/V rotated once
+        # (rank 0 holds chunks 0 and 3: rank 1's block is later, so only the second local chunk
+        # reads it). Backward: every step's dK/dV, the local step's too, join the accumulator
+        # that travels with its block, so both are regions.
+        with fake_pg(2):
+            text = describe_matches(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
+        self.assertExpectedInline(text, """\
+forward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 step=1
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2 causal
+backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2""")
+
+    def test_cp4_and_cp8_every_rotated_step(self):
+        lines = []
+        for cp, causal in ((4, False), (8, True)):
+            with fake_pg(cp):
+                graphs = aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=causal), *_qkv(hq=2))
+                lines.append("\n".join(
+                    line for line in describe_matches(graphs).splitlines() if line.startswith("forward")
+                ))
+        self.assertExpectedInline("\n".join(lines), """\
+forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
+forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
+forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=4
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=5
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=6
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=7
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+
+    def test_report_says_no_ring_rewrite_yet(self):
+        with fake_pg(2):
+            text = report_text(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
+        self.assertExpectedInline(text, """\
+forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'not implemented yet', 'uniform_thd': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'not implemented yet', 'uniform_thd': 'disabled by config'}
+rejected forward _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+
+    def test_not_ring_attention(self):
+        with fake_pg(2):
+            with torch.no_grad():
+                lines = [describe_matches(aot_graphs(rotated_query, *_qkv(hkv=4)))]
+                lines.append(describe_matches(aot_graphs(rotated_activation, torch.randn(4, 8), torch.randn(8, 8))))
+        self.assertExpectedInline("\n".join(lines), """\
+inference: not a region: _scaled_dot_product_flash_attention_for_cpu: uneven all_to_all splits [0, 256]; the query rotates (query-rotating rings are not supported)
+no regions""")
