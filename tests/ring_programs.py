@@ -17,6 +17,8 @@ q, k, v are ``[B, S/cp, H, D]`` shards (BSHD); the result is the same layout. CP
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -108,3 +110,67 @@ def ring_by_hand(q, k, v, *, causal: bool = False, group=None):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S/cp, D]
     out = RingAttention.apply(q, k, v, causal, dist.get_rank(group), dist.get_world_size(group), group.group_name)
     return out.transpose(1, 2)
+
+
+def _native_attention_module():
+    """PyTorch native CP's ring module (its place moved between releases)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:  # older layout
+        from torch.distributed.tensor.experimental import _attention
+    return _attention
+
+
+@contextlib.contextmanager
+def native_options(rotate: str = "alltoall", load_balance: bool = True):
+    """Native CP's global options (``set_rotate_method``, load balance) for a trace and its runs:
+    set outside compiled code, as native CP's users do."""
+    opts = _native_attention_module()._cp_options
+    before = opts.rotate_method, opts.enable_load_balance
+    opts.rotate_method = {"alltoall": type(before[0]).ALL_TO_ALL, "allgather": type(before[0]).ALL_GATHER}[rotate]
+    opts.enable_load_balance = load_balance
+    try:
+        yield
+    finally:
+        opts.rotate_method, opts.enable_load_balance = before
+
+
+def _cpu_backward(grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0):
+    # Native CP passes ``out=`` by keyword, which Dynamo would take for an out-variant call.
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal
+    )
+
+
+class NativeRing(torch.autograd.Function):
+    """PyTorch native context_parallel's own ring code (``_templated_ring_attention`` and its
+    backward, what its SDPA handlers run per rank) around the CPU kernel, which native CP does not
+    dispatch: the graph native CP traces to, on gloo. Rotation and load balance: native CP's
+    options (:func:`native_options`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool):
+        native = _native_attention_module()
+        out, lse = native._templated_ring_attention(
+            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v, is_causal=causal
+        )[:2]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        native = _native_attention_module()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = native._templated_ring_attention_backward(
+            dist.group.WORLD, 2, _cpu_backward, dout, "grad_out",
+            q, k, v, out, lse, ctx.causal, dropout_p=0.0,
+        )[:3]
+        return dq, dk, dv, None
+
+
+def native_ring(q, k, v, *, causal: bool = False):
+    """BSHD shards in and out, as :func:`ring_by_hand`; native CP's load balance must match the
+    sharding (on: zigzag, for causal attention only)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return NativeRing.apply(q, k, v, causal).transpose(1, 2)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 from helpers import aot_graphs, describe_matches, fake_pg, report_text
-from ring_programs import ring_by_hand
+from ring_programs import native_options, native_ring, ring_by_hand
 
 
 def _qkv(s_l=8, hq=4, hkv=2, d=8):
@@ -70,6 +70,29 @@ forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 s
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=6
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=7
 forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+
+    def test_native_context_parallel_ring(self):
+        """PyTorch native CP's own ring code (CPU kernel): with the all-to-all rotation every
+        rotated step is a ring region; with the all-gather rotation (native's default) the
+        forward reads one gathered buffer (all-gather regions) while the backward still
+        rotates the dK/dV accumulators (ring regions). Load balance on for causal, off else."""
+        lines = []
+        for rotate, cp, causal in (("alltoall", 2, True), ("allgather", 2, True), ("alltoall", 4, False),
+                                   ("allgather", 8, False)):
+            with fake_pg(cp), native_options(rotate, load_balance=causal):
+                graphs = aot_graphs(lambda q, k, v: native_ring(q, k, v, causal=causal), *_qkv(hq=2))
+                regions = [line for line in describe_matches(graphs).splitlines() if "not a region" not in line]
+            counts = {}
+            for line in regions:
+                kind, style = line.split(":")[0], line.split()[1]
+                counts[(kind, style)] = counts.get((kind, style), 0) + 1
+            lines.append(f"{rotate} cp={cp} {'causal' if causal else 'full'}: " + ", ".join(
+                f"{kind} {style} x{n}" for (kind, style), n in counts.items()))
+        self.assertExpectedInline("\n".join(lines), """\
+alltoall cp=2 causal: forward ring x1, backward ring x2
+allgather cp=2 causal: forward allgather x1, backward ring x2
+alltoall cp=4 full: forward ring x3, backward ring x4
+allgather cp=8 full: forward allgather x7, backward ring x8""")
 
     def test_report_says_no_ring_rewrite_yet(self):
         with fake_pg(2):

@@ -10,7 +10,7 @@ import pytest
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import assert_cp_results
-from ring_programs import ring_by_hand
+from ring_programs import native_options, native_ring, ring_by_hand
 
 TOL = 1e-5  # fp32 vs fp64, relative L2
 
@@ -37,3 +37,21 @@ def test_hand_written_ring_matches_single_device(cp):
         assert_cp_results(rank_results, TOL, applied=())
         for r in rank_results:
             assert {row[:3] for row in r["report"]} == {("forward", "ring", cp), ("backward", "ring", cp)}, r
+
+
+def _check_native(rank, cp, rotate):
+    causal = rotate == "alltoall"  # the all-gather rotation without load balance, not causal
+    case = AttentionCase(batch=1, seq=32, heads_q=2, heads_kv=2, head_dim=8, causal=causal, load_balanced=causal)
+    with native_options(rotate, load_balance=causal):
+        return check_cp_attention(rank, cp, [case], lambda q, k, v: native_ring(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("cp,rotate", [(2, "alltoall"), (4, "allgather")])
+def test_native_context_parallel_ring_matches_single_device(cp, rotate):
+    """Native CP's own ring code (CPU kernel) eager and compiled with cp_inductor: the answer
+    is unchanged and its regions are found (all-gather forward regions with that rotation)."""
+    forward = "ring" if rotate == "alltoall" else "allgather"
+    for rank_results in run_on_ranks(_check_native, cp, rotate):
+        assert_cp_results(rank_results, TOL, applied=())
+        for r in rank_results:
+            assert {row[:3] for row in r["report"]} == {("forward", forward, cp), ("backward", "ring", cp)}, r
