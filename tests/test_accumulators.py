@@ -101,3 +101,26 @@ class TestGeneratedBackwardCode(TestCase):
             self.assertEqual(len(writers), 1, writers)
             self.assertIn("add", writers[0])
             self.assertIn("constant_pad_nd", writers[0])
+
+
+class TestGeneratedRingBackwardCode(TestCase):
+    def test_no_fill_in_ring_backwards(self):
+        """Native CP's ring backward (dK/dV accumulators from ``zeros_like``, all-to-all rotation,
+        load balanced) and a hand-written one: default Inductor's backward code fills nothing;
+        native's zeros live only inside the fused kernels that write the rotations' inputs."""
+        from ring_programs import native_options, native_ring, ring_by_hand
+
+        bodies = {}
+        for name, fn in (("native", native_ring), ("hand", ring_by_hand)):
+            with fake_pg(2), native_options("alltoall", load_balance=True):
+                q, k, v = (torch.randn(1, 8, 2, 8, requires_grad=True) for _ in range(3))
+                compiled = torch.compile(lambda q, k, v: fn(q, k, v, causal=True), backend="cp_inductor", fullgraph=True)
+                _, codes = run_and_get_code(lambda: compiled(q, k, v).sum().backward())
+            bodies[name] = codes[-1][codes[-1].index("def call("):]
+        for name, body in bodies.items():
+            for zero_fill in (".fill_(", ".zero_(", "torch.zeros", "aten.full", "aten.zeros", "memset"):
+                self.assertNotIn(zero_fill, body, name)
+            self.assertGreaterEqual(body.count("all_to_all_single.default("), 2, name)  # K/V and dK/dV rotate
+        inlined = [line.strip().split("(")[0] for line in bodies["native"].splitlines()
+                   if "zeros_like" in line and not line.strip().startswith("#")]
+        self.assertTrue(inlined and all("fused" in k for k in inlined), inlined)

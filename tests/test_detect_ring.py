@@ -99,8 +99,8 @@ allgather cp=8 full: forward allgather x7, backward ring x8""")
             text = report_text(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
         self.assertExpectedInline(text, """\
 forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
-backward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'not implemented yet', 'uniform_thd': 'disabled by config'}
-backward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'not implemented yet', 'uniform_thd': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
 rejected forward _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
 
     def test_not_ring_attention(self):

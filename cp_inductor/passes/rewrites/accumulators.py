@@ -1,4 +1,5 @@
-"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather regions: what Inductor already does.
+"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather and ring regions: what Inductor
+already does.
 
 A backward region's dK/dV contributions (one per attention call that read gathered keys) reach
 the reduce-scatter through scatters into a zero full-sequence gradient, adds and the reorder
@@ -12,9 +13,13 @@ into the kernel that writes the reduce-scatter's input: the generated code has n
 add-into-zero, and reads each contribution once (``tests/test_accumulators.py`` checks the
 generated code). Both rewrites then have nothing to remove, and the report says so.
 
+A ring's backward is the same at each step: the step's dK/dV are added into the accumulator
+that arrived with the K/V block (native CP starts it from ``zeros_like``), concatenated and
+rotated on; Inductor writes each rotation's input with one kernel, the zeros inlined.
+
 They would act where a partial accumulator is materialized: read by an op Inductor cannot fuse
-into that kernel (a collective between steps, as in ring CP). That case is reported as not
-implemented yet, with the op that materializes it.
+into that kernel. That case is reported as not implemented yet, with the op that materializes
+it.
 """
 
 from __future__ import annotations
@@ -27,17 +32,22 @@ from ..sdpa_ops import tuple_outputs
 from . import Rewrite
 
 aten = torch.ops.aten
-_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+# Where a dK/dV accumulator leaves: the all-gather's reduce-scatter, a ring's rotation.
+_COLLECTIVES = (
+    torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default,
+)
 _SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
-# Ops Inductor fuses with the gradient on its way to the reduce-scatter's input kernel, besides
+# Ops Inductor fuses with the gradient on its way to the collective's input kernel, besides
 # layout ops and pointwise ops.
-_FUSED = _SCATTERS + (aten.cat.default, aten.sum.dim_IntList, aten.flip.default, torch.ops.prims.rev.default)
+_FUSED = _SCATTERS + (
+    aten.cat.default, aten.sum.dim_IntList, aten.flip.default, torch.ops.prims.rev.default, aten.constant_pad_nd.default,
+)
 
 FOLDED = {
     "zero_init": "Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the "
-                 "reduce-scatter input (no fill in the generated code): nothing to remove",
+                 "{into} input (no fill in the generated code): nothing to remove",
     "first_grad_reuse": "Inductor reads each dK/dV contribution once in the kernel that writes the "
-                        "reduce-scatter input (no add-into-zero): reusing one as the accumulator would add a pass",
+                        "{into} input (no add-into-zero): reusing one as the accumulator would add a pass",
 }
 
 
@@ -49,8 +59,8 @@ def _fused(node: torch.fx.Node) -> bool:
 
 def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
     """The first op (graph order) that reads a partial dK/dV accumulator or a zero fill of this
-    backward attention op's gradients without being fusable into the reduce-scatter's input
-    kernel; None when everything from the dK/dV outputs to the reduce-scatter fuses."""
+    backward attention op's gradients without being fusable into the kernel that writes the input of
+    the collective it leaves by; None when everything from the dK/dV outputs to it fuses."""
     outs = tuple_outputs(attention)
     stack = [outs[i] for i in (1, 2) if i in outs]
     seen, blockers = set(stack), []
@@ -58,9 +68,9 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
         node = stack.pop()
         bases = [node.args[0]] if node.target in _SCATTERS else []
         for base in bases:  # the zero (or partial) gradient a contribution is scattered into
-            blockers += [u for u in base.users if not _fused(u) and u.target is not _REDUCE_SCATTER]
+            blockers += [u for u in base.users if not _fused(u) and u.target not in _COLLECTIVES]
         for user in node.users:
-            if user.target is _REDUCE_SCATTER or user in seen:
+            if user.target in _COLLECTIVES or user in seen:
                 continue
             if not _fused(user):
                 blockers.append(user)
@@ -77,13 +87,15 @@ def _why_not(name: str):
     def why_not(match, cfg, decided) -> str | None:
         # A forward has no gradient to accumulate; a ring's forward may still zero-fill its
         # output accumulator (not written yet), an all-gather forward has none.
-        if match.direction == "forward" and (name == "first_grad_reuse" or match.style == "allgather"):
-            return "forward region: no gradient accumulator"
-        if match.style != "allgather":
+        if match.direction == "forward":
+            if name == "first_grad_reuse" or match.style == "allgather":
+                return "forward region: no gradient accumulator"
+            return None  # not implemented yet
+        if match.style not in ("allgather", "ring"):
             return None  # not implemented yet for this style
         blocker = materialized_at(match.attention)
         if blocker is None:
-            return FOLDED[name]
+            return FOLDED[name].format(into="reduce-scatter" if match.style == "allgather" else "rotation")
         return f"a partial dK/dV accumulator is materialized before {blocker.target}: not implemented yet"
 
     return why_not
