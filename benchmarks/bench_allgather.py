@@ -21,7 +21,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from bench_ulysses import Bench, parse_args, run
+from bench_ulysses import NATIVE_ARMS, Bench, parse_args, run
 from handwritten import allgather_by_hand
 
 from cp_inductor import parallel
@@ -60,7 +60,7 @@ class AllGatherBench(Bench):
         return self.cp_arm(allgather_by_hand, "bshd", backend, options)
 
     def arm(self, name: str):
-        if name in ("native", "floor"):
+        if name in NATIVE_ARMS or name == "floor":
             return super().arm(name)
         if name in KERNEL_ARMS:
             arm, kernel = KERNEL_ARMS[name]

@@ -109,12 +109,15 @@ class Bench:
         # the user's own Ulysses (BSHD), not our helper
         return self.cp_arm(lambda q, k, v: ulysses_by_hand(q, k, v, is_causal=a.causal), "bshd", backend, options)
 
-    def native_arm(self):
+    def native_arm(self, backend=None):
+        """PyTorch's native context_parallel (ring; ``--native-rotate``), eager or its SDPA call
+        compiled with ``backend``."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
 
         a = self.args
+        set_rotate_method(a.native_rotate)
         if not hasattr(self, "mesh"):
             self.mesh = init_device_mesh("cuda", (self.cp,))
         mesh = self.mesh
@@ -124,10 +127,15 @@ class Bench:
         q, k, v = (t.detach().clone().requires_grad_() for t in bufs[:3])
         dout = bufs[3]
         state = {}
+        attn = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=a.causal, enable_gqa=a.heads != a.kv_heads
+        )
+        if backend is not None:
+            attn = torch.compile(attn, backend=backend, fullgraph=True)
 
         def step():
             q.grad = k.grad = v.grad = None
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=a.heads != a.kv_heads)
+            out = attn(q, k, v)
             out.backward(dout)
             state["out"] = out
 
@@ -156,9 +164,9 @@ class Bench:
         return step, None
 
     def arm(self, name: str):
-        """(step, results) of the arm called ``name`` (ARMS, HAND_ARMS, native, floor)."""
-        if name == "native":
-            return self.native_arm()
+        """(step, results) of the arm called ``name`` (ARMS, HAND_ARMS, NATIVE_ARMS, floor)."""
+        if name in NATIVE_ARMS:
+            return self.native_arm(NATIVE_ARMS[name])
         if name == "floor":
             return self.floor_arm()
         if name in HAND_ARMS:
@@ -251,6 +259,10 @@ ARMS = {
 }
 
 
+# PyTorch's native context_parallel: eager, its SDPA call under default Inductor, under cp_inductor.
+NATIVE_ARMS = {"native": None, "native_inductor": "inductor", "native_cp": "cp_inductor"}
+
+
 def best_default(medians: dict, arm: str) -> float | None:
     """Median over rounds of ``arm`` / min(cp_off, inductor) of the same code in the same round:
     the goal is <= 1.005 for every cp_inductor arm."""
@@ -284,6 +296,8 @@ def parse_args(argv=None, **defaults) -> argparse.Namespace:
                    help="skip the one-GPU fp32 reference check (shapes whose full problem does not fit one GPU)")
     p.add_argument("--trace", default=None, help="directory for chrome traces of the profiled arms")
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
+    p.add_argument("--native-rotate", default="allgather", choices=("allgather", "alltoall"),
+                   help="native context_parallel's K/V rotation (set_rotate_method)")
     p.add_argument("--memory", default="", help="arms whose peak is broken down by allocation site (rank 0)")
     p.set_defaults(**defaults)
     args = p.parse_args(argv)
@@ -332,7 +346,7 @@ def build_arms(bench: Bench, names: list, ref: dict | None) -> tuple[dict, dict,
 def profile_arms(bench: Bench, arms: dict, names: str, trace_dir: str | None) -> dict:
     kernels = {}
     for name in names.split(",") if names else ():
-        if name in arms and name != "native":
+        if name in arms and name not in NATIVE_ARMS:
             trace = None
             if trace_dir:
                 os.makedirs(trace_dir, exist_ok=True)
@@ -343,10 +357,10 @@ def profile_arms(bench: Bench, arms: dict, names: str, trace_dir: str | None) ->
 
 def time_arms(bench: Bench, arms: dict, rounds: int) -> dict:
     def time_arm(name):
-        if name != "native":
+        if name not in NATIVE_ARMS:
             return bench.time_round(arms[name])
         # context_parallel's dispatcher is on only inside its context: re-enter per round.
-        step, _ = bench.native_arm()
+        step, _ = bench.native_arm(NATIVE_ARMS[name])
         times = bench.time_round(step)
         step.close()
         return times

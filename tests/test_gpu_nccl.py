@@ -149,3 +149,47 @@ def test_allgather_cuda_graph_training_step(head_groups):
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= 2e-2 * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < 2e-2, r["max_param_diff"]
+
+
+def _native_context_parallel(rank, cp, rotate):
+    """PyTorch's native context_parallel on NCCL: eager, then its SDPA call compiled with
+    cp_inductor (the same sharded buffers). Relative errors compiled vs eager and the report."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    import cp_inductor
+
+    set_rotate_method(rotate)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cuda", (cp,))
+    full = [torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]  # BHSD
+    got = {}
+    for backend in (None, "cp_inductor"):
+        bufs = [t.clone() for t in full]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+            q, k, v = (t.detach().clone().requires_grad_() for t in bufs[:3])
+            attn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            if backend is not None:
+                torch._dynamo.reset()
+                cp_inductor.clear_report()
+                attn = torch.compile(attn, backend=backend, fullgraph=True)
+            out = attn(q, k, v)
+            out.backward(bufs[3])
+            got[backend] = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    errs = [float((a - b).norm() / b.norm()) for a, b in zip(got["cp_inductor"], got[None])]
+    rows = sorted({(r.graph_kind, r.style) for r in cp_inductor.report().regions})
+    return {"errs": errs, "rows": rows}
+
+
+@needs_gpus
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_native_context_parallel_under_cp_inductor(rotate):
+    """Native CP (causal, load balanced, both rotations) compiled with cp_inductor keeps native
+    eager's answer, and its regions are found: the all-to-all rotation's forward steps and every
+    backward as ring regions, the all-gather rotation's forward as all-gather regions."""
+    forward = "ring" if rotate == "alltoall" else "allgather"
+    for r in run_on_ranks(_native_context_parallel, 2, rotate, pg_backend="nccl"):
+        assert max(r["errs"]) < 1e-2, r
+        assert r["rows"] == sorted({("forward", forward), ("backward", "ring")}), r
