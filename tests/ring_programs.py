@@ -174,3 +174,34 @@ def native_ring(q, k, v, *, causal: bool = False):
     sharding (on: zigzag, for causal attention only)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return NativeRing.apply(q, k, v, causal).transpose(1, 2)
+
+
+def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses: ``[B, S/n, H, D]`` -> ``[B, S, H/n, D]`` over ``group`` (its n ranks' sequence)."""
+    import torch.distributed._functional_collectives as funcol
+
+    n = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_heads_to_sequence`."""
+    import torch.distributed._functional_collectives as funcol
+
+    n = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    send = x.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
+
+
+def usp_by_hand(q, k, v, *, ulysses_group, ring_group):
+    """Unified sequence parallelism (yunchang's USP) by hand, not causal: Ulysses all-to-all over
+    ``ulysses_group`` (heads for sequence), ring attention over ``ring_group`` on what arrives,
+    Ulysses back. Contiguous shards, rank = ring rank * Ulysses size + Ulysses rank."""
+    q, k, v = (_heads_to_sequence(t, ulysses_group) for t in (q, k, v))
+    out = ring_by_hand(q, k, v, causal=False, group=ring_group)
+    return _sequence_to_heads(out, ulysses_group)

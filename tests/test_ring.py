@@ -55,3 +55,45 @@ def test_native_context_parallel_ring_matches_single_device(cp, rotate):
         assert_cp_results(rank_results, TOL, applied=())
         for r in rank_results:
             assert {row[:3] for row in r["report"]} == {("forward", forward, cp), ("backward", "ring", cp)}, r
+
+
+_GROUPS = {}
+
+
+def _usp_groups(cp: int, ulysses: int):
+    """(Ulysses group, ring group) of this rank; every rank creates every group, in one order."""
+    if (cp, ulysses) not in _GROUPS:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        mine = {}
+        for r in range(cp // ulysses):  # Ulysses groups: consecutive ranks
+            g = dist.new_group(list(range(r * ulysses, (r + 1) * ulysses)))
+            if rank // ulysses == r:
+                mine["ulysses"] = g
+        for u in range(ulysses):  # ring groups: one Ulysses rank of every Ulysses group
+            g = dist.new_group(list(range(u, cp, ulysses)))
+            if rank % ulysses == u:
+                mine["ring"] = g
+        _GROUPS[(cp, ulysses)] = (mine["ulysses"], mine["ring"])
+    return _GROUPS[(cp, ulysses)]
+
+
+def _check_usp(rank, cp):
+    from ring_programs import usp_by_hand
+
+    ulysses_group, ring_group = _usp_groups(cp, 2)
+    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=4, head_dim=8, causal=False)
+    return check_cp_attention(
+        rank, cp, [case], lambda q, k, v: usp_by_hand(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group)
+    )
+
+
+def test_usp_ulysses_then_ring_keeps_the_answer():
+    """yunchang-style USP (Ulysses over pairs of ranks, a ring across the pairs) at cp = 4:
+    eager and compiled match the reference, and the ring (over 2 ranks) is found in both graphs."""
+    for rank_results in run_on_ranks(_check_usp, 4):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, r
+            assert {row[:3] for row in r["report"]} == {("forward", "ring", 2), ("backward", "ring", 2)}, r
