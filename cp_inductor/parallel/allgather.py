@@ -217,9 +217,9 @@ def allgather_attention(
     Causal attention needs q, k, v sharded as ``shard_sequence(..., load_balanced=...)`` with the
     same ``load_balanced``; without causality the sharding does not matter. ``kernel`` names the
     log-sum-exp attention kernel of the causal prefix calls (``KERNELS``; "auto": per device).
-    ``head_groups=G`` (G >= 2) runs G head groups one after the other and gathers K/V again in
-    the backward instead of saving them (:mod:`cp_inductor.parallel.allgather_groups`): about
-    1/G of the workspace for one more all-gather and smaller kernel calls (README: -16% peak at
+    ``head_groups=G`` (G >= 2) runs G head groups one after the other, each with its own gather,
+    attention and reduce-scatter (:mod:`cp_inductor.parallel.allgather_groups`): about 1/G of
+    the backward's workspace for smaller kernel calls and more collectives (README: -16% peak at
     +3..5% time for G=2 on H200); G must divide the query and the K/V heads. ``None`` or 1: one
     group, K/V saved (the grouped code with one group gave wrong cuDNN gradients at S32K on
     H200, benchmarks/results/h200x2_allgather_s32k_hg1_run23.json, so it is not used)."""
@@ -257,7 +257,7 @@ def _check_even(q: torch.Tensor, load_balanced: bool) -> None:
 
 
 def _head_grouped(q, k, v, group, layout, is_causal, load_balanced, scale, kernel, groups):
-    from .allgather_groups import HeadGroupedAllGather
+    from .allgather_groups import HeadGroupedAllGather  # it imports this module
 
     hq, hkv = q.shape[1], k.shape[1]
     if groups < 2 or hq % groups or hkv % groups:

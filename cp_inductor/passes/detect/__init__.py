@@ -6,8 +6,8 @@
 * ``match_at(attention_node, graph_kind, cfg) -> match | None``: the region of one attention op on
   the graph as it is now (after an earlier rewrite replaced nodes it was found through),
 
-where a match is a :class:`~cp_inductor.passes.match.CPMatch`. ``a2a`` (Ulysses), ``allgather`` (K/V all-gather) and ``ring`` (K/V rotated) exist; packed
-(THD) layouts come next.
+where a match is a :class:`~cp_inductor.passes.match.CPMatch`. ``a2a`` (Ulysses), ``allgather``
+(K/V all-gather) and ``ring`` (K/V rotated) exist; packed (THD) layouts come next.
 """
 
 from __future__ import annotations

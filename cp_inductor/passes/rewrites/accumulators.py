@@ -59,8 +59,8 @@ def _fused(node: torch.fx.Node) -> bool:
 
 def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
     """The first op (graph order) that reads a partial dK/dV accumulator or a zero fill of this
-    backward attention op's gradients without being fusable into the kernel that writes the input of
-    the collective it leaves by; None when everything from the dK/dV outputs to it fuses."""
+    backward attention op's gradients without being fusable into the kernel that writes the
+    input of the collective it leaves by; None when everything from dK/dV to it fuses."""
     outs = tuple_outputs(attention)
     stack = [outs[i] for i in (1, 2) if i in outs]
     seen, blockers = set(stack), []
