@@ -37,15 +37,15 @@ def rotated_activation(x, w):
 
 class TestRingGolden(TestCase):
     def test_causal_zigzag_cp2(self):
-        # Forward: step 0 attends over local K/V (not a region); step 1 reads K/V rotated once
-        # (rank 0 holds chunks 0 and 3: rank 1's block is later, so only the second local chunk
-        # reads it). Backward: every step's dK/dV, the local step's too, join the accumulator
+        # Forward: step 0 attends over the local K/V it sends around; step 1 reads K/V rotated
+        # once (rank 0 holds chunks 0 and 3: rank 1's block is later, so only the second local
+        # chunk reads it). Backward: every step's dK/dV, the local step's too, join the accumulator
         # that travels with its block, so both are regions.
         with fake_pg(2):
             text = describe_matches(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
         self.assertExpectedInline(text, """\
+forward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 step=0 causal
 forward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 step=1
-forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
 backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2 causal
 backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2""")
 
@@ -58,18 +58,18 @@ backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq
                     line for line in describe_matches(graphs).splitlines() if line.startswith("forward")
                 ))
         self.assertExpectedInline("\n".join(lines), """\
+forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=0
 forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
 forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
 forward: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3
-forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=0 causal
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=4
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=5
 forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=6
-forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=7
-forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+forward: ring cp=8 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=7""")
 
     def test_native_context_parallel_ring(self):
         """PyTorch native CP's own ring code (CPU kernel): with the all-to-all rotation every
@@ -89,9 +89,9 @@ forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_al
             lines.append(f"{rotate} cp={cp} {'causal' if causal else 'full'}: " + ", ".join(
                 f"{kind} {style} x{n}" for (kind, style), n in counts.items()))
         self.assertExpectedInline("\n".join(lines), """\
-alltoall cp=2 causal: forward ring x1, backward ring x2
+alltoall cp=2 causal: forward ring x2, backward ring x2
 allgather cp=2 causal: forward allgather x1, backward ring x2
-alltoall cp=4 full: forward ring x3, backward ring x4
+alltoall cp=4 full: forward ring x4, backward ring x4
 allgather cp=8 full: forward allgather x7, backward ring x8""")
 
     def test_report_says_no_ring_rewrite_yet(self):
@@ -99,9 +99,9 @@ allgather cp=8 full: forward allgather x7, backward ring x8""")
             text = report_text(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
         self.assertExpectedInline(text, """\
 forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
+forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
 backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
-backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
-rejected forward _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}""")
 
     def test_not_ring_attention(self):
         with fake_pg(2):

@@ -12,7 +12,7 @@ region::
     q_local ------> attention(q, k, v)   attention(q, k, v) ... -> merged by log-sum-exp
 
 One attention op is one match; its ``step`` is the number of rotations its K/V went through.
-Step 0 reads local K/V: it is attention on local data, not a region. Between the wait and
+Step 0 reads local K/V: it is a region when those K/V are what the first rotation sends. Between the wait and
 attention any layout op, ``cat``/``split`` (K and V rotated as one flat buffer), slice (the
 zigzag layout's halves) or cast may sit. q must not rotate (query-rotating rings are reported
 with that reason).
@@ -56,8 +56,9 @@ class RingMatch(CPMatch):
         return len(self.rotations)
 
     def describe(self) -> str:
-        detail = super().describe()
-        return f"{detail} step={self.step}" if self.direction == "forward" else detail
+        if self.direction == "backward":
+            return super().describe()
+        return f"Hq={self.heads_q} Hkv={self.heads_kv} step={self.step}" + (" causal" if self.is_causal else "")
 
 
 STYLE = RingMatch.style
@@ -106,6 +107,39 @@ def _rotations_above(node) -> set:
     return found
 
 
+def _upstream(node) -> set:
+    """``node`` and what it is a relabelling, piece, cast or concatenation of (walking up to the
+    first compute op or collective)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target is aten.cat.default:
+            stack.extend(n.args[0])
+        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
+            stack.append(n.args[0])
+    return seen
+
+
+def _sending_rotations(node) -> set:
+    """The rotations that send an attention input on to the next rank (step 0 of a ring: local
+    K/V, flattened and concatenated into the buffer the first rotation sends)."""
+    found, seen, stack = set(), set(), list(_upstream(node))
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if rotation(user):
+                found.add(user)
+            elif is_layout_op(user) or is_value_op(user) or user.target is aten.cat.default:
+                stack.append(user)
+    return found
+
+
 def _rotations_below(node) -> set:
     """The rotations a gradient reaches going down through accumulation and layout ops."""
     found, seen, stack = set(), set(), [node]
@@ -133,7 +167,7 @@ def _forward_match(node, graph_kind) -> RingMatch | None:
     args = bound_args(node)
     k, v = _rotations_above(args["key"]), _rotations_above(args["value"])
     if not k and not v:
-        return None
+        return _step_zero(node, args, graph_kind)
     if not (k and v):
         raise LayoutError("only one of key and value rotates")
     if _rotations_above(args["query"]):
@@ -144,6 +178,18 @@ def _forward_match(node, graph_kind) -> RingMatch | None:
     return RingMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
         rotations=in_graph_order(k, node.graph), **attention_facts(args),
+    )
+
+
+def _step_zero(node, args, graph_kind) -> RingMatch | None:
+    """Attention on local K/V that the same rank sends around the ring: its step 0."""
+    sent = {name: _sending_rotations(args[name]) for name in ("key", "value")}
+    if not (sent["key"] and sent["value"]) or _rotations_above(args["query"]):
+        return None
+    cp, group = _one_group(sent["key"] | sent["value"], "key and value")
+    return RingMatch(
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
+        **attention_facts(args),
     )
 
 
