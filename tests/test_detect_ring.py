@@ -24,6 +24,25 @@ def _next_rank(x):
     return funcol.permute_tensor(x, [(r + 1) % cp for r in range(cp)], dist.group.WORLD)
 
 
+def separate_rotations(q, k, v):
+    """Inference ring with K and V rotated separately (two permute_tensor calls per step) and a
+    running log-sum-exp merge."""
+    cp = dist.get_world_size()
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = lse = None
+    for step in range(cp):
+        if step:
+            k, v = (_next_rank(t.flatten()).view_as(t) for t in (k, v))
+        o, l_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+        if out is None:
+            out, lse = o, l_
+        else:
+            new = torch.logaddexp(lse, l_)
+            out = out * (lse - new).exp().unsqueeze(-1) + o * (l_ - new).exp().unsqueeze(-1)
+            lse = new
+    return out.transpose(1, 2)
+
+
 def rotated_query(q, k, v):
     """Queries rotating with K/V: not supported, reported."""
     q, k, v = (_next_rank(x.flatten()).view_as(x).transpose(1, 2) for x in (q, k, v))
@@ -102,6 +121,15 @@ forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', '
 forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
 backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
 backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}""")
+
+    def test_k_and_v_rotated_separately(self):
+        with fake_pg(4), torch.no_grad():
+            text = describe_matches(aot_graphs(separate_rotations, *_qkv(hq=2)))
+        self.assertExpectedInline(text, """\
+inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=0
+inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
+inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
+inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3""")
 
     def test_not_ring_attention(self):
         with fake_pg(2):
