@@ -35,7 +35,7 @@ def _rotate(x: torch.Tensor, rank: int, cp: int, group_name: str) -> torch.Tenso
     return c10d.wait_tensor(c10d.all_to_all_single(x, recv, send, group_name))
 
 
-def _blocks(q, k_s, v_s, src: int, rank: int, causal: bool):
+def _blocks(q, src: int, rank: int, causal: bool):
     """(query rows, key rows, causal) of one step: rows as slices of the local block."""
     half = q.shape[2] // 2
     every = slice(None)
@@ -69,7 +69,7 @@ class RingAttention(torch.autograd.Function):
             if step:
                 kv = _rotate(kv, rank, cp, group_name)
             k_s, v_s = (t.view_as(k) for t in kv.split(k.numel()))
-            rows, cols, is_causal = _blocks(q, k_s, v_s, (rank - step) % cp, rank, causal)
+            rows, cols, is_causal = _blocks(q, (rank - step) % cp, rank, causal)
             o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, :, rows], k_s[:, :, cols], v_s[:, :, cols], 0.0, is_causal
             )[:2]
@@ -90,7 +90,7 @@ class RingAttention(torch.autograd.Function):
                 kv = _rotate(kv, rank, cp, group_name)
                 dkv = _rotate(dkv, rank, cp, group_name)  # the accumulator travels with its block
             k_s, v_s = (t.view_as(k) for t in kv.split(k.numel()))
-            rows, cols, is_causal = _blocks(q, k_s, v_s, (rank - step) % cp, rank, causal)
+            rows, cols, is_causal = _blocks(q, (rank - step) % cp, rank, causal)
             dq_s, dk_s, dv_s = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout[:, :, rows], q[:, :, rows], k_s[:, :, cols], v_s[:, :, cols], out[:, :, rows],
                 lse[:, :, rows], 0.0, is_causal,

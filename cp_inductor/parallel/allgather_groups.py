@@ -37,9 +37,18 @@ from .allgather import KERNELS, sequence_order
 c10d = torch.ops._c10d_functional
 
 
-def _gather(k: torch.Tensor, v: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
-    """Issue the all-gather of k, v stacked: ``[cp*2, B, H, S/cp, D]`` once waited for."""
-    return c10d.all_gather_into_tensor(torch.stack([k, v]).contiguous(), cp, group_name)
+def _gather(k: torch.Tensor, v: torch.Tensor, g: int, gkv: int, cp: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of group ``g``'s k, v heads stacked: ``[cp*2, B, H/G, S/cp, D]`` once
+    waited for."""
+    heads = slice(g * gkv, (g + 1) * gkv)
+    return c10d.all_gather_into_tensor(torch.stack([k[:, heads], v[:, heads]]).contiguous(), cp, group_name)
+
+
+def _wait_and_prefetch(pending, k, v, g: int, groups: int, gkv: int, cp: int, group_name: str):
+    """(group g's gathered K/V, the next group's gather in flight or None): the next group's
+    gather is issued before group g's attention, so it travels while g computes."""
+    gathered = c10d.wait_tensor(pending)
+    return gathered, (_gather(k, v, g + 1, gkv, cp, group_name) if g + 1 < groups else None)
 
 
 def _gathered_order(dfull: torch.Tensor, cp: int, load_balanced: bool) -> torch.Tensor:
@@ -54,7 +63,7 @@ def _gathered_order(dfull: torch.Tensor, cp: int, load_balanced: bool) -> torch.
     return halves.permute(3, 0, 1, 2, 4, 5, 6).reshape(cp * 2, b, h, s // cp, d)
 
 
-def _calls(q_c, k_full, v_full, k_c, v_c, chunk: int | None, length: int):
+def _calls(k_full, v_full, k_c, v_c, chunk: int | None, length: int):
     """The (key, value, causal) calls of one local query chunk: ``chunk`` None is not causal
     (every key); chunk 0 is one causal call (read from the gathered copy, which keeps every
     rank's gather in use); chunk c > 0 is its prefix in full, then its own block causally."""
@@ -87,20 +96,17 @@ class HeadGroupedAllGather(torch.autograd.Function):
         hq, hkv = q.shape[1], k.shape[1]
         gq, gkv = hq // groups, hkv // groups
         length = q.shape[2] // len(chunks)
-        pending = _gather(k[:, :gkv], v[:, :gkv], cp, group_name)
+        pending = _gather(k, v, 0, gkv, cp, group_name)
         out_all, lses, extras, lse_shapes = torch.empty_like(q), [], [], []
         for g in range(groups):
-            gathered = c10d.wait_tensor(pending)
-            if g + 1 < groups:  # the next group's gather travels while this group computes
-                nxt = slice((g + 1) * gkv, (g + 2) * gkv)
-                pending = _gather(k[:, nxt], v[:, nxt], cp, group_name)
+            gathered, pending = _wait_and_prefetch(pending, k, v, g, groups, gkv, cp, group_name)
             k_full, v_full = sequence_order(gathered, cp, load_balanced)
             hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
             for i, chunk in enumerate(chunks):
                 ls = slice(i * length, (i + 1) * length)
                 q_c = q[:, hs_q, ls]
                 results = []
-                for kc, vc, causal, _ in _calls(q_c, k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                for kc, vc, causal, _ in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
                     out, lse, extra = forward(q_c, kc, vc, causal, scale)
                     extras.append(extra)
                     lse_shapes.append(lse.shape)
@@ -123,14 +129,11 @@ class HeadGroupedAllGather(torch.autograd.Function):
         seq = cp * q.shape[2]
         extras, lse_shapes = iter(ctx.extras), iter(ctx.lse_shapes)
         lses = iter(lses)
-        pending = _gather(k[:, :gkv], v[:, :gkv], cp, group_name)
+        pending = _gather(k, v, 0, gkv, cp, group_name)
         # Pieces are written into dq as they come (no final concatenation holding two copies).
-        dq_all, scattered, dkvs = torch.empty_like(q), [], []
+        dq_all, previous, dkvs = torch.empty_like(q), None, []
         for g in range(groups):
-            gathered = c10d.wait_tensor(pending)
-            if g + 1 < groups:
-                nxt = slice((g + 1) * gkv, (g + 2) * gkv)
-                pending = _gather(k[:, nxt], v[:, nxt], cp, group_name)
+            gathered, pending = _wait_and_prefetch(pending, k, v, g, groups, gkv, cp, group_name)
             k_full, v_full = sequence_order(gathered, cp, load_balanced)
             hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
             dfull, dlocal = None, []
@@ -141,7 +144,7 @@ class HeadGroupedAllGather(torch.autograd.Function):
                 dout_c, out_c = dout[:, hs_q, ls].contiguous(), out[:, hs_q, ls].contiguous()
                 lse = next(lses)
                 dq_c, dk_loc, dv_loc = 0, None, None
-                for kc, vc, causal, source in _calls(q_c, k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                for kc, vc, causal, source in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
                     dq, dk, dv = backward(
                         dout_c, q_c, kc, vc, out_c, lse.reshape(next(lse_shapes)), next(extras), causal, scale
                     )[:3]
@@ -158,14 +161,13 @@ class HeadGroupedAllGather(torch.autograd.Function):
             rs = c10d.reduce_scatter_tensor(_gathered_order(dfull, cp, load_balanced), "sum", cp, group_name)
             # The previous group's reduce-scatter had this group's compute to travel: wait for
             # it now, so at most two groups' full-sequence dK/dV buffers are alive.
-            if scattered:
-                dkvs.append(_local_grads(*scattered.pop(), length))
-            scattered.append((rs, dlocal))
-        dkvs.append(_local_grads(*scattered.pop(), length))
+            if previous is not None:
+                dkvs.append(_local_grads(*previous, length))
+            previous = (rs, dlocal)
+        dkvs.append(_local_grads(*previous, length))
         dks, dvs = [d[0] for d in dkvs], [d[1] for d in dkvs]
         cat1 = lambda xs: torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # noqa: E731
         return dq_all, cat1(dks), cat1(dvs), None, None, None, None, None, None, None
-
 
 
 def _local_grads(rs: torch.Tensor, dlocal: list, length: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.fx
 
 from ..guard import internal_error
 from ..layout_algebra import LayoutError, node_val
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
 
 aten = torch.ops.aten
 
@@ -80,3 +80,35 @@ def query_layout(node) -> str:
     if not isinstance(src, torch.Tensor) or src.dim() != 4:
         return "?"
     return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
+
+
+def reached_below(starts, is_target, passes, max_depth: int) -> set:
+    """The ops ``is_target`` accepts that are reached going down from ``starts`` through users
+    ``passes`` accepts (a target is not walked past)."""
+    found, seen, stack = set(), set(), list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > max_depth:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if is_target(user):
+                found.add(user)
+            elif passes(user):
+                stack.append(user)
+    return found
+
+
+def kv_gradients_reach(node, below, only_one: str, dq_too: str) -> dict | None:
+    """``{"dk": ..., "dv": ...}``: what ``below(gradient)`` finds for an attention backward op's
+    dK and dV; None when neither reaches anything. Raises ``only_one`` when just one does and
+    ``dq_too`` when dQ does as well (it must stay on this rank)."""
+    outs = tuple_outputs(node)
+    found = {name: below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
+    if not any(found.values()):
+        return None
+    if not all(found.values()):
+        raise LayoutError(only_one)
+    if 0 in outs and below(outs[0]):
+        raise LayoutError(dq_too)
+    return found

@@ -34,8 +34,8 @@ import torch.fx
 
 from ..layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..match import CPMatch, attention_facts
-from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
-from . import find_with, in_graph_order, match_or_none, query_layout
+from ..sdpa_ops import SDPA_FORWARD, bound_args
+from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, query_layout, reached_below
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -141,29 +141,18 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
 def _reduce_scatter_below(node) -> set:
     """The reduce_scatter_tensor ops a gradient reaches going down through accumulation and
     layout ops."""
-    found, seen, stack = set(), set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if user.target is c10d.reduce_scatter_tensor.default:
-                found.add(user)
-            elif is_layout_op(user) or is_value_op(user) or user.target in ACCUMULATE_OPS:
-                stack.append(user)
-    return found
+    return reached_below(
+        [node], lambda u: u.target is c10d.reduce_scatter_tensor.default,
+        lambda u: is_layout_op(u) or is_value_op(u) or u.target in ACCUMULATE_OPS, _MAX_DEPTH,
+    )
 
 
 def _backward_match(node, graph_kind) -> AllGatherMatch | None:
-    outs = tuple_outputs(node)
-    scatters = {name: _reduce_scatter_below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
-    if not any(scatters.values()):
+    scatters = kv_gradients_reach(
+        node, _reduce_scatter_below, "only one of dK and dV reaches a reduce_scatter", "dQ is reduce-scattered too"
+    )
+    if scatters is None:
         return None
-    if not all(scatters.values()):
-        raise LayoutError("only one of dK and dV reaches a reduce_scatter")
-    if 0 in outs and _reduce_scatter_below(outs[0]):
-        raise LayoutError("dQ is reduce-scattered too")
     rs = {name: in_graph_order(s, node.graph) for name, s in scatters.items()}
     sizes = {(int(r.args[2]), r.args[3]) for group in rs.values() for r in group}
     if len(sizes) != 1:

@@ -34,8 +34,8 @@ import torch.fx
 
 from ..layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
 from ..match import CPMatch, attention_facts
-from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
-from . import find_with, in_graph_order, match_or_none, query_layout
+from ..sdpa_ops import SDPA_FORWARD, bound_args
+from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, query_layout, reached_below
 from .allgather import ACCUMULATE_OPS
 
 aten = torch.ops.aten
@@ -85,17 +85,16 @@ def _rotation_of_wait(node):
     return None
 
 
-def _rotations_above(node) -> set:
-    """The rotations an attention input went through, walking up through layout, value, cat and
-    split ops (and through each rotation to the ones before it)."""
+def _walk_up(node) -> tuple[set, set]:
+    """(what an attention input is a relabelling, piece, cast or concatenation of, the rotations
+    on the way): walking up through layout, value, cat and split ops, and through each rotation
+    to the ones before it."""
     found, seen, stack = set(), set(), [node]
     while stack:
         n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen:
+        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
             continue
         seen.add(n)
-        if len(seen) > _MAX_DEPTH:
-            break
         rot = _rotation_of_wait(n)
         if rot is not None:
             found.add(rot)
@@ -104,56 +103,27 @@ def _rotations_above(node) -> set:
             stack.extend(n.args[0])
         elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
             stack.append(n.args[0])
-    return found
+    return seen, found
 
 
-def _upstream(node) -> set:
-    """``node`` and what it is a relabelling, piece, cast or concatenation of (walking up to the
-    first compute op or collective)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target is aten.cat.default:
-            stack.extend(n.args[0])
-        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
-            stack.append(n.args[0])
-    return seen
+def _rotations_above(node) -> set:
+    return _walk_up(node)[1]
 
 
 def _sending_rotations(node) -> set:
     """The rotations that send an attention input on to the next rank (step 0 of a ring: local
     K/V, flattened and concatenated into the buffer the first rotation sends)."""
-    found, seen, stack = set(), set(), list(_upstream(node))
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if rotation(user):
-                found.add(user)
-            elif is_layout_op(user) or is_value_op(user) or user.target is aten.cat.default:
-                stack.append(user)
-    return found
+    return reached_below(
+        _walk_up(node)[0], rotation,
+        lambda u: is_layout_op(u) or is_value_op(u) or u.target is aten.cat.default, _MAX_DEPTH,
+    )
 
 
 def _rotations_below(node) -> set:
     """The rotations a gradient reaches going down through accumulation and layout ops."""
-    found, seen, stack = set(), set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if rotation(user):
-                found.add(user)
-            elif is_layout_op(user) or is_value_op(user) or user.target in ACCUMULATE_OPS:
-                stack.append(user)
-    return found
+    return reached_below(
+        [node], rotation, lambda u: is_layout_op(u) or is_value_op(u) or u.target in ACCUMULATE_OPS, _MAX_DEPTH
+    )
 
 
 def _one_group(rotations, what: str) -> tuple[int, str]:
@@ -194,14 +164,12 @@ def _step_zero(node, args, graph_kind) -> RingMatch | None:
 
 
 def _backward_match(node, graph_kind) -> RingMatch | None:
-    outs = tuple_outputs(node)
-    below = {name: _rotations_below(outs[i]) if i in outs else set() for i, name in ((1, "dk"), (2, "dv"))}
-    if not any(below.values()):
+    below = kv_gradients_reach(
+        node, _rotations_below, "only one of dK and dV rotates back",
+        "dQ rotates too (query-rotating rings are not supported)",
+    )
+    if below is None:
         return None
-    if not all(below.values()):
-        raise LayoutError("only one of dK and dV rotates back")
-    if 0 in outs and _rotations_below(outs[0]):
-        raise LayoutError("dQ rotates too (query-rotating rings are not supported)")
     cp, group = _one_group(below["dk"] | below["dv"], "dK and dV")
     args = bound_args(node)
     return RingMatch(
