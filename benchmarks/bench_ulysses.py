@@ -256,6 +256,14 @@ ARMS = {
         })
         for g in (2, 4)
     },
+    # ... with the copy-engine transport (cp_ce: backward regions, cp_cef: forward too)
+    **{
+        f"cp_ce{'f' if fwd else ''}{g}": ("cp_inductor", {
+            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": fwd,
+            "cp_inductor.transport": "copy_engine",
+        })
+        for g in (2, 4) for fwd in (False, True)
+    },
 }
 
 

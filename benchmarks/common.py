@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -53,8 +54,12 @@ def paired_ratio(medians: dict, arm: str, base: str) -> float:
 
 
 def teardown() -> None:
-    """Compiled collectives hold the group: reset dynamo (and cudagraph trees) before destroying it."""
+    """Compiled collectives hold the group: reset dynamo (and cudagraph trees) before destroying it;
+    the copy-engine transport's symmetric memory goes first."""
     dist.barrier()
+    transport = sys.modules.get("cp_inductor.lowerings.ce_transport")
+    if transport is not None:
+        transport.release()
     torch._dynamo.reset()
     dist.destroy_process_group()
 

@@ -36,6 +36,13 @@ head_groups: int = 0
 # saved q, k, v and output must be copied back together for the backward.
 head_partition_forward: bool = False
 
+# head_partition: how each group's all-to-all travels. "nccl": NCCL's all_to_all_single (its
+# kernels need SMs: they starve while cuDNN attention runs, so only the first and last transfers
+# are hidden); "copy_engine": pulls by the copy engines from symmetric memory, ordered by stream
+# flags (lowerings/ce_transport.py), which move while attention holds every SM; where it cannot
+# run (CPU, gloo, no cuda-bindings, ranks on several hosts) NCCL, with the reason in the report.
+transport: str = "nccl"
+
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True
 

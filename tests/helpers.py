@@ -134,17 +134,22 @@ def rewrite_summary(graphs: dict, graph_pass) -> str:
 
 
 def schedule(gm) -> str:
-    """The order of all-to-alls, their waits and attention calls in a graph: ``a2a#i[shape]``,
-    ``wait#i``, ``attn(h=heads)`` (query heads of the call)."""
+    """The order of all-to-alls, their waits and attention calls in a graph: ``a2a#i[shape]``
+    (``ce#i[shape]`` on the copy-engine transport), ``wait#i``, ``attn(h=heads)`` (query heads of
+    the call)."""
     from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 
     c10d = torch.ops._c10d_functional
+    ce = getattr(torch.ops.cp_inductor, "ce_all_to_all_start", None)
+    ce_start = ce.default if ce is not None else None
+    ce_wait = torch.ops.cp_inductor.ce_all_to_all_wait.default if ce is not None else None
     ids, out = {}, []
     for n in gm.graph.nodes:
-        if n.target is c10d.all_to_all_single.default:
+        if n.target is c10d.all_to_all_single.default or (ce_start is not None and n.target is ce_start):
             ids[n] = len(ids)
-            out.append(f"a2a#{ids[n]}{list(n.args[0].meta['val'].shape)}")
-        elif n.target is c10d.wait_tensor.default and n.args[0] in ids:
+            kind = "a2a" if n.target is c10d.all_to_all_single.default else "ce"
+            out.append(f"{kind}#{ids[n]}{list(n.args[0].meta['val'].shape)}")
+        elif (n.target is c10d.wait_tensor.default or (ce_wait is not None and n.target is ce_wait)) and n.args[0] in ids:
             out.append(f"wait#{ids[n.args[0]]}")
         elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
             q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]

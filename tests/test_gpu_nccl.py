@@ -62,6 +62,26 @@ def test_head_partition_nccl_bf16(groups):
 
 
 @needs_gpus
+def test_head_partition_copy_engine_nccl_bf16():
+    """head_partition over the copy-engine transport, forward and backward, against the fp64
+    reference; the report says the copy engines carried every partitioned region."""
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=1, seq=1024, heads_q=16, heads_kv=4, head_dim=128, layout="bshd", dtype=bf16),
+        AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", causal=False, dtype=bf16),
+    ]
+    options = {
+        "cp_inductor.head_partition": True, "cp_inductor.head_groups": 2, "cp_inductor.head_partition_forward": True,
+        "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.transport": "copy_engine",
+    }
+    results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
+    for rank_results in results:
+        assert_cp_results(rank_results, TOL, ("fused_a2a", "head_partition"), cp=2)
+        for r in rank_results:
+            assert all("transport=copy_engine" in d for d in r["details"]), r["details"]
+
+
+@needs_gpus
 def test_do_laid_out_like_o_when_only_the_backward_reads_views():
     """q passes a pointwise op after its all-to-all, so the forward keeps q's old layout (and O's)
     while the backward reads dO as a view: the rewrite must hand cuDNN's backward a dO laid out like

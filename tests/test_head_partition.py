@@ -3,6 +3,7 @@ Inductor keeps in its generated code, eligibility reasons, numerics on gloo."""
 
 import functools
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import cp_inductor
 import variants
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
+from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
+from cp_inductor.passes.rewrites import head_partition
 from helpers import aot_graphs, assert_cp_results, fake_pg, schedule
 from test_fused_a2a import qkv, ulysses
 
@@ -54,6 +57,18 @@ backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
         self.assertExpectedInline(text, """\
 forward: a2a#0[4, 8, 1, 3, 8] a2a#1[4, 8, 1, 3, 8] a2a#2[4, 8, 1, 3, 8] a2a#3[4, 8, 1, 3, 8] wait#0 attn(h=1) a2a#4[4, 8, 1, 1, 8] wait#1 attn(h=1) a2a#5[4, 8, 1, 1, 8] wait#2 attn(h=1) a2a#6[4, 8, 1, 1, 8] wait#3 attn(h=1) a2a#7[4, 8, 1, 1, 8] wait#4 wait#5 wait#6 wait#7
 backward: a2a#0[4, 8, 1, 1, 8] a2a#1[4, 8, 1, 1, 8] a2a#2[4, 8, 1, 1, 8] a2a#3[4, 8, 1, 1, 8] wait#0 attn(h=1) a2a#4[4, 8, 1, 3, 8] wait#1 attn(h=1) a2a#5[4, 8, 1, 3, 8] wait#2 attn(h=1) a2a#6[4, 8, 1, 3, 8] wait#3 attn(h=1) a2a#7[4, 8, 1, 3, 8] wait#4 wait#5 wait#6 wait#7""")
+
+    def test_copy_engine_transport(self):
+        # Where the copy engines can run, each group's all-to-all is a start/wait pair of the
+        # copy-engine ops, in the same order (the CPU has none: availability is faked here).
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
+            text = partitioned(
+                2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)),
+                transport="copy_engine", head_partition_forward=True,
+            )
+        self.assertExpectedInline(text, """\
+forward: ce#0[2, 8, 2, 4, 16] ce#1[2, 8, 2, 4, 16] wait#0 attn(h=2) ce#2[2, 8, 2, 2, 16] wait#1 attn(h=2) ce#3[2, 8, 2, 2, 16] wait#2 wait#3
+backward: ce#0[2, 8, 2, 2, 16] ce#1[2, 8, 2, 2, 16] wait#0 attn(h=2) ce#2[2, 8, 2, 4, 16] wait#1 attn(h=2) ce#3[2, 8, 2, 4, 16] wait#2 wait#3""")
 
     def test_bhsd_gqa_cp8(self):
         text = partitioned(8, ulysses(layout="bhsd"), *qkv((1, 32, 16, 8), (1, 16, 16, 8)))
@@ -178,6 +193,20 @@ def test_inductor_keeps_the_overlapping_order():
     ]
 
 
+class TestTransportReport(TestCase):
+    def test_copy_engine_falls_back_with_the_reason(self):
+        with fake_pg(2), cp_inductor.config.patch(head_partition=True, fused_a2a_unpack="views", transport="copy_engine"):
+            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+            details = [r.detail for r in pipeline.analyze(graphs["backward"].graph, "backward")]
+            for gm in graphs.values():
+                run_passes(gm.graph)
+            text = "\n".join(details) + "\n" + "\n".join(f"{k}: {schedule(gm)}" for k, gm in graphs.items())
+        self.assertExpectedInline(text, """\
+Hq=8 Hkv=4 causal unpack=views (set by config) G=2, transport=nccl (copy-engine transport needs CUDA tensors (got cpu))
+forward: a2a#0[2, 8, 2, 8, 16] wait#0 attn(h=4) a2a#1[2, 8, 2, 4, 16] wait#1
+backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 4, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 4, 16] wait#2 wait#3""")
+
+
 HP_ALL = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, **VIEWS}
 
 
@@ -193,6 +222,21 @@ def test_numerics_gloo(cp):
     ]
     for rank_results in run_on_ranks(check_cp_attention, cp, cases, None, "cp_inductor", "cpu", HP_ALL):
         _assert_partitioned(rank_results)
+
+
+def _check_with_copy_engine_ops(rank, cp, *args):
+    """check_cp_attention with the copy-engine ops emitted on gloo (where they fall back to
+    torch.distributed's all-to-all): the rewritten graph's plumbing (slots, waits, reassembly)
+    checked against the fp64 reference. No FX graph cache: the faked choice is not in its key."""
+    torch._inductor.config.fx_graph_cache = False
+    head_partition.transport_choice = lambda region, cfg: ("copy_engine", "faked on CPU")
+    return check_cp_attention(rank, cp, *args)
+
+
+def test_numerics_gloo_copy_engine_ops():
+    cases = [AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)]
+    options = {**HP_ALL, "cp_inductor.transport": "copy_engine"}
+    _assert_partitioned(run_on_ranks(_check_with_copy_engine_ops, 2, cases, None, "cp_inductor", "cpu", options)[0])
 
 
 def test_numerics_gloo_hand_written_and_backward_only():

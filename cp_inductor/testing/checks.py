@@ -128,6 +128,7 @@ def check_cp_attention(
             "compiled_vs_eager": errors(compiled, eager),
             "report": [(r.graph_kind, r.style, r.cp_size, r.layout) for r in cp_inductor.report().regions],
             "applied": sorted({a for r in cp_inductor.report().regions for a in r.applied}),
+            "details": [r.detail for r in cp_inductor.report().regions],
             "rewritten": dict(counters["cp_inductor"]),  # what the post-grad passes actually did
         })
         dist.barrier()

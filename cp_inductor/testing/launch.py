@@ -35,7 +35,13 @@ def _worker(rank, cp, port, fn, args, queue, backend):
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            import sys
+
             import torch._dynamo
+
+            transport = sys.modules.get("cp_inductor.lowerings.ce_transport")
+            if transport is not None:  # its symmetric memory goes before the group
+                transport.release()
 
             # Compiled collectives keep references to the group; drop them before destroying it.
             torch._dynamo.reset()

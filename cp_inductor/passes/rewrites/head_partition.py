@@ -40,12 +40,13 @@ from ..layout_algebra import Factor, Layout, plan_relayout
 from ..sdpa_ops import bound_args, tuple_outputs
 from . import Rewrite, fused_a2a
 from .ulysses_buffers import (
-    all_to_all,
+    Sender,
     as_delivered,
     crossing_groups,
     heads_view,
     pack_layout,
     reads_as_view,
+    transport_choice,
     unpack_choice,
 )
 
@@ -173,7 +174,7 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
     return emit(node.target, *args, **kwargs)
 
 
-def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partition):
+def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partition, sender: Sender):
     """One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
     back while each group's attention waits only for its own. Returns (sends, layouts)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -182,16 +183,17 @@ def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partit
     layouts = [_grouped(pack_layout(c, region.cp), p.groups) for c in inc]
     packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 4)
-    sends = [all_to_all(emit, emit(aten.select.int, buf, 0, g), region.cp, region.group_name) for g in range(p.groups)]
+    sends = [sender.start(emit, emit(aten.select.int, buf, 0, g)) for g in range(p.groups)]
     return sends, layouts
 
 
-def _attend_per_group(emit: Emitter, region: A2AMatch, p: Partition, sent: list, layouts: list, names, n_out: int):
+def _attend_per_group(emit: Emitter, region: A2AMatch, p: Partition, sender: Sender, sent: list, layouts: list,
+                      names, n_out: int):
     """Per group: wait for its input, attention on its heads, send its results right away.
     Returns (attention calls, returning all-to-alls)."""
     calls, returned = [], []
     for g in range(p.groups):
-        recv = emit(c10d.wait_tensor.default, sent[g])
+        recv = sender.wait(emit, sent[g])
         inputs, offset = {}, 0
         for name, lay in zip(names, layouts):
             heads = lay.shape[4]
@@ -203,13 +205,13 @@ def _attend_per_group(emit: Emitter, region: A2AMatch, p: Partition, sent: list,
         results = [emit(operator.getitem, call, i) for i in range(n_out)]
         sends = [_send_layout(emit, r, region.cp) for r in results]
         buf = sends[0] if len(sends) == 1 else emit(aten.cat.default, sends, 3)
-        returned.append(all_to_all(emit, buf, region.cp, region.group_name))
+        returned.append(sender.start(emit, buf))
     return calls, returned
 
 
-def _reassemble(emit: Emitter, region: A2AMatch, outc: list, returned: list, groups: int) -> None:
+def _reassemble(emit: Emitter, region: A2AMatch, sender: Sender, outc: list, returned: list, groups: int) -> None:
     """What came back, per tensor, into the layout the old all-to-all delivered."""
-    recvs = [emit(c10d.wait_tensor.default, r) for r in returned]
+    recvs = [sender.wait(emit, r) for r in returned]
     offset = 0
     for c in outc:
         lay = pack_layout(c, region.cp)
@@ -240,17 +242,18 @@ def _restore_full_tensors(emit: Emitter, node, calls: list, names, inc_args: lis
             emit.replace(item, emit(operator.getitem, calls[0], idx))
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition) -> list:
+def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition, transport: str) -> list:
     node = region.attention
     (inc, inc_args), (outc, _) = crossing_groups(region)
     backward = region.direction == "backward"
     names = ("grad_out",) if backward else ("query", "key", "value")
     outs = tuple_outputs(node)
 
-    sent, layouts = _send_incoming(graph, region, inc, p)
+    sender = Sender(graph, transport, region.cp, region.group_name)
+    sent, layouts = _send_incoming(graph, region, inc, p, sender)
     emit = Emitter(graph, node)
-    calls, returned = _attend_per_group(emit, region, p, sent, layouts, names, len(outc))
-    _reassemble(emit, region, outc, returned, p.groups)
+    calls, returned = _attend_per_group(emit, region, p, sender, sent, layouts, names, len(outc))
+    _reassemble(emit, region, sender, outc, returned, p.groups)
     _restore_full_tensors(emit, node, calls, names, inc_args, backward)
 
     dead = [c.wait for c in outc] + [n for c in outc for n in [c.a2a] + c.before[::-1]]
@@ -265,12 +268,17 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition) -> list:
 def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
     groups, _ = choose_groups(region, cfg)
     hq, hkv = region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups
-    return _rewrite(graph, region, Partition(groups, hq, hkv))
+    return _rewrite(graph, region, Partition(groups, hq, hkv), transport_choice(region, cfg)[0])
+
+
+def detail(region: A2AMatch, cfg) -> str:
+    transport, why = transport_choice(region, cfg)
+    return f"G={choose_groups(region, cfg)[0]}, transport={transport} ({why})"
 
 
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 REWRITE = Rewrite(
     NAME, styles=("a2a", "allgather"), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
-    inductor_patches={"reorder_for_peak_memory": False},
+    inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )

@@ -94,6 +94,49 @@ def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
     return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
 
 
+def transport_choice(region, cfg) -> tuple[str, str]:
+    """(transport, why) for the all-to-alls head_partition emits: ``cfg.transport``, or "nccl"
+    where the copy engines cannot run (the reason says why)."""
+    if cfg.transport not in ("copy_engine", "nccl"):
+        return "nccl", f"unknown transport {cfg.transport!r}"
+    if cfg.transport == "nccl":
+        return "nccl", "config"
+    from ...lowerings import ce_transport
+
+    device = region.attention.args[0].meta["val"].device.type
+    reason = ce_transport.why_unavailable(region.group_name, device)
+    return ("nccl", reason) if reason else ("copy_engine", "copy engines and symmetric memory available")
+
+
+class Sender:
+    """Emits the all-to-alls of one rewrite as start/wait pairs on one transport: NCCL's
+    ``all_to_all_single`` + ``wait_tensor``, or the copy-engine ops, each start with a slot no
+    other transfer of the graph has (they may all be in flight together)."""
+
+    def __init__(self, graph: torch.fx.Graph, transport: str, cp: int, group: str):
+        self.transport, self.cp, self.group = transport, cp, group
+        self.slots = len(graph.find_nodes(op="call_function", target=_ce_start())) if transport == "copy_engine" else 0
+
+    def start(self, emit: Emitter, buf) -> tuple:
+        if self.transport == "nccl":
+            return (all_to_all(emit, buf, self.cp, self.group),)
+        self.slots += 1
+        slot = self.slots - 1
+        return (emit(_ce_start(), buf, slot, self.group), buf, slot)
+
+    def wait(self, emit: Emitter, started: tuple) -> torch.fx.Node:
+        if self.transport == "nccl":
+            return emit(c10d.wait_tensor.default, started[0])
+        token, buf, slot = started
+        return emit(torch.ops.cp_inductor.ce_all_to_all_wait.default, token, buf, slot, self.group)
+
+
+def _ce_start():
+    from ...lowerings import ce_transport  # noqa: F401  (registers the ops)
+
+    return torch.ops.cp_inductor.ce_all_to_all_start.default
+
+
 def as_delivered(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int) -> torch.fx.Node:
     """The received ``part`` (sent as ``lay``) copied into exactly the layout the old all-to-all
     delivered: everything downstream stays as it was, and Inductor fuses this copy with the
