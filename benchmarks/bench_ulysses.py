@@ -178,6 +178,19 @@ class Bench:
         for _ in range(self.args.warmup):
             step()
         torch.cuda.synchronize()
+        if self.args.back_to_back:
+            # As a training loop runs: the host queues step after step, ahead of the GPU (host
+            # overhead hidden unless the host is slower than the GPU). One time per round.
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.args.iters):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            t = torch.tensor([start.elapsed_time(end) / self.args.iters], device=self.dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.tolist()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
         for i in range(self.args.iters):
@@ -189,6 +202,22 @@ class Bench:
         times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device=self.dev)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         return times.tolist()
+
+    def host_ms(self, step, iters: int = 5) -> float:
+        """Host time to queue one step while the GPU is busy (a sleep kernel): what the host
+        needs per step in a loop that runs ahead of the GPU."""
+        import time
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the host never waits for the GPU
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(times)
 
     def breakdown(self, step, iters: int = 5, trace: str | None = None) -> dict:
         """Kernel time per iteration on this rank by kind, from the profiler timeline (ms), and
@@ -256,13 +285,14 @@ ARMS = {
         })
         for g in (2, 4)
     },
-    # ... with the copy-engine transport (cp_ce: backward regions, cp_cef: forward too)
+    # head_partition on fused_a2a's views (what it needs: the cost model may copy instead), per
+    # transport: hp{G}_nccl / hp{G}_ce backward regions only, hpf{G}_* forward regions too.
     **{
-        f"cp_ce{'f' if fwd else ''}{g}": ("cp_inductor", {
+        f"hp{'f' if fwd else ''}{g}_{short}": ("cp_inductor", {
             "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": fwd,
-            "cp_inductor.transport": "copy_engine",
+            "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.transport": transport,
         })
-        for g in (2, 4) for fwd in (False, True)
+        for g in (2, 4) for fwd in (False, True) for short, transport in (("nccl", "nccl"), ("ce", "copy_engine"))
     },
 }
 
@@ -298,6 +328,9 @@ def parse_args(argv=None, **defaults) -> argparse.Namespace:
     p.add_argument("--arms", default="inductor,cp_off,cp_inductor,hand_inductor,hand_cp_off,hand_cp_inductor,floor")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time --iters steps queued back to back (no barrier per step), as a training loop")
+    p.add_argument("--host", action="store_true", help="also measure each arm's host time to queue one step")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--no-reference", dest="reference", action="store_false",
@@ -420,9 +453,12 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
     kernels = profile_arms(bench, arms, args.profile, args.trace)
     composition = {n: peak_composition(arms[n]) for n in args.memory.split(",") if n in arms}
     medians = time_arms(bench, arms, args.rounds)
+    host = {n: bench.host_ms(step) for n, step in arms.items()} if args.host else {}
 
     if bench.rank == 0:
         vs_default = print_table(bench, medians, checks, memory, kernels)
+        if host:
+            print("host ms to queue one step (rank 0): " + ", ".join(f"{n} {ms:.2f}" for n, ms in host.items()))
         for n, comp in composition.items():
             print(f"peak of {n}, rank 0: {comp['peak_gib']:.2f} GiB above the step's start; largest live blocks:")
             for row in comp["blocks"]:
@@ -435,7 +471,7 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
                     "device": torch.cuda.get_device_name(), "round_medians_ms": medians,
                     "median_ms": {n: statistics.median(v) for n, v in medians.items()},
                     "vs_best_default_paired": vs_default, "peak_gib": memory, "kernel_ms_rank0": kernels,
-                    "peak_composition_rank0": composition,
+                    "peak_composition_rank0": composition, "host_ms_rank0": host,
                     "max_rel_err": checks, "compile_s": compile_s,
                     "method": "one process per shape, arms alternate order per round, slowest rank per iteration",
                 }, f, indent=1)

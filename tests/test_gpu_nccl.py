@@ -76,8 +76,10 @@ def test_head_partition_copy_engine_nccl_bf16():
     }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
-        assert_cp_results(rank_results, TOL, ("fused_a2a", "head_partition"), cp=2)
         for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (key, r)
+            assert r["applied"] == ["fused_a2a", "head_partition"] and r["rewritten"]["head_partition"] == 2, r
             assert all("transport=copy_engine" in d for d in r["details"]), r["details"]
 
 
