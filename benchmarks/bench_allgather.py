@@ -32,6 +32,8 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
     "inductor": ("inductor",),
     "cp_off": ("cp_inductor", OFF),
     "cp_inductor": ("cp_inductor",),
+    # the backward's reduce-scatters returned by copy-engine pulls + rank-order sum
+    "cp_ogr": ("cp_inductor", {"cp_inductor.owner_grad_return": True}),
 }
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from cp_inductor.testing.launch import run_on_ranks
-from cp_inductor.testing.transport_checks import against_collective, back_to_back, graph_replays
+from cp_inductor.testing.transport_checks import (
+    against_collective,
+    back_to_back,
+    graph_replays,
+    owner_grad_return_runs,
+)
 
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -29,3 +34,14 @@ def test_thousand_transfers_with_random_delays():
 def test_cuda_graph_replays():
     for result in run_on_ranks(graph_replays, 2, 200, 1 << 16, pg_backend="nccl", timeout=300):
         assert result == {"wrong": 0, "replays": 200}
+
+
+@needs_gpus
+@pytest.mark.parametrize("head_groups", [None, 2])
+def test_owner_grad_return_bf16(head_groups):
+    """All-gather backward with owner_grad_return: bf16 against the fp64 reference, the rewrite
+    ran on the backward's reduce-scatters, and a second run gives the same bits."""
+    for result in run_on_ranks(owner_grad_return_runs, 2, head_groups, pg_backend="nccl", timeout=400):
+        assert max(result["errors"].values()) < 2e-2, result
+        assert result["rewritten"] >= 1 and result["details"], result
+        assert result["same_bits"], result

@@ -113,3 +113,32 @@ def graph_replays(rank: int, cp: int, replays: int, n: int) -> dict:
     del graph
     ce_transport.release()
     return {"wrong": int(wrong.item()), "replays": replays}
+
+
+def owner_grad_return_runs(rank: int, cp: int, head_groups) -> dict:
+    """The all-gather helper (causal, load-balanced, GQA, bf16) compiled with owner_grad_return:
+    errors vs the fp64 reference, whether the rewrite ran, and whether two runs gave the same
+    bits (the owners sum in rank order whatever order the transfers arrive in)."""
+    import cp_inductor
+    from torch._dynamo.utils import counters
+
+    from .checks import AttentionCase, allgather_fn, errors, full_inputs, reference, run_cp
+
+    case = AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, causal=True,
+                         load_balanced=True, dtype=torch.bfloat16)
+    full = full_inputs(case)
+    want = reference(case, full)
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(allgather_fn(case, head_groups=head_groups), backend="cp_inductor", fullgraph=True,
+                       options={"cp_inductor.owner_grad_return": True})
+    first = run_cp(fn, case, full, rank, cp, "cuda")
+    second = run_cp(fn, case, full, rank, cp, "cuda")
+    result = {
+        "errors": errors(first, want),
+        "same_bits": all(torch.equal(first[n], second[n]) for n in first),
+        "rewritten": counters["cp_inductor"].get("owner_grad_return", 0),
+        "details": [r.detail for r in cp_inductor.report().regions if "owner_grad_return" in r.applied],
+    }
+    ce_transport.release()
+    return result

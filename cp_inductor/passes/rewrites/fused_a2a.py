@@ -45,8 +45,8 @@ from ..fx_emit import Emitter, stride_order
 from ..layout_algebra import LayoutError, plan_relayout
 from ..sdpa_ops import bound_args
 from . import Rewrite
+from .transport import all_to_all
 from .ulysses_buffers import (
-    all_to_all,
     as_delivered,
     crossing_groups,
     heads_view,

@@ -39,14 +39,13 @@ from ..fx_emit import Emitter, stride_order
 from ..layout_algebra import Factor, Layout, plan_relayout
 from ..sdpa_ops import bound_args, tuple_outputs
 from . import Rewrite, fused_a2a
+from .transport import Sender, transport_choice
 from .ulysses_buffers import (
-    Sender,
     as_delivered,
     crossing_groups,
     heads_view,
     pack_layout,
     reads_as_view,
-    transport_choice,
     unpack_choice,
 )
 

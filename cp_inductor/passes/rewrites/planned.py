@@ -6,4 +6,3 @@ from __future__ import annotations
 from . import Rewrite
 
 UNIFORM_THD = Rewrite("uniform_thd", ("a2a", "allgather", "ring"))
-OWNER_GRAD_RETURN = Rewrite("owner_grad_return", ("allgather",))

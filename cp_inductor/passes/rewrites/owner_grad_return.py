@@ -1,0 +1,84 @@
+"""owner_grad_return: a K/V all-gather backward returns dK/dV to their owners by copy-engine
+pulls and a local sum in rank order, instead of NCCL's reduce-scatter.
+
+Before (backward)::
+
+    dK/dV over the gathered sequence, reordered -> x[cp * m, ...]
+    reduce_scatter_tensor(x, "sum") -> wait -> this rank's [m, ...]
+
+After::
+
+    ce_all_to_all_start(x) -> ... -> ce_all_to_all_wait -> y[cp, m, ...]   # y[r] = rank r's block for us
+    (y[0].float() + y[1].float() + ... + y[cp-1].float()).to(dtype)         # rank order, fp32
+
+Each owner receives every rank's contribution to its chunks (with the load-balanced layout, the
+chunks o and 2cp-1-o) and adds them itself, always in rank order: the gradients are the same
+bits whatever order the transfers arrive in, run after run (NCCL's reduce-scatter sums in bf16
+along its ring). The transfer needs no SM, so where the backward is split (head groups), group
+g's return travels under group g+1's attention, where NCCL's kernels starve.
+
+It needs the copy-engine transport (one host, NCCL group, CUDA, ``cuda-bindings``): elsewhere the
+report gives the transport's reason. Off by default.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..detect.allgather import AllGatherMatch
+from ..fx_emit import Emitter
+from . import Rewrite
+from .transport import Sender, copy_engine_unavailable
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+NAME = "owner_grad_return"
+
+
+def _reduce_scatters(region: AllGatherMatch) -> list:
+    order = {n: i for i, n in enumerate(region.attention.graph.nodes)}
+    nodes = {r for group in region.reduce_scatters.values() for r in group}
+    return sorted(nodes, key=order.__getitem__)
+
+
+def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
+    if region.direction != "backward":
+        return "forward region (the rewrite returns the backward's dK/dV)"
+    for rs in _reduce_scatters(region):
+        if rs.args[1] != "sum":
+            return f"reduce-scatter reduces by {rs.args[1]!r}, not sum"
+        waits = [u for u in rs.users if u.target is c10d.wait_tensor.default]
+        if len(waits) != 1 or len(rs.users) != 1:
+            return "reduce-scatter result used other than through one wait"
+    return copy_engine_unavailable(region)
+
+
+def apply(graph: torch.fx.Graph, region: AllGatherMatch, cfg) -> list:
+    sender = Sender(graph, "copy_engine", region.cp, region.group_name)
+    replaced = []
+    for rs in _reduce_scatters(region):
+        (wait,) = rs.users
+        x = rs.args[0]
+        emit = Emitter(graph, wait)
+        received = sender.wait(emit, sender.start(emit, x))
+        shape = list(x.meta["val"].shape)
+        blocks = emit(aten.view.default, received, [region.cp, shape[0] // region.cp, *shape[1:]])
+        total = None
+        for r in range(region.cp):
+            part = emit(aten.select.int, blocks, 0, r)
+            part = emit(torch.ops.prims.convert_element_type.default, part, torch.float32)
+            total = part if total is None else emit(aten.add.Tensor, total, part)
+        out = emit(torch.ops.prims.convert_element_type.default, total, x.meta["val"].dtype)
+        emit.replace(wait, out)
+        graph.erase_node(wait)
+        graph.erase_node(rs)
+        replaced += emit.replaced
+    return replaced
+
+
+def detail(region: AllGatherMatch, cfg) -> str:
+    return f"{len(_reduce_scatters(region))} reduce-scatter(s) -> copy-engine pulls + rank-order fp32 sum"
+
+
+REWRITE = Rewrite(NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail)

@@ -1,0 +1,66 @@
+"""How the rewrites emit a collective exchange: NCCL's all-to-all, or the copy-engine ops of
+``lowerings/ce_transport.py`` (start/wait pairs whose NVLink crossing needs no SM), and whether
+the copy engines can run for a region (the reason when not)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..fx_emit import Emitter
+
+c10d = torch.ops._c10d_functional
+
+
+def copy_engine_unavailable(region) -> str | None:
+    """Why the copy-engine transport cannot run for ``region`` (its group and device), or None."""
+    from ...lowerings import ce_transport
+
+    device = region.attention.args[0].meta["val"].device.type
+    return ce_transport.why_unavailable(region.group_name, device)
+
+
+def transport_choice(region, cfg) -> tuple[str, str]:
+    """(transport, why) for the all-to-alls head_partition emits: ``cfg.transport``, or "nccl"
+    where the copy engines cannot run (the reason says why)."""
+    if cfg.transport not in ("copy_engine", "nccl"):
+        return "nccl", f"unknown transport {cfg.transport!r}"
+    if cfg.transport == "nccl":
+        return "nccl", "config"
+    reason = copy_engine_unavailable(region)
+    return ("nccl", reason) if reason else ("copy_engine", "copy engines and symmetric memory available")
+
+
+def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
+    """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
+    splits = [int(buf.meta["val"].shape[0]) // cp] * cp
+    return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
+
+
+class Sender:
+    """Emits the all-to-alls of one rewrite as start/wait pairs on one transport: NCCL's
+    ``all_to_all_single`` + ``wait_tensor``, or the copy-engine ops, each start with a slot no
+    other transfer of the graph has (they may all be in flight together)."""
+
+    def __init__(self, graph: torch.fx.Graph, transport: str, cp: int, group: str):
+        self.transport, self.cp, self.group = transport, cp, group
+        self.slots = len(graph.find_nodes(op="call_function", target=_ce_start())) if transport == "copy_engine" else 0
+
+    def start(self, emit: Emitter, buf) -> tuple:
+        if self.transport == "nccl":
+            return (all_to_all(emit, buf, self.cp, self.group),)
+        self.slots += 1
+        slot = self.slots - 1
+        return (emit(_ce_start(), buf, slot, self.group), buf, slot)
+
+    def wait(self, emit: Emitter, started: tuple) -> torch.fx.Node:
+        if self.transport == "nccl":
+            return emit(c10d.wait_tensor.default, started[0])
+        token, buf, slot = started
+        return emit(torch.ops.cp_inductor.ce_all_to_all_wait.default, token, buf, slot, self.group)
+
+
+def _ce_start():
+    from ...lowerings import ce_transport  # noqa: F401  (registers the ops)
+
+    return torch.ops.cp_inductor.ce_all_to_all_start.default

@@ -1,0 +1,140 @@
+"""owner_grad_return: the K/V all-gather backward's reduce-scatters become copy-engine pulls and
+a rank-order fp32 sum. The CPU has no copy engines: the report gives the transport's reason, and
+the golden graph and the gloo numerics fake its availability (the ops then fall back to
+torch.distributed's all-to-all, so the rewritten graph runs against the fp64 reference)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.lowerings import ce_transport
+from cp_inductor.parallel import allgather_attention
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.rewrites import owner_grad_return
+from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, fake_pg
+
+c10d = torch.ops._c10d_functional
+
+
+def _qkv():
+    mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731
+    return mk(4), mk(2), mk(2)
+
+
+def _helper(q, k, v):
+    return allgather_attention(q, k, v, is_causal=True)
+
+
+def _collectives(gm) -> str:
+    """The backward's reduce-scatters, or what replaced them: every node from each copy-engine
+    start to the cast back, as ``op [shape]`` (graph order)."""
+    ce_start = torch.ops.cp_inductor.ce_all_to_all_start.default
+    lines, inside = [], False
+    for n in gm.graph.nodes:
+        if n.target is c10d.reduce_scatter_tensor.default:
+            lines.append(f"reduce_scatter {list(n.args[0].meta['val'].shape)}")
+        inside = inside or n.target is ce_start
+        if inside and n.op == "call_function":
+            val = n.meta["val"]
+            name = n.target.name().split("::")[-1].replace(".default", "").replace(".Tensor", "").replace(".int", "")
+            lines.append(f"{name} {list(val.shape)} {str(val.dtype).replace('torch.', '')}")
+            inside = not (name == "convert_element_type" and n.users and all(
+                u.target is not torch.ops.aten.add.Tensor for u in n.users))
+    return "\n".join(lines)
+
+
+def _backward(cp: int, **cfg):
+    with fake_pg(cp), cp_inductor.config.patch(owner_grad_return=True, **cfg):
+        graphs = aot_graphs(_helper, *_qkv())
+        gm = graphs["backward"]
+        rows = pipeline.analyze(gm.graph, "backward")
+        pipeline.rewrite_graph(gm.graph)
+    return rows, gm
+
+
+class TestGolden(TestCase):
+    def test_reduce_scatters_become_pulls_and_a_rank_order_sum(self):
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
+            rows, gm = _backward(2)
+        self.assertEqual({r.skipped.get("owner_grad_return", "applied") for r in rows}, {"applied"})
+        self.assertExpectedInline(_collectives(gm), """\
+ce_all_to_all_start [0] float32
+ce_all_to_all_wait [4, 1, 2, 16, 8] float32
+view [2, 2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+add [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32""")
+
+    def test_cp4(self):
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
+            _, gm = _backward(4)
+        self.assertExpectedInline(_collectives(gm), """\
+ce_all_to_all_start [0] float32
+ce_all_to_all_wait [8, 1, 2, 16, 8] float32
+view [4, 2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+add [2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+add [2, 1, 2, 16, 8] float32
+select [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32
+add [2, 1, 2, 16, 8] float32
+convert_element_type [2, 1, 2, 16, 8] float32""")
+
+
+class TestEligibility(TestCase):
+    def test_reasons(self):
+        rows, gm = _backward(2)
+        self.assertExpectedInline(
+            "\n".join(sorted({f"{r.graph_kind}: {r.skipped.get('owner_grad_return', 'applied')}" for r in rows})),
+            """backward: copy-engine transport needs CUDA tensors (got cpu)""",
+        )
+        self.assertIn("reduce_scatter", _collectives(gm))  # left to NCCL
+        with fake_pg(2), cp_inductor.config.patch(owner_grad_return=True):
+            fwd = aot_graphs(_helper, *_qkv())["forward"]
+            reasons = {r.skipped.get("owner_grad_return") for r in pipeline.analyze(fwd.graph, "forward")}
+        self.assertEqual(reasons, {"forward region (the rewrite returns the backward's dK/dV)"})
+
+
+CASES = {  # cp -> [(case, head groups)]
+    2: [
+        (AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True), None),
+        (AttentionCase(batch=2, seq=16, heads_q=4, heads_kv=4, head_dim=8, layout="bhsd", causal=False), 2),
+    ],
+    4: [(AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, layout="bhsd", causal=True, load_balanced=True), 2)],
+}
+
+
+def _check_with_copy_engine_ops(rank, cp):
+    """check_cp_attention with owner_grad_return applied on gloo (its ops fall back to
+    torch.distributed's all-to-all). No FX graph cache: the faked availability is not in its key."""
+    torch._inductor.config.fx_graph_cache = False
+    owner_grad_return.copy_engine_unavailable = lambda region: None
+    options = {"cp_inductor.owner_grad_return": True}
+    return [
+        r for case, g in CASES[cp]
+        for r in check_cp_attention(rank, cp, [case], allgather_fn(case, head_groups=g), "cp_inductor", "cpu", options)
+    ]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_numerics_gloo(cp):
+    for rank_results in run_on_ranks(_check_with_copy_engine_ops, cp):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < 1e-5, (key, r)
+            assert "owner_grad_return" in r["applied"] and r["rewritten"].get("owner_grad_return", 0) >= 1, r
