@@ -37,10 +37,11 @@ def test_cuda_graph_replays():
 
 
 @needs_gpus
-@pytest.mark.parametrize("head_groups", [None, 2])
+@pytest.mark.parametrize("head_groups", [2, 4])
 def test_owner_grad_return_bf16(head_groups):
     """All-gather backward with owner_grad_return: bf16 against the fp64 reference, the rewrite
-    ran on the backward's reduce-scatters, and a second run gives the same bits."""
+    ran on the backward's reduce-scatters, and a second run gives the same dK/dV bits (dQ is not
+    compared: the attention backward kernels add it up with atomics)."""
     for result in run_on_ranks(owner_grad_return_runs, 2, head_groups, pg_backend="nccl", timeout=400):
         assert max(result["errors"].values()) < 2e-2, result
         assert result["rewritten"] >= 1 and result["details"], result

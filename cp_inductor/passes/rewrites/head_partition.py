@@ -20,6 +20,11 @@ are sliced per group (views). A forward region is split the same way (q,k,v in, 
 ``head_partition_forward`` is set; its q, k, v, out and log-sum-exp are saved for the backward,
 so their pieces are concatenated back (copies).
 
+Each group's all-to-all travels by NCCL or, with ``transport="copy_engine"``, as a start/wait
+pair of the copy-engine ops (``lowerings/ce_transport.py``), whose transfers need no SM and so
+move while another group's attention holds every SM; where they cannot run the report's detail
+says why and NCCL carries it.
+
 This rewrite builds on fused_a2a's buffers (one pack kernel for all groups, attention reading
 strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
 order (every incoming collective first, then per group: wait, attention, send) is what overlaps,
