@@ -106,22 +106,24 @@ def test_hand_written_nccl_bf16():
 
 @needs_gpus
 @pytest.mark.parametrize(
-    "dtype, kv_heads, head_partition",
+    "dtype, kv_heads, head_partition, transport",
     [
         # fp32 needs MHA here: CUDA's fp32 fused attention (memory-efficient) has no GQA, and
         # SDPA's math fallback leaves no attention op for the passes to find.
-        (torch.float32, 8, False),
-        (torch.bfloat16, 4, True),  # cuDNN / flash with GQA
+        (torch.float32, 8, False, "nccl"),
+        (torch.bfloat16, 4, True, "nccl"),  # cuDNN / flash with GQA
+        (torch.bfloat16, 4, True, "copy_engine"),  # the copy-engine ops captured and replayed
     ],
 )
-def test_cuda_graph_training_step(dtype, kv_heads, head_partition):
+def test_cuda_graph_training_step(dtype, kv_heads, head_partition, transport):
     """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
     and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
     options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition,
-               "cp_inductor.fused_a2a_unpack": "views"}  # rewritten whatever the cost model says
+               "cp_inductor.fused_a2a_unpack": "views",  # rewritten whatever the cost model says
+               "cp_inductor.transport": transport}
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, dtype, pg_backend="nccl"
     )
