@@ -109,9 +109,9 @@ class Bench:
         # the user's own Ulysses (BSHD), not our helper
         return self.cp_arm(lambda q, k, v: ulysses_by_hand(q, k, v, is_causal=a.causal), "bshd", backend, options)
 
-    def native_arm(self, backend=None):
+    def native_arm(self, backend=None, options=None):
         """PyTorch's native context_parallel (ring; ``--native-rotate``), eager or its SDPA call
-        compiled with ``backend``."""
+        compiled with ``backend`` (and ``options``)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
@@ -131,7 +131,7 @@ class Bench:
             q, k, v, is_causal=a.causal, enable_gqa=a.heads != a.kv_heads
         )
         if backend is not None:
-            attn = torch.compile(attn, backend=backend, fullgraph=True)
+            attn = torch.compile(attn, backend=backend, fullgraph=True, options=options)
 
         def step():
             q.grad = k.grad = v.grad = None
@@ -166,7 +166,7 @@ class Bench:
     def arm(self, name: str):
         """(step, results) of the arm called ``name`` (ARMS, HAND_ARMS, NATIVE_ARMS, floor)."""
         if name in NATIVE_ARMS:
-            return self.native_arm(NATIVE_ARMS[name])
+            return self.native_arm(*NATIVE_ARMS[name])
         if name == "floor":
             return self.floor_arm()
         if name in HAND_ARMS:
@@ -298,7 +298,11 @@ ARMS = {
 
 
 # PyTorch's native context_parallel: eager, its SDPA call under default Inductor, under cp_inductor.
-NATIVE_ARMS = {"native": None, "native_inductor": "inductor", "native_cp": "cp_inductor"}
+# native_cp_ce: cp_inductor with ce_rotation (the rotations on the copy engines).
+NATIVE_ARMS = {
+    "native": (None,), "native_inductor": ("inductor",), "native_cp": ("cp_inductor",),
+    "native_cp_ce": ("cp_inductor", {"cp_inductor.ce_rotation": True}),
+}
 
 
 def best_default(medians: dict, arm: str) -> float | None:
@@ -401,7 +405,7 @@ def time_arms(bench: Bench, arms: dict, rounds: int) -> dict:
         if name not in NATIVE_ARMS:
             return bench.time_round(arms[name])
         # context_parallel's dispatcher is on only inside its context: re-enter per round.
-        step, _ = bench.native_arm(NATIVE_ARMS[name])
+        step, _ = bench.native_arm(*NATIVE_ARMS[name])
         times = bench.time_round(step)
         step.close()
         return times

@@ -21,6 +21,7 @@ first_grad_reuse: bool = True
 head_partition: bool = False
 uniform_thd: bool = False
 owner_grad_return: bool = False
+ce_rotation: bool = False
 
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the

@@ -113,14 +113,14 @@ allgather cp=2 causal: forward allgather x1, backward ring x2
 alltoall cp=4 full: forward ring x4, backward ring x4
 allgather cp=8 full: forward allgather x7, backward ring x8""")
 
-    def test_report_says_no_ring_rewrite_yet(self):
+    def test_report_lists_the_ring_rewrites(self):
         with fake_pg(2):
             text = report_text(aot_graphs(lambda q, k, v: ring_by_hand(q, k, v, causal=True), *_qkv()))
         self.assertExpectedInline(text, """\
-forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
-forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config'}
-backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}
-backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config'}""")
+forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config', 'ce_rotation': 'disabled by config'}
+forward ring cp=2 bshd applied=[] skipped={'zero_init': 'not implemented yet', 'first_grad_reuse': 'forward region: no gradient accumulator', 'uniform_thd': 'disabled by config', 'ce_rotation': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config', 'ce_rotation': 'disabled by config'}
+backward ring cp=2 bshd applied=[] skipped={'zero_init': 'Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the rotation input (no fill in the generated code): nothing to remove', 'first_grad_reuse': 'Inductor reads each dK/dV contribution once in the kernel that writes the rotation input (no add-into-zero): reusing one as the accumulator would add a pass', 'uniform_thd': 'disabled by config', 'ce_rotation': 'disabled by config'}""")
 
     def test_k_and_v_rotated_separately(self):
         with fake_pg(4), torch.no_grad():

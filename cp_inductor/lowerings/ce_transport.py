@@ -11,6 +11,9 @@ the same contract as ``all_to_all_single`` with equal splits on dim 0 (+ ``wait_
 start/wait pair Inductor schedules like its collectives (``x`` is also an argument of the wait,
 as Inductor's own collectives keep their input alive until the wait).
 
+``ce_rotate_start(x, dst, src, slot, group)`` is a ring rotation on the same machinery (all of x
+staged once for ``dst``, ``src``'s pulled; ``ce_all_to_all_wait`` returns it).
+
 ``slot`` names a transfer while it is in flight (the wait finds it by it): transfers in flight
 together need different slots. How one transfer moves: it takes a send area in symmetric memory
 (``[world, bytes]``: block p is what peer p pulls; areas are pooled, see ``_Transport``), which
@@ -115,7 +118,7 @@ class _Area:
         self.ptrs = list(self.handle.buffer_ptrs)
         local = torch.cuda.device_count()
         self.devices = [r % local for r in dist.get_process_group_ranks(group)]
-        self.blocks: dict[tuple[int, int], torch.Tensor] = {}
+        self.blocks: dict[tuple, torch.Tensor] = {}
         torch.cuda.synchronize()
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
 
@@ -126,6 +129,13 @@ class _Area:
     def flag(self, owner: int, kind: int, peer: int) -> int:
         """Address of ``owner``'s flag ``kind`` about ``peer``."""
         return self.ptrs[owner] + self.flags_offset + (kind * self.world + peer) * _FLAG_BYTES
+
+    def span(self, owner: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[0, nbytes)`` of ``owner``'s whole area (a rotation stages one tensor there)."""
+        key = (owner, None)
+        if key not in self.blocks:
+            self.blocks[key] = self.handle.get_buffer(owner, (self.world * self.capacity,), torch.uint8, 0)
+        return self.blocks[key][:nbytes]
 
     def block(self, owner: int, dst: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[0, nbytes)`` of ``owner``'s area staged for ``dst``."""
@@ -202,6 +212,39 @@ class _Transport:
                 _write_value(driver, on_side, area.flag(me, _READY, p), 0)
                 _engine_copy(driver, on_side, out_blocks[p], area.block(p, me, nbytes), area.device(p))
                 _write_value(driver, on_side, area.flag(p, _CONSUMED, me), 1)
+            done = torch.cuda.Event()
+            done.record(side)
+        self.in_flight[slot] = (out, done, index)
+
+    def start_rotation(self, x: torch.Tensor, dst: int, src: int, slot: int) -> None:
+        """Send all of ``x`` to rank ``dst`` and receive ``src``'s into a tensor like it: one
+        staged copy in the whole area, one pull, the same flags as the all-to-all."""
+        if slot in self.in_flight:
+            raise RuntimeError(f"ce transfer slot {slot} started twice without a wait")
+        flat = x.contiguous().view(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        world = _group(self.group_name).size()
+        index = self.take_area(-(-nbytes // world))
+        area = self.areas[index]
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        me, driver = area.rank, _driver()
+        main, side = torch.cuda.current_stream(), self.stream
+        on_main = driver.CUstream(main.cuda_stream)
+        # The area's previous transfer may have gone to other peers (a pooled area, rotations
+        # in the other direction): every reader must be done before it is overwritten.
+        for p in range(world):
+            if p != me:
+                _wait_value(driver, on_main, area.flag(me, _CONSUMED, p), 1)
+        _write_value(driver, on_main, area.flag(me, _CONSUMED, dst), 0)
+        area.span(me, nbytes).copy_(flat)
+        _write_value(driver, on_main, area.flag(dst, _READY, me), 1)
+        side.wait_stream(main)
+        on_side = driver.CUstream(side.cuda_stream)
+        with torch.cuda.stream(side):
+            _wait_value(driver, on_side, area.flag(me, _READY, src), 1)
+            _write_value(driver, on_side, area.flag(me, _READY, src), 0)
+            _engine_copy(driver, on_side, out.view(-1).view(torch.uint8), area.span(src, nbytes), area.device(src))
+            _write_value(driver, on_side, area.flag(src, _CONSUMED, me), 1)
             done = torch.cuda.Event()
             done.record(side)
         self.in_flight[slot] = (out, done, index)
@@ -296,9 +339,33 @@ def _(x, slot, group_name):
     return x.new_empty(0)
 
 
+@torch.library.custom_op("cp_inductor::ce_rotate_start", mutates_args=())
+def ce_rotate_start(x: torch.Tensor, dst: int, src: int, slot: int, group_name: str) -> torch.Tensor:
+    """Queue sending all of ``x`` to group rank ``dst`` and receiving ``src``'s (a ring
+    rotation) on ``slot``; returns a token. ``ce_all_to_all_wait`` returns the result."""
+    if why_unavailable(group_name, x.device.type) is None:
+        _transport(group_name).start_rotation(x, dst, src, slot)
+    else:
+        key = (group_name, slot)
+        if key in _FALLBACK_RESULTS:
+            raise RuntimeError(f"ce transfer slot {slot} started twice without a wait")
+        group = _group(group_name)
+        sizes = lambda rank: [x.shape[0] if r == rank else 0 for r in range(group.size())]  # noqa: E731
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), sizes(src), sizes(dst), group=group)
+        _FALLBACK_RESULTS[key] = out
+    return x.new_empty(0)
+
+
+@ce_rotate_start.register_fake
+def _(x, dst, src, slot, group_name):
+    return x.new_empty(0)
+
+
 @torch.library.custom_op("cp_inductor::ce_all_to_all_wait", mutates_args=())
 def ce_all_to_all_wait(token: torch.Tensor, x: torch.Tensor, slot: int, group_name: str) -> torch.Tensor:
-    """The result of ``slot``'s all-to-all, once it has arrived (the main stream waits for it)."""
+    """The result of ``slot``'s transfer (all-to-all or rotation), once it has arrived (the main
+    stream waits for it)."""
     if why_unavailable(group_name, x.device.type) is None:
         return _transport(group_name).wait(slot)
     return _FALLBACK_RESULTS.pop((group_name, slot))

@@ -31,7 +31,16 @@ from . import grad_out_layout
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather, ring
 from .guard import why_not
-from .rewrites import POST_GRAD, Rewrite, accumulators, fused_a2a, head_partition, owner_grad_return, planned
+from .rewrites import (
+    POST_GRAD,
+    Rewrite,
+    accumulators,
+    ce_rotation,
+    fused_a2a,
+    head_partition,
+    owner_grad_return,
+    planned,
+)
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
@@ -45,6 +54,7 @@ REWRITES: tuple[Rewrite, ...] = (
     head_partition.REWRITE,
     planned.UNIFORM_THD,
     owner_grad_return.REWRITE,
+    ce_rotation.REWRITE,
 )
 
 # cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did.

@@ -21,7 +21,7 @@ A backward region is an attention backward op whose dK and dV reach a rotation (
 gradients travel back to the rank that owns those K/V) through accumulation and layout ops,
 while dQ stays on this rank.
 
-This finds and reports regions; no ring rewrite exists yet (the pipeline says so per region).
+The rewrites of ring regions: ``ce_rotation`` (rotations by the copy engines).
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class RingMatch(CPMatch):
 
     style: ClassVar[str] = "ring"
     rotations: tuple = field(default_factory=tuple)  # all_to_all_single nodes, graph order
+    # Every rotation that carries this op's K and V (both, where they rotate separately) or its
+    # dK/dV, graph order: what a transport rewrite replaces.
+    moved_by: tuple = field(default_factory=tuple)
 
     @property
     def step(self) -> int:
@@ -147,7 +150,7 @@ def _forward_match(node, graph_kind) -> RingMatch | None:
     cp, group = _one_group(k | v, "key and value")
     return RingMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
-        rotations=in_graph_order(k, node.graph), **attention_facts(args),
+        rotations=in_graph_order(k, node.graph), moved_by=in_graph_order(k | v, node.graph), **attention_facts(args),
     )
 
 
@@ -174,7 +177,8 @@ def _backward_match(node, graph_kind) -> RingMatch | None:
     args = bound_args(node)
     return RingMatch(
         graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["grad_out"]),
-        rotations=in_graph_order(below["dk"] | below["dv"], node.graph), **attention_facts(args),
+        rotations=in_graph_order(below["dk"] | below["dv"], node.graph),
+        moved_by=in_graph_order(below["dk"] | below["dv"], node.graph), **attention_facts(args),
     )
 
 

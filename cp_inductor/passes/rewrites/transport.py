@@ -44,23 +44,31 @@ class Sender:
 
     def __init__(self, graph: torch.fx.Graph, transport: str, cp: int, group: str):
         self.transport, self.cp, self.group = transport, cp, group
-        self.slots = len(graph.find_nodes(op="call_function", target=_ce_start())) if transport == "copy_engine" else 0
+        self.slots = 0
+        if transport == "copy_engine":
+            starts = (_ce_op("ce_all_to_all_start"), _ce_op("ce_rotate_start"))
+            self.slots = sum(len(graph.find_nodes(op="call_function", target=t)) for t in starts)
 
     def start(self, emit: Emitter, buf) -> tuple:
         if self.transport == "nccl":
             return (all_to_all(emit, buf, self.cp, self.group),)
         self.slots += 1
         slot = self.slots - 1
-        return (emit(_ce_start(), buf, slot, self.group), buf, slot)
+        return (emit(_ce_op("ce_all_to_all_start"), buf, slot, self.group), buf, slot)
+
+    def start_rotation(self, emit: Emitter, buf, dst: int, src: int) -> tuple:
+        """A ring rotation (all of ``buf`` to rank ``dst``, ``src``'s back) on the copy engines."""
+        self.slots += 1
+        return (emit(_ce_op("ce_rotate_start"), buf, dst, src, self.slots - 1, self.group), buf, self.slots - 1)
 
     def wait(self, emit: Emitter, started: tuple) -> torch.fx.Node:
         if self.transport == "nccl":
             return emit(c10d.wait_tensor.default, started[0])
         token, buf, slot = started
-        return emit(torch.ops.cp_inductor.ce_all_to_all_wait.default, token, buf, slot, self.group)
+        return emit(_ce_op("ce_all_to_all_wait"), token, buf, slot, self.group)
 
 
-def _ce_start():
+def _ce_op(name: str):
     from ...lowerings import ce_transport  # noqa: F401  (registers the ops)
 
-    return torch.ops.cp_inductor.ce_all_to_all_start.default
+    return getattr(torch.ops.cp_inductor, name).default

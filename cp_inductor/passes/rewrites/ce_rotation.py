@@ -1,0 +1,87 @@
+"""ce_rotation: a ring's rotations travel by the copy engines, so the rotation for the next step
+moves while this step's attention holds every SM (NCCL's kernels starve there).
+
+Before (each rotation of a region's K/V or dK/dV)::
+
+    all_to_all_single(buf, out_splits = one-hot at src, in_splits = one-hot at dst) -> wait -> recv
+
+After::
+
+    ce_rotate_start(buf, dst, src, slot) -> ... -> ce_all_to_all_wait(token, buf, slot) -> recv
+
+started as soon as the buffer exists and waited where the rotated data is first read, so the
+step's attention in between runs while the rotation travels (the traced programs start it after
+that attention, as a hand-written ring does, or wait before it, as native CP's does). ``dst``/``src`` are this rank's
+neighbours, read from the split sizes the program traced. The forward's rotations are those that
+carry K and V (both, where they rotate separately), the backward's those that carry dK/dV.
+
+Needs the copy-engine transport (the report says why not where it cannot run). Off by default:
+not measured on GPUs yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..detect.ring import RingMatch, rotation
+from ..fx_emit import Emitter
+from . import Rewrite
+from .transport import Sender, copy_engine_unavailable
+
+c10d = torch.ops._c10d_functional
+NAME = "ce_rotation"
+
+
+def _pending(region: RingMatch) -> list:
+    """The region's rotations still on NCCL, each with its one wait."""
+    out = []
+    for rot in region.moved_by:
+        if rot._erased or rotation(rot) is None:
+            continue
+        waits = [u for u in rot.users if u.target is c10d.wait_tensor.default]
+        out.append((rot, waits))
+    return out
+
+
+def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
+    pending = _pending(region)
+    if not pending:
+        return "no rotation moves this op's K/V (step 0: the next step's region carries it)"
+    for rot, waits in pending:
+        if len(waits) != 1 or len(rot.users) != 1:
+            return "rotation result used other than through one wait"
+    return copy_engine_unavailable(region)
+
+
+def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
+    sender = Sender(graph, "copy_engine", region.cp, region.group_name)
+    replaced = []
+    for rot, (wait,) in _pending(region):
+        buf, out_splits, in_splits = rot.args[:3]
+        src = next(i for i, n in enumerate(out_splits) if n)
+        dst = next(i for i, n in enumerate(in_splits) if n)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # Start as soon as the buffer exists, wait where the rotated data is first read: the
+        # attention in between is what the transfer hides under.
+        start_at = buf.next
+        while start_at.op == "placeholder":
+            start_at = start_at.next
+        started = sender.start_rotation(Emitter(graph, start_at), buf, dst, src)
+        emit = Emitter(graph, min(wait.users, key=order.__getitem__))
+        emit.replace(wait, sender.wait(emit, started))
+        graph.erase_node(wait)
+        graph.erase_node(rot)
+        replaced += emit.replaced
+    return replaced
+
+
+def detail(region: RingMatch, cfg) -> str:
+    return f"{len(_pending(region))} rotation(s) -> copy engines"
+
+
+# The emitted order is the overlap; Inductor's peak-memory reordering would move the ops.
+REWRITE = Rewrite(
+    NAME, styles=("ring",), why_not=why_not, apply=apply, detail=detail,
+    inductor_patches={"reorder_for_peak_memory": False},
+)

@@ -1,0 +1,128 @@
+"""ce_rotation: a ring's rotations on the copy-engine ops. The CPU has no copy engines: the
+report gives the transport's reason, and the golden schedules and the gloo numerics fake its
+availability (the ops then rotate through torch.distributed, so the rewritten graphs run
+against the fp64 reference)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.lowerings import ce_transport
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.rewrites import ce_rotation
+from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, fake_pg
+from ring_programs import native_options, native_ring, ring_by_hand
+
+c10d = torch.ops._c10d_functional
+
+
+def _qkv(hq=4, hkv=2):
+    mk = lambda h: torch.randn(1, 8, h, 8, requires_grad=True)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def rotations(gm) -> str:
+    """Rotations, their waits and attention calls in graph order: ``nccl#i`` / ``ce#i(to dst,
+    from src)``, ``wait#i``, ``attn``."""
+    ce_start = torch.ops.cp_inductor.ce_rotate_start.default
+    ce_wait = torch.ops.cp_inductor.ce_all_to_all_wait.default
+    ids, out = {}, []
+    for n in gm.graph.nodes:
+        if n.target is c10d.all_to_all_single.default:
+            ids[n] = len(ids)
+            out.append(f"nccl#{ids[n]}")
+        elif n.target is ce_start:
+            ids[n] = len(ids)
+            out.append(f"ce#{ids[n]}(to {n.args[1]}, from {n.args[2]})")
+        elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
+            out.append(f"wait#{ids[n.args[0]]}")
+        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
+            out.append("attn")
+    return " ".join(out)
+
+
+def _rewritten(cp, fn, available=True, **cfg):
+    """(report rows, graphs) after the post-grad passes with ce_rotation on."""
+    patch = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None) if available else mock.MagicMock()
+    with patch, fake_pg(cp), cp_inductor.config.patch(ce_rotation=True, **cfg):
+        graphs = aot_graphs(fn, *_qkv())
+        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind)]
+        for gm in graphs.values():
+            pipeline.rewrite_graph(gm.graph)
+    return rows, graphs
+
+
+class TestGolden(TestCase):
+    def test_hand_written_ring_cp2(self):
+        # Each rotation starts as soon as its buffer exists and is waited where the rotated data
+        # is first read: the forward's K/V travel under step 0's attention (the program itself
+        # rotated after it), the backward's dK/dV under the next step's attention.
+        _, graphs = _rewritten(2, lambda q, k, v: ring_by_hand(q, k, v, causal=True))
+        self.assertExpectedInline("\n".join(f"{k}: {rotations(gm)}" for k, gm in graphs.items()), """\
+forward: ce#0(to 1, from 1) attn wait#0 attn
+backward: attn ce#0(to 1, from 1) attn wait#0 ce#1(to 1, from 1) wait#1""")
+
+    def test_hand_written_ring_cp4(self):
+        _, graphs = _rewritten(4, lambda q, k, v: ring_by_hand(q, k, v, causal=False))
+        # Rank 0 sends to rank 1 and receives from rank 3; rotation i+1 starts right after i lands.
+        self.assertExpectedInline(rotations(graphs["forward"]), """\
+ce#0(to 1, from 3) attn wait#0 ce#1(to 1, from 3) attn wait#1 ce#2(to 1, from 3) attn wait#2 attn""")
+
+    def test_native_context_parallel_all_to_all_rotation(self):
+        # Native CP waits for the rotated K/V before step 0's attention; here the wait moves after it.
+        with native_options("alltoall", load_balance=True):
+            _, graphs = _rewritten(2, lambda q, k, v: native_ring(q, k, v, causal=True))
+        self.assertExpectedInline("\n".join(f"{k}: {rotations(gm)}" for k, gm in graphs.items()), """\
+forward: ce#0(to 1, from 1) attn wait#0 attn
+backward: attn ce#0(to 1, from 1) attn wait#0 ce#1(to 1, from 1) wait#1""")
+
+
+class TestEligibility(TestCase):
+    def test_reasons(self):
+        rows, graphs = _rewritten(2, lambda q, k, v: ring_by_hand(q, k, v, causal=True), available=False)
+        text = "\n".join(f"{r.graph_kind} {r.detail.split()[-1]}: {r.skipped.get('ce_rotation', 'applied')}" for r in rows)
+        self.assertExpectedInline(text, """\
+forward causal: no rotation moves this op's K/V (step 0: the next step's region carries it)
+forward step=1: copy-engine transport needs CUDA tensors (got cpu)
+backward causal: copy-engine transport needs CUDA tensors (got cpu)
+backward Hkv=2: copy-engine transport needs CUDA tensors (got cpu)""")
+        self.assertNotIn("ce#", rotations(graphs["forward"]))
+
+
+def _check_with_copy_engine_ops(rank, cp, kind):
+    """check_cp_attention with ce_rotation applied on gloo (its ops rotate through
+    torch.distributed). No FX graph cache: the faked availability is not in its key."""
+    torch._inductor.config.fx_graph_cache = False
+    ce_rotation.copy_engine_unavailable = lambda region: None
+    options = {"cp_inductor.ce_rotation": True}
+    if kind == "native":
+        case = AttentionCase(batch=1, seq=32, heads_q=2, heads_kv=2, head_dim=8, causal=True, load_balanced=True)
+        with native_options("alltoall", load_balance=True):
+            return check_cp_attention(rank, cp, [case], lambda q, k, v: native_ring(q, k, v, causal=True),
+                                      "cp_inductor", "cpu", options)
+    cases = [
+        AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True),
+        AttentionCase(batch=2, seq=16, heads_q=2, heads_kv=2, head_dim=8, causal=False),
+    ]
+    return [
+        r for case in cases
+        for r in check_cp_attention(rank, cp, [case], lambda q, k, v, c=case.causal: ring_by_hand(q, k, v, causal=c),
+                                    "cp_inductor", "cpu", options)
+    ]
+
+
+@pytest.mark.parametrize("cp,kind", [(2, "hand"), (4, "hand"), (2, "native")])
+def test_numerics_gloo(cp, kind):
+    for rank_results in run_on_ranks(_check_with_copy_engine_ops, cp, kind):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < 1e-5, (key, r)
+            assert "ce_rotation" in r["applied"] and r["rewritten"].get("ce_rotation", 0) >= 2, r
