@@ -175,9 +175,10 @@ def test_allgather_cuda_graph_training_step(head_groups):
         assert r["max_param_diff"] < 2e-2, r["max_param_diff"]
 
 
-def _native_context_parallel(rank, cp, rotate):
+def _native_context_parallel(rank, cp, rotate, options=None):
     """PyTorch's native context_parallel on NCCL: eager, then its SDPA call compiled with
-    cp_inductor (the same sharded buffers). Relative errors compiled vs eager and the report."""
+    cp_inductor and ``options`` (the same sharded buffers). Relative errors compiled vs eager,
+    the report's regions and the rewrites applied."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -198,13 +199,14 @@ def _native_context_parallel(rank, cp, rotate):
             if backend is not None:
                 torch._dynamo.reset()
                 cp_inductor.clear_report()
-                attn = torch.compile(attn, backend=backend, fullgraph=True)
+                attn = torch.compile(attn, backend=backend, fullgraph=True, options=options)
             out = attn(q, k, v)
             out.backward(bufs[3])
             got[backend] = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
     errs = [float((a - b).norm() / b.norm()) for a, b in zip(got["cp_inductor"], got[None])]
     rows = sorted({(r.graph_kind, r.style) for r in cp_inductor.report().regions})
-    return {"errs": errs, "rows": rows}
+    applied = sorted({a for r in cp_inductor.report().regions for a in r.applied})
+    return {"errs": errs, "rows": rows, "applied": applied}
 
 
 @needs_gpus
@@ -217,3 +219,13 @@ def test_native_context_parallel_under_cp_inductor(rotate):
     for r in run_on_ranks(_native_context_parallel, 2, rotate, pg_backend="nccl"):
         assert max(r["errs"]) < 1e-2, r
         assert r["rows"] == sorted({("forward", forward), ("backward", "ring")}), r
+
+
+@needs_gpus
+def test_native_context_parallel_with_ce_rotation():
+    """Native CP with the all-to-all rotation compiled with ce_rotation: its rotations on the
+    copy engines keep native eager's answer."""
+    options = {"cp_inductor.ce_rotation": True}
+    for r in run_on_ranks(_native_context_parallel, 2, "alltoall", options, pg_backend="nccl"):
+        assert max(r["errs"]) < 1e-2, r
+        assert r["applied"] == ["ce_rotation"], r
