@@ -78,6 +78,40 @@ def back_to_back(rank: int, cp: int, steps: int, n: int, seed: int) -> dict:
     return {"wrong": int(wrong.item()), "steps": steps}
 
 
+def rotations_back_to_back(rank: int, cp: int, steps: int, n: int, seed: int) -> dict:
+    """``steps`` transfers mixing ring rotations in both directions with all-to-alls through the
+    same pooled areas (two in flight at times), ranks delayed at random: counts wrong elements."""
+    dev = _device("cuda")
+    group = dist.group.WORLD.group_name
+    shared, rng = random.Random(seed), random.Random(seed + 1 + rank)
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    started = []  # (token, sent, slot, expected)
+    for step in range(steps):
+        if rng.random() < 0.3:
+            torch.cuda._sleep(rng.randrange(1, 200_000))
+        kind = shared.choice(("next", "previous", "all"))
+        sent = _pattern(rank, step, cp, n, dev)
+        slot = step % 2
+        if kind == "all":
+            token = ops.ce_all_to_all_start(sent, slot, group)
+            expected = torch.arange(cp, device=dev, dtype=torch.int32)[:, None] * 1_000_003 + rank + step * 7
+        else:
+            shift = 1 if kind == "next" else -1
+            dst, src = (rank + shift) % cp, (rank - shift) % cp
+            token = ops.ce_rotate_start(sent, dst, src, slot, group)
+            expected = _pattern(src, step, cp, n, dev)
+        started.append((token, sent, slot, expected))
+        if len(started) == 2 or shared.random() < 0.5:
+            for token, x, slot_, want in started:
+                wrong += (ops.ce_all_to_all_wait(token, x, slot_, group) != want).sum()
+            started = []
+    for token, x, slot_, want in started:
+        wrong += (ops.ce_all_to_all_wait(token, x, slot_, group) != want).sum()
+    torch.cuda.synchronize()
+    ce_transport.release()
+    return {"wrong": int(wrong.item()), "steps": steps}
+
+
 def graph_replays(rank: int, cp: int, replays: int, n: int) -> dict:
     """Two transfers and a consumer captured in one CUDA graph, replayed with new inputs each
     time: counts wrong elements over all replays."""
