@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_transport.py --json out.json
 
-Table 1: one equal-split all-to-all of N MiB per rank (median ms, GB/s of what leaves each rank).
+Table 1: one equal-split all-to-all of N MiB per rank (median ms, GB/s of what leaves each rank),
+and one ring rotation of the same tensor (all of it to the next rank): NCCL's one-hot
+``all_to_all_single`` and ``ce_rotate_start``.
 Table 2: cuDNN attention fwd+bwd (B1, S, H heads, D, causal, bf16) alone, the transfers alone,
 and both issued together (transfers queued first, waited after attention): with NCCL (on its own
 stream) and with the copy engines. Perfect overlap is max(attention, transfers).
@@ -80,16 +82,31 @@ def main():
     def ce_a2a(x, slot=0):
         return ops.ce_all_to_all_wait(ops.ce_all_to_all_start(x, slot, group), x, slot, group)
 
+    dst, src = (rank + 1) % world, (rank - 1) % world  # a ring rotation
+
+    def nccl_rotate(x):
+        out = torch.empty_like(x)
+        one_hot = lambda r: [x.shape[0] if i == r else 0 for i in range(world)]  # noqa: E731
+        dist.all_to_all_single(out, x, one_hot(src), one_hot(dst))
+        return out
+
+    def ce_rotate(x, slot=0):
+        return ops.ce_all_to_all_wait(ops.ce_rotate_start(x, dst, src, slot, group), x, slot, group)
+
     rows = []
     for mib in map(int, args.sizes_mib.split(",")):
         x = torch.randn(mib << 19, device="cuda", dtype=torch.bfloat16)  # mib MiB of bf16
         leaving = (mib << 20) * (world - 1) / world / 1e9
         nccl_ms = slowest_median(lambda: nccl_a2a(x), args.iters)
         ce_ms = slowest_median(lambda: ce_a2a(x), args.iters)
-        results["alone"][mib] = {"nccl_ms": nccl_ms, "ce_ms": ce_ms}
-        rows.append(f"{mib:>8} {nccl_ms:9.3f} {leaving / nccl_ms * 1e3:8.0f} {ce_ms:9.3f} {leaving / ce_ms * 1e3:8.0f}")
+        nccl_rot = slowest_median(lambda: nccl_rotate(x), args.iters)
+        ce_rot = slowest_median(lambda: ce_rotate(x), args.iters)
+        results["alone"][mib] = {"nccl_ms": nccl_ms, "ce_ms": ce_ms, "nccl_rotate_ms": nccl_rot, "ce_rotate_ms": ce_rot}
+        rows.append(f"{mib:>8} {nccl_ms:9.3f} {leaving / nccl_ms * 1e3:8.0f} {ce_ms:9.3f} {leaving / ce_ms * 1e3:8.0f}"
+                    f" {nccl_rot:9.3f} {ce_rot:9.3f}")
     if rank == 0:
-        print(f"\nall-to-all alone, {world} ranks\n{'MiB/rank':>8} {'nccl ms':>9} {'GB/s':>8} {'ce ms':>9} {'GB/s':>8}")
+        print(f"\nalone, {world} ranks (all-to-all: GB/s leaving a rank; rotation: all of it to the next rank)")
+        print(f"{'MiB/rank':>8} {'nccl ms':>9} {'GB/s':>8} {'ce ms':>9} {'GB/s':>8} {'nccl rot':>9} {'ce rot':>9}")
         print("\n".join(rows))
 
     shape = (1, args.heads, args.seq, args.head_dim)
