@@ -18,6 +18,19 @@ from cp_inductor.passes import pipeline
 from cp_inductor.passes.detect.a2a import find
 
 
+def allgather_qkv():
+    """Small BSHD q, k, v (16 local tokens, 4 query heads, 2 K/V heads) for all-gather graphs."""
+    mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731
+    return mk(4), mk(2), mk(2)
+
+
+def causal_allgather(q, k, v, head_groups=None):
+    """The all-gather helper, causal and load-balanced (its default)."""
+    from cp_inductor.parallel import allgather_attention
+
+    return allgather_attention(q, k, v, is_causal=True, head_groups=head_groups)
+
+
 @contextlib.contextmanager
 def fake_pg(cp: int, rank: int = 0):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)

@@ -11,27 +11,18 @@ from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cp_inductor.parallel import allgather_attention
 from cp_inductor.passes.rewrites.accumulators import materialized_at
 from cp_inductor.passes import pipeline
-from helpers import aot_graphs, fake_pg
+from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
 
 aten = torch.ops.aten
 
-
-def _qkv():
-    mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731
-    return mk(4), mk(2), mk(2)
-
-
-def _helper(q, k, v):
-    return allgather_attention(q, k, v, is_causal=True)
 
 
 class TestAccumulatorReasons(TestCase):
     def test_backward_region_reasons(self):
         with fake_pg(2):
-            rows = [row for kind, gm in aot_graphs(_helper, *_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
+            rows = [row for kind, gm in aot_graphs(causal_allgather, *allgather_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
         reasons = sorted({
             f"{row.graph}: {name}: {why}"
             for row in rows for name, why in row.skipped.items() if name in ("zero_init", "first_grad_reuse")
@@ -64,8 +55,8 @@ class TestGeneratedBackwardCode(TestCase):
         reduce-scatter's input is written by one fused kernel straight from the attention
         backward's dK/dV contributions; nothing fills a buffer with zeros or adds into one."""
         with fake_pg(2):
-            q, k, v = _qkv()
-            fn = torch.compile(_helper, backend="cp_inductor", fullgraph=True)
+            q, k, v = allgather_qkv()
+            fn = torch.compile(causal_allgather, backend="cp_inductor", fullgraph=True)
             _, codes = run_and_get_code(lambda: fn(q, k, v).sum().backward())
         backward = codes[-1]
         body = backward[backward.index("def call("):]
@@ -84,9 +75,9 @@ class TestGeneratedBackwardCode(TestCase):
         """The same with head_groups=2: per group, the prefixes' dK/dV are padded to the full
         sequence and summed by the one kernel that writes that group's reduce-scatter input."""
         with fake_pg(2):
-            q, k, v = _qkv()
+            q, k, v = allgather_qkv()
             fn = torch.compile(
-                lambda q, k, v: allgather_attention(q, k, v, is_causal=True, head_groups=2),
+                lambda q, k, v: causal_allgather(q, k, v, head_groups=2),
                 backend="cp_inductor", fullgraph=True,
             )
             _, codes = run_and_get_code(lambda: fn(q, k, v).sum().backward())

@@ -13,27 +13,18 @@ from expecttest import TestCase
 
 import cp_inductor
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.parallel import allgather_attention
 from cp_inductor.passes import pipeline
 from cp_inductor.passes.rewrites import owner_grad_return
 from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, fake_pg
+from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
 
 c10d = torch.ops._c10d_functional
 
 
-def _qkv():
-    mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731
-    return mk(4), mk(2), mk(2)
-
-
-def _helper(q, k, v):
-    return allgather_attention(q, k, v, is_causal=True)
-
 
 def _grouped(q, k, v):
-    return allgather_attention(q, k, v, is_causal=True, head_groups=2)
+    return causal_allgather(q, k, v, head_groups=2)
 
 
 def _collectives(gm) -> str:
@@ -56,7 +47,7 @@ def _collectives(gm) -> str:
 
 def _backward(cp: int, fn=_grouped, **cfg):
     with fake_pg(cp), cp_inductor.config.patch(owner_grad_return=True, **cfg):
-        graphs = aot_graphs(fn, *_qkv())
+        graphs = aot_graphs(fn, *allgather_qkv())
         gm = graphs["backward"]
         rows = pipeline.analyze(gm.graph, "backward")
         pipeline.rewrite_graph(gm.graph)
@@ -109,7 +100,7 @@ convert_element_type [2, 1, 1, 16, 8] float32""")
 
 class TestEligibility(TestCase):
     def test_reasons(self):
-        ungrouped, _ = _backward(2, _helper)
+        ungrouped, _ = _backward(2, causal_allgather)
         grouped, gm = _backward(2)
         text = "\n".join(r.skipped.get("owner_grad_return", "applied") for r in ungrouped + grouped)
         self.assertExpectedInline(text, """\
@@ -121,7 +112,7 @@ no attention runs after its reduce-scatter, so the pulls would hide under nothin
 no attention runs after its reduce-scatter, so the pulls would hide under nothing (measured: +1.9% at S32K without head groups; head groups give later groups' attention)""")
         self.assertIn("reduce_scatter", _collectives(gm))  # left to NCCL
         with fake_pg(2), cp_inductor.config.patch(owner_grad_return=True):
-            fwd = aot_graphs(_helper, *_qkv())["forward"]
+            fwd = aot_graphs(causal_allgather, *allgather_qkv())["forward"]
             reasons = {r.skipped.get("owner_grad_return") for r in pipeline.analyze(fwd.graph, "forward")}
         self.assertEqual(reasons, {"forward region (the rewrite returns the backward's dK/dV)"})
 

@@ -319,18 +319,24 @@ def release() -> None:
     _FALLBACK_RESULTS.clear()
 
 
+def _fallback_start(x: torch.Tensor, slot: int, group_name: str, out_splits=None, in_splits=None) -> None:
+    """Where the copy engines cannot run: the same exchange through torch.distributed, now;
+    the wait hands it out."""
+    key = (group_name, slot)
+    if key in _FALLBACK_RESULTS:
+        raise RuntimeError(f"ce transfer slot {slot} started twice without a wait")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_group(group_name))
+    _FALLBACK_RESULTS[key] = out
+
+
 @torch.library.custom_op("cp_inductor::ce_all_to_all_start", mutates_args=())
 def ce_all_to_all_start(x: torch.Tensor, slot: int, group_name: str) -> torch.Tensor:
     """Queue the all-to-all of ``x`` (equal split on dim 0) on ``slot``; returns a token."""
     if why_unavailable(group_name, x.device.type) is None:
         _transport(group_name).start(x, slot)
     else:
-        key = (group_name, slot)
-        if key in _FALLBACK_RESULTS:
-            raise RuntimeError(f"ce_all_to_all slot {slot} started twice without a wait")
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=_group(group_name))
-        _FALLBACK_RESULTS[key] = out
+        _fallback_start(x, slot, group_name)
     return x.new_empty(0)
 
 
@@ -346,14 +352,8 @@ def ce_rotate_start(x: torch.Tensor, dst: int, src: int, slot: int, group_name: 
     if why_unavailable(group_name, x.device.type) is None:
         _transport(group_name).start_rotation(x, dst, src, slot)
     else:
-        key = (group_name, slot)
-        if key in _FALLBACK_RESULTS:
-            raise RuntimeError(f"ce transfer slot {slot} started twice without a wait")
-        group = _group(group_name)
-        sizes = lambda rank: [x.shape[0] if r == rank else 0 for r in range(group.size())]  # noqa: E731
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), sizes(src), sizes(dst), group=group)
-        _FALLBACK_RESULTS[key] = out
+        one_hot = lambda rank: [x.shape[0] if r == rank else 0 for r in range(_group(group_name).size())]  # noqa: E731
+        _fallback_start(x, slot, group_name, one_hot(src), one_hot(dst))
     return x.new_empty(0)
 
 

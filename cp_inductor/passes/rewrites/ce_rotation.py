@@ -27,37 +27,29 @@ import torch.fx
 from ..detect.ring import RingMatch, rotation
 from ..fx_emit import Emitter
 from . import Rewrite
-from .transport import Sender, copy_engine_unavailable
+from .transport import Sender, copy_engine_unavailable, only_wait, retire
 
-c10d = torch.ops._c10d_functional
 NAME = "ce_rotation"
 
 
 def _pending(region: RingMatch) -> list:
-    """The region's rotations still on NCCL, each with its one wait."""
-    out = []
-    for rot in region.moved_by:
-        if rot._erased or rotation(rot) is None:
-            continue
-        waits = [u for u in rot.users if u.target is c10d.wait_tensor.default]
-        out.append((rot, waits))
-    return out
+    """The region's rotations still on NCCL, each with its one wait (None: read otherwise)."""
+    return [(rot, only_wait(rot)) for rot in region.moved_by if not rot._erased and rotation(rot) is not None]
 
 
 def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
     pending = _pending(region)
     if not pending:
         return "no rotation moves this op's K/V (step 0: the next step's region carries it)"
-    for rot, waits in pending:
-        if len(waits) != 1 or len(rot.users) != 1:
-            return "rotation result used other than through one wait"
+    if any(wait is None for _, wait in pending):
+        return "rotation result used other than through one wait"
     return copy_engine_unavailable(region)
 
 
 def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
     sender = Sender(graph, "copy_engine", region.cp, region.group_name)
     replaced = []
-    for rot, (wait,) in _pending(region):
+    for rot, wait in _pending(region):
         buf, out_splits, in_splits = rot.args[:3]
         src = next(i for i, n in enumerate(out_splits) if n)
         dst = next(i for i, n in enumerate(in_splits) if n)
@@ -69,10 +61,7 @@ def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
             start_at = start_at.next
         started = sender.start_rotation(Emitter(graph, start_at), buf, dst, src)
         emit = Emitter(graph, min(wait.users, key=order.__getitem__))
-        emit.replace(wait, sender.wait(emit, started))
-        graph.erase_node(wait)
-        graph.erase_node(rot)
-        replaced += emit.replaced
+        replaced += retire(graph, emit, rot, wait, sender.wait(emit, started))
     return replaced
 
 

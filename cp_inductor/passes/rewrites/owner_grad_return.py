@@ -33,10 +33,9 @@ from ..detect.allgather import AllGatherMatch
 from ..fx_emit import Emitter
 from ..sdpa_ops import SDPA_BACKWARD
 from . import Rewrite
-from .transport import Sender, copy_engine_unavailable
+from .transport import Sender, copy_engine_unavailable, only_wait, retire
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 NAME = "owner_grad_return"
 
 
@@ -53,8 +52,7 @@ def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
     for rs in scatters:
         if rs.args[1] != "sum":
             return f"reduce-scatter reduces by {rs.args[1]!r}, not sum"
-        waits = [u for u in rs.users if u.target is c10d.wait_tensor.default]
-        if len(waits) != 1 or len(rs.users) != 1:
+        if only_wait(rs) is None:
             return "reduce-scatter result used other than through one wait"
     graph = region.attention.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -69,7 +67,7 @@ def apply(graph: torch.fx.Graph, region: AllGatherMatch, cfg) -> list:
     sender = Sender(graph, "copy_engine", region.cp, region.group_name)
     replaced = []
     for rs in _reduce_scatters(region):
-        (wait,) = rs.users
+        wait = only_wait(rs)
         x = rs.args[0]
         emit = Emitter(graph, wait)
         received = sender.wait(emit, sender.start(emit, x))
@@ -81,10 +79,7 @@ def apply(graph: torch.fx.Graph, region: AllGatherMatch, cfg) -> list:
             part = emit(torch.ops.prims.convert_element_type.default, part, torch.float32)
             total = part if total is None else emit(aten.add.Tensor, total, part)
         out = emit(torch.ops.prims.convert_element_type.default, total, x.meta["val"].dtype)
-        emit.replace(wait, out)
-        graph.erase_node(wait)
-        graph.erase_node(rs)
-        replaced += emit.replaced
+        replaced += retire(graph, emit, rs, wait, out)
     return replaced
 
 

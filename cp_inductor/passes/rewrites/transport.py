@@ -31,6 +31,24 @@ def transport_choice(region, cfg) -> tuple[str, str]:
     return ("nccl", reason) if reason else ("copy_engine", "copy engines and symmetric memory available")
 
 
+def only_wait(collective: torch.fx.Node) -> torch.fx.Node | None:
+    """The one ``wait_tensor`` that is ``collective``'s only user, else None (a rewrite that
+    moves the collective must see every reader of its result)."""
+    users = list(collective.users)
+    if len(users) == 1 and users[0].target is c10d.wait_tensor.default:
+        return users[0]
+    return None
+
+
+def retire(graph: torch.fx.Graph, emit: Emitter, collective: torch.fx.Node, wait: torch.fx.Node, value) -> list:
+    """``wait``'s readers read ``value`` instead; the NCCL collective and its wait leave the
+    graph. Returns what ``emit`` replaced (for the check)."""
+    emit.replace(wait, value)
+    graph.erase_node(wait)
+    graph.erase_node(collective)
+    return emit.replaced
+
+
 def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
     """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
     splits = [int(buf.meta["val"].shape[0]) // cp] * cp
