@@ -1,0 +1,112 @@
+"""One GPU: what splitting causal load-balanced all-gather attention into kernel calls costs.
+
+    python benchmarks/bench_allgather_blocks.py --seq 32768 --heads 32 --kv-heads 8 --cp 2 --json out.json
+
+Every rank of K/V all-gather CP does the floor's FLOPs (Hq/cp heads over the whole sequence, one
+causal call) as several calls of all Hq heads: per local chunk c (rank r holds chunks r and
+2cp-1-r of 2cp) its causal diagonal block and, for c > 0, its prefix of c chunks in full. This
+times, per simulated rank, cuDNN attention forward + backward of those call sets only (no
+collectives, no log-sum-exp merges: random gathered K/V) against the floor, for the call plans
+
+* ``separate``: what ``allgather_attention`` runs (one diagonal call per chunk),
+* ``batched``: both chunks' diagonal blocks as ONE causal call of batch 2B (a view of BSHD q/k/v),
+* ``shared_prefix``: batched diagonals, the prefix both chunks share as one batch-2B call, the
+  rest of the later chunk's prefix alone.
+
+Prints a table (median ms, x floor) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from common import device_ms
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PLANS = ("separate", "batched", "shared_prefix")
+
+
+def calls(plan: str, chunks: tuple[int, int], length: int) -> list[tuple[str, tuple, tuple, bool]]:
+    """(q rows, key rows, causal) per call: q rows as (batch chunks, ...), keys as a range."""
+    a, b = chunks
+    out = []
+    if plan == "separate":
+        out += [((c,), (c * length, (c + 1) * length), True) for c in chunks]
+    else:
+        out.append(((a, b), None, True))  # diagonal blocks, batched
+    if plan in ("separate", "batched"):
+        out += [((c,), (0, c * length), False) for c in chunks if c > 0]
+    else:
+        if a > 0:
+            out.append(((a, b), (0, a * length), False))
+        out.append(((b,), (a * length, b * length), False))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--cp", type=int, nargs="+", default=[2])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    dev, dt = "cuda", torch.bfloat16
+    b, s, hq, hkv, d = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
+    rows = []
+
+    def fwd_bwd(pairs):
+        def step():
+            for q, k, v in pairs:
+                q.grad = k.grad = v.grad = None
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=q.causal, enable_gqa=hq != hkv)
+                out.backward(torch.ones_like(out))
+
+        return step
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for cp in a.cp:
+            fq, fk = (torch.randn(b, h // cp, s, d, device=dev, dtype=dt) for h in (hq, hkv))
+            fq.causal = True
+            floor = device_ms(fwd_bwd([(fq.requires_grad_(), fk.clone().requires_grad_(), fk.clone().requires_grad_())]), a.iters)
+            rows.append({"cp": cp, "rank": "-", "plan": "floor", "calls": 1, "ms": floor})
+            length = s // (2 * cp)
+            keys = [torch.randn(b, s, hkv, d, device=dev, dtype=dt) for _ in range(2)]
+            local_q = torch.randn(b, 2, length, hq, d, device=dev, dtype=dt)
+            for rank in range(cp):
+                chunks = (rank, 2 * cp - 1 - rank)
+                local_kv = [x.view(b, 2 * cp, length, hkv, d)[:, list(chunks)] for x in keys]
+                for plan in PLANS:
+                    pairs = []
+                    for rows_q, key_range, causal in calls(plan, chunks, length):
+                        idx = [chunks.index(c) for c in rows_q]
+                        q = local_q[:, idx].flatten(0, 1).transpose(1, 2).detach().requires_grad_()
+                        if key_range is None:  # diagonal blocks: the rank's own K/V, batched like q
+                            k, v = (x[:, idx].flatten(0, 1).transpose(1, 2).detach().requires_grad_() for x in local_kv)
+                        else:
+                            k, v = (x[:, key_range[0]:key_range[1]].transpose(1, 2).detach().requires_grad_() for x in keys)
+                            if len(idx) > 1:
+                                k, v = (t.detach().unsqueeze(1).expand(b, len(idx), *t.shape[1:]).flatten(0, 1).requires_grad_() for t in (k, v))
+                        q.causal = causal
+                        pairs.append((q, k, v))
+                    ms = device_ms(fwd_bwd(pairs), a.iters)
+                    rows.append({"cp": cp, "rank": rank, "plan": plan, "calls": len(pairs), "ms": ms, "x_floor": ms / floor})
+    print(f"B{b} S{s} Hq{hq} Hkv{hkv} D{d} bf16 causal, cuDNN fwd+bwd, one GPU, median of {a.iters}")
+    print(f"{'cp':>3s} {'rank':>5s} {'plan':>14s} {'calls':>6s} {'ms':>9s} {'x floor':>8s}")
+    for r in rows:
+        xf = f"{r['x_floor']:.3f}" if "x_floor" in r else "1.000"
+        print(f"{r['cp']:3d} {str(r['rank']):>5s} {r['plan']:>14s} {r['calls']:6d} {r['ms']:9.3f} {xf:>8s}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
