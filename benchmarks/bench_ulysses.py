@@ -302,10 +302,12 @@ ARMS = {
 
 
 # PyTorch's native context_parallel: eager, its SDPA call under default Inductor, under cp_inductor.
-# native_cp_ce: cp_inductor with ce_rotation (the rotations on the copy engines).
+# native_cp is cp_inductor's defaults (ce_rotation where the rotations are large enough);
+# native_cp_nccl: ce_rotation off; native_cp_ce: ce_rotation forced at any size.
 NATIVE_ARMS = {
     "native": (None,), "native_inductor": ("inductor",), "native_cp": ("cp_inductor",),
-    "native_cp_ce": ("cp_inductor", {"cp_inductor.ce_rotation": True}),
+    "native_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
+    "native_cp_ce": ("cp_inductor", {"cp_inductor.ce_rotation": True, "cp_inductor.ce_rotation_min_bytes": 0}),
 }
 
 

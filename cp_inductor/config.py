@@ -21,7 +21,10 @@ first_grad_reuse: bool = True
 head_partition: bool = False
 uniform_thd: bool = False
 owner_grad_return: bool = False
-ce_rotation: bool = False
+# On where the copy engines can run and a rotation is at least ce_rotation_min_bytes (measured on
+# 2xH200, native CP fwd+bwd: 0.88x / 0.94x of the NCCL rotations at S32K (all-to-all / all-gather
+# rotation), 0.93x at S64K; README).
+ce_rotation: bool = True
 
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the
@@ -43,6 +46,10 @@ head_partition_forward: bool = False
 # flags (lowerings/ce_transport.py), which move while attention holds every SM; where it cannot
 # run (CPU, gloo, no cuda-bindings, ranks on several hosts) NCCL, with the reason in the report.
 transport: str = "nccl"
+# ce_rotation leaves smaller rotations on NCCL: 256 MiB (B1 S32K H32 D128 bf16 K and V per rank)
+# is the smallest measured faster; below it the copy engines' host-side launch work per step
+# is not known to pay (head_partition's copy-engine all-to-alls lost at B4 S8K, README).
+ce_rotation_min_bytes: int = 256 << 20
 
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True

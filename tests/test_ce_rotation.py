@@ -52,7 +52,8 @@ def rotations(gm) -> str:
 def _rewritten(cp, fn, available=True, **cfg):
     """(report rows, graphs) after the post-grad passes with ce_rotation on."""
     patch = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None) if available else mock.MagicMock()
-    with patch, fake_pg(cp), cp_inductor.config.patch(ce_rotation=True, **cfg):
+    cfg = {"ce_rotation": True, "ce_rotation_min_bytes": 0, **cfg}  # the test shapes are tiny
+    with patch, fake_pg(cp), cp_inductor.config.patch(**cfg):
         graphs = aot_graphs(fn, *_qkv())
         rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind)]
         for gm in graphs.values():
@@ -96,13 +97,19 @@ backward causal: copy-engine transport needs CUDA tensors (got cpu)
 backward Hkv=2: copy-engine transport needs CUDA tensors (got cpu)""")
         self.assertNotIn("ce#", rotations(graphs["forward"]))
 
+    def test_small_rotations_stay_on_nccl(self):
+        # The K/V buffer here is 1 x 8 x (2 + 2) x 8 fp32 = 1 KiB; 2 KiB is the threshold.
+        rows, graphs = _rewritten(2, lambda q, k, v: ring_by_hand(q, k, v, causal=True), ce_rotation_min_bytes=2048)
+        self.assertExpectedInline(rows[1].skipped["ce_rotation"], """a rotation of 1 KiB is below ce_rotation_min_bytes (2 KiB, the smallest measured faster than NCCL)""")
+        self.assertEqual(rotations(graphs["forward"]), "attn nccl#0 wait#0 attn")
+
 
 def _check_with_copy_engine_ops(rank, cp, kind):
     """check_cp_attention with ce_rotation applied on gloo (its ops rotate through
     torch.distributed). No FX graph cache: the faked availability is not in its key."""
     torch._inductor.config.fx_graph_cache = False
     ce_rotation.copy_engine_unavailable = lambda region: None
-    options = {"cp_inductor.ce_rotation": True}
+    options = {"cp_inductor.ce_rotation": True, "cp_inductor.ce_rotation_min_bytes": 0}  # tiny shapes
     if kind == "native":
         case = AttentionCase(batch=1, seq=32, heads_q=2, heads_kv=2, head_dim=8, causal=True, load_balanced=True)
         with native_options("alltoall", load_balance=True):

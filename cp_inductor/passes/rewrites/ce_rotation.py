@@ -15,8 +15,10 @@ that attention, as a hand-written ring does, or wait before it, as native CP's d
 neighbours, read from the split sizes the program traced. The forward's rotations are those that
 carry K and V (both, where they rotate separately), the backward's those that carry dK/dV.
 
-Needs the copy-engine transport (the report says why not where it cannot run). Off by default:
-not measured on GPUs yet.
+Needs the copy-engine transport (the report says why not where it cannot run) and rotations of
+at least ``ce_rotation_min_bytes``. On by default: on 2xH200 it took native CP fwd+bwd (cp=2,
+causal, H32 D128) from 36.44 to 31.99 ms at S32K with the all-to-all rotation, from 36.64 to
+34.60 with the all-gather rotation (the backward's dK/dV rotations), 131.57 to 122.62 at S64K.
 """
 
 from __future__ import annotations
@@ -43,7 +45,26 @@ def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
         return "no rotation moves this op's K/V (step 0: the next step's region carries it)"
     if any(wait is None for _, wait in pending):
         return "rotation result used other than through one wait"
-    return copy_engine_unavailable(region)
+    unavailable = copy_engine_unavailable(region)
+    if unavailable:
+        return unavailable
+    smallest = min(_nbytes(rot.args[0]) for rot, _ in pending)
+    if smallest < cfg.ce_rotation_min_bytes:
+        return (f"a rotation of {_size(smallest)} is below ce_rotation_min_bytes "
+                f"({_size(cfg.ce_rotation_min_bytes)}, the smallest measured faster than NCCL)")
+    return None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def _nbytes(buf: torch.fx.Node) -> int:
+    val = buf.meta["val"]
+    return val.numel() * val.element_size()
 
 
 def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
