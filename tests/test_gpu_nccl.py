@@ -177,6 +177,60 @@ def test_allgather_cuda_graph_training_step(head_groups):
         assert r["max_param_diff"] < 2e-2, r["max_param_diff"]
 
 
+# ce_rotation at any size (the test shapes are far below ce_rotation_min_bytes).
+CE_ROTATION = {"cp_inductor.ce_rotation": True, "cp_inductor.ce_rotation_min_bytes": 0}
+
+
+def _ring_bf16(rank, cp, kernel, options):
+    from cp_inductor.parallel import ring_attention
+
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
+        AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=64, causal=False, dtype=bf16),
+    ]
+    return [
+        r for c in cases for r in check_cp_attention(
+            rank, cp, [c], lambda q, k, v, c=c: ring_attention(q, k, v, is_causal=c.causal, kernel=kernel),
+            device="cuda", options=options,
+        )
+    ]
+
+
+@needs_gpus
+@pytest.mark.parametrize("kernel,ce", [("flash", False), ("cudnn", False), ("cudnn", True)])
+def test_ring_nccl_bf16(kernel, ce):
+    """The ring helper on NCCL in bf16 with each log-sum-exp kernel, its rotations on NCCL (the
+    default at these sizes) or on the copy engines."""
+    for rank_results in run_on_ranks(_ring_bf16, 2, kernel, CE_ROTATION if ce else None, pg_backend="nccl"):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (key, r)
+            assert {row[:3] for row in r["report"]} == {("forward", "ring", 2), ("backward", "ring", 2)}, r
+            # ce: a forward and a backward region rewritten (the backward's rotations go with one).
+            assert r["applied"] == (["ce_rotation"] if ce else []), r
+            assert (r["rewritten"].get("ce_rotation", 0) >= 2) if ce else ("ce_rotation" not in r["rewritten"]), r
+
+
+@needs_gpus
+def test_ring_cuda_graph_training_step_copy_engines():
+    """reduce-overhead over the ring step with its rotations on the copy engines: captured with
+    no skips, replays match eager."""
+    from cp_inductor.testing.train_step import StepConfig, compare_with_eager
+
+    cfg = StepConfig(style="ring", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01)
+    results = run_on_ranks(
+        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", CE_ROTATION, torch.bfloat16,
+        pg_backend="nccl",
+    )
+    for r in results:
+        assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
+        assert r["rewritten"].get("ce_rotation", 0) >= 2, r
+        for e, c in zip(r["eager"], r["compiled"]):
+            assert abs(e - c) <= 2e-2 * abs(e), (r["eager"], r["compiled"])
+        assert r["max_param_diff"] < 2e-2, r["max_param_diff"]
+
+
 def _native_context_parallel(rank, cp, rotate, options=None):
     """PyTorch's native context_parallel on NCCL: eager, then its SDPA call compiled with
     cp_inductor and ``options`` (the same sharded buffers). Relative errors compiled vs eager,
@@ -227,7 +281,6 @@ def test_native_context_parallel_under_cp_inductor(rotate):
 def test_native_context_parallel_with_ce_rotation():
     """Native CP with the all-to-all rotation compiled with ce_rotation: its rotations on the
     copy engines keep native eager's answer."""
-    options = {"cp_inductor.ce_rotation": True, "cp_inductor.ce_rotation_min_bytes": 0}  # a small shape
-    for r in run_on_ranks(_native_context_parallel, 2, "alltoall", options, pg_backend="nccl"):
+    for r in run_on_ranks(_native_context_parallel, 2, "alltoall", CE_ROTATION, pg_backend="nccl"):
         assert max(r["errs"]) < 1e-2, r
         assert r["applied"] == ["ce_rotation"], r

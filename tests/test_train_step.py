@@ -39,3 +39,17 @@ def test_allgather_step_matches_eager():
             ("allgather", False), ("allgather", True),
         }, regions
         assert all(r.applied == [] for r in regions)
+
+
+def test_ring_step_matches_eager():
+    """The same step with ring attention (load-balanced causal, GQA): forward and backward ring
+    regions in the one step graph, the answer eager's (ce_rotation needs the copy engines)."""
+    cfg = StepConfig(style="ring", layout="bshd", heads=4, kv_heads=2)
+    for result in run_on_ranks(compare_with_eager, 2, cfg, 3, "cpu", "cp_inductor"):
+        for e, c in zip(result["eager"], result["compiled"]):
+            assert abs(e - c) <= 1e-5 * abs(e), (result["eager"], result["compiled"])
+        assert result["eager"][-1] < result["eager"][0]
+        assert result["max_param_diff"] < 1e-5
+        regions = result["report"].regions
+        assert {(r.style, r.attention.endswith("_backward")) for r in regions} == {("ring", False), ("ring", True)}, regions
+        assert all(r.skipped["ce_rotation"].startswith(("copy-engine transport needs CUDA", "no rotation")) for r in regions)

@@ -1,15 +1,16 @@
 """Context-parallel attention written in plain PyTorch (functional collectives + SDPA).
 
 Eager, it is the OFF baseline; compiled with ``backend="cp_inductor"`` the passes find its regions
-and rewrite them. One module per CP style (``ulysses``, ``allgather``; ring follows), plus the
+and rewrite them. One module per CP style (``ulysses``, ``allgather``, ``ring``), plus the
 sequence sharding they share.
 """
 
 from .allgather import allgather_attention
+from .ring import ring_attention
 from .sharding import gather_sequence, load_balanced_chunks, shard_sequence, unshard_sequence
 from .ulysses import LAYOUTS, ulysses_attention
 
 __all__ = [
-    "LAYOUTS", "allgather_attention", "gather_sequence", "load_balanced_chunks", "shard_sequence",
+    "LAYOUTS", "allgather_attention", "gather_sequence", "load_balanced_chunks", "ring_attention", "shard_sequence",
     "ulysses_attention", "unshard_sequence",
 ]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import parallel
 
-STYLES = ("a2a", "allgather")
+STYLES = ("a2a", "allgather", "ring")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class StepConfig:
 
     @property
     def load_balanced(self) -> bool:
-        """All-gather causal attention takes the two-chunk layout (rank r: chunks r, 2cp-1-r)."""
-        return self.style == "allgather" and self.causal
+        """All-gather and ring causal attention take the two-chunk layout (rank r: chunks r, 2cp-1-r)."""
+        return self.style in ("allgather", "ring") and self.causal
 
 
 class TransformerBlock(nn.Module):
@@ -68,6 +68,8 @@ class TransformerBlock(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if c.style == "a2a":
             o = parallel.ulysses_attention(q, k, v, group=self.group, layout=c.layout, is_causal=c.causal)
+        elif c.style == "ring":
+            o = parallel.ring_attention(q, k, v, group=self.group, layout=c.layout, is_causal=c.causal)
         else:
             o = parallel.allgather_attention(
                 q, k, v, group=self.group, layout=c.layout, is_causal=c.causal, load_balanced=c.load_balanced,
