@@ -5,8 +5,9 @@ rewrite OFF and ON, head groups G) / PyTorch native context_parallel / the one-G
         --kv-heads 8 --head-dim 128 --json out.json
 
 The user code is ``cp_inductor.parallel.allgather_attention`` (causal: load-balanced shards, rank r
-holds chunks r and 2cp-1-r) or, for the ``hand_*`` arms, a hand-written DiT-style non-causal block
-(benchmarks/handwritten.py). Method, checks and peak memory as in bench_ulysses.py (the same
+holds chunks r and 2cp-1-r), for the ``hand_*`` arms a hand-written DiT-style non-causal block
+(benchmarks/handwritten.py), for the ``ring_*`` arms ``cp_inductor.parallel.ring_attention`` on
+the same shards. Method, checks and peak memory as in bench_ulysses.py (the same
 Bench, arms alternate per round, slowest rank per iteration, medians of paired ratios). The floor
 is one GPU running one rank's share of the FLOPs in one call: Hq/cp query heads (Hkv/cp K/V heads)
 over the whole sequence, with SDPA's own kernel choice.
@@ -39,6 +40,12 @@ HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_i
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
 # "<arm>_hg<G>": any arm above on the helper with head_groups=G.
+# The ring helper (cp_inductor.parallel.ring_attention) on the same shards: eager, default
+# Inductor, cp_inductor's defaults (ce_rotation where rotations are large enough), ce_rotation off.
+RING_ARMS = {
+    "ring_eager": (None,), "ring_inductor": ("inductor",), "ring_cp": ("cp_inductor",),
+    "ring_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
+}
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).
 ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
 
@@ -64,6 +71,10 @@ class AllGatherBench(Bench):
     def arm(self, name: str):
         if name in NATIVE_ARMS or name == "floor":
             return super().arm(name)
+        if name in RING_ARMS:
+            a = self.args
+            ring = lambda q, k, v: parallel.ring_attention(q, k, v, layout=a.layout, is_causal=a.causal)  # noqa: E731
+            return self.cp_arm(ring, a.layout, *RING_ARMS[name])
         if name in KERNEL_ARMS:
             arm, kernel = KERNEL_ARMS[name]
             return self.allgather_arm(*arm, kernel=kernel)
