@@ -170,6 +170,30 @@ def schedule(gm) -> str:
     return " ".join(out)
 
 
+def rotations(gm) -> str:
+    """Rotations, their waits and attention calls in graph order: ``nccl#i`` / ``ce#i(to dst,
+    from src)``, ``wait#i``, ``attn``."""
+    from cp_inductor.lowerings import ce_transport  # noqa: F401  (registers the ops)
+    from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+
+    c10d = torch.ops._c10d_functional
+    ce_start = torch.ops.cp_inductor.ce_rotate_start.default
+    ce_wait = torch.ops.cp_inductor.ce_all_to_all_wait.default
+    ids, out = {}, []
+    for n in gm.graph.nodes:
+        if n.target is c10d.all_to_all_single.default:
+            ids[n] = len(ids)
+            out.append(f"nccl#{ids[n]}")
+        elif n.target is ce_start:
+            ids[n] = len(ids)
+            out.append(f"ce#{ids[n]}(to {n.args[1]}, from {n.args[2]})")
+        elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
+            out.append(f"wait#{ids[n.args[0]]}")
+        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
+            out.append("attn")
+    return " ".join(out)
+
+
 def assert_cp_results(results, tol: float, applied=("fused_a2a",), cp: int | None = None, check_layout=False):
     """Eager and compiled CP attention within ``tol`` (relative L2) of the fp64 reference for the
     output and every gradient; the report applied exactly ``applied`` and the passes really

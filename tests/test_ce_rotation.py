@@ -15,38 +15,16 @@ import cp_inductor
 from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
 from cp_inductor.passes.rewrites import ce_rotation
-from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, fake_pg
+from helpers import aot_graphs, fake_pg, rotations
 from ring_programs import native_options, native_ring, ring_by_hand
 
-c10d = torch.ops._c10d_functional
 
 
 def _qkv(hq=4, hkv=2):
     mk = lambda h: torch.randn(1, 8, h, 8, requires_grad=True)  # noqa: E731
     return mk(hq), mk(hkv), mk(hkv)
-
-
-def rotations(gm) -> str:
-    """Rotations, their waits and attention calls in graph order: ``nccl#i`` / ``ce#i(to dst,
-    from src)``, ``wait#i``, ``attn``."""
-    ce_start = torch.ops.cp_inductor.ce_rotate_start.default
-    ce_wait = torch.ops.cp_inductor.ce_all_to_all_wait.default
-    ids, out = {}, []
-    for n in gm.graph.nodes:
-        if n.target is c10d.all_to_all_single.default:
-            ids[n] = len(ids)
-            out.append(f"nccl#{ids[n]}")
-        elif n.target is ce_start:
-            ids[n] = len(ids)
-            out.append(f"ce#{ids[n]}(to {n.args[1]}, from {n.args[2]})")
-        elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
-            out.append(f"wait#{ids[n.args[0]]}")
-        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
-            out.append("attn")
-    return " ".join(out)
 
 
 def _rewritten(cp, fn, available=True, **cfg):

@@ -30,6 +30,7 @@ def test_pool_holds_as_many_areas_as_transfers_in_flight(monkeypatch):
     monkeypatch.setattr(ce_transport.torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ce_transport.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(ce_transport.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ce_transport.torch.cuda, "set_device", lambda device: None)  # the helper thread's
     monkeypatch.setattr(ce_transport.dist, "barrier", lambda **kw: None)
     monkeypatch.setattr(ce_transport, "_group", lambda name: None)
     pool = ce_transport._Transport.__new__(ce_transport._Transport)

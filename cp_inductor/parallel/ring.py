@@ -95,8 +95,10 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, rank, cp, group_name, scale, kernel = ctx.args
         _, backward = KERNELS[kernel]
-        # cuDNN's backward returns wrong gradients when dO's strides differ from O's.
-        dout = dout.contiguous()
+        # The fused backward kernels return wrong gradients when dO's strides differ from O's
+        # (the merges leave O in whatever layout they computed): both contiguous, as the
+        # all-gather helper does. (H200, run 37: flash wrong eager, cuDNN wrong compiled.)
+        dout, out = dout.contiguous(), out.contiguous()
         kv = torch.cat([k.flatten(), v.flatten()])
         dq = dkv = None
         for step in range(cp):
@@ -105,10 +107,12 @@ class _Ring(torch.autograd.Function):
                 dkv = _rotate(dkv, rank, cp, group_name)  # the accumulator travels with its block
             k_s, v_s = (t.view_as(k) for t in kv.split(k.numel()))
             rows, cols, is_causal = _blocks(q.shape[2], (rank - step) % cp, rank, causal)
-            step_lse = lse[:, :, rows]
+            # A half of the rows is a strided slice: the kernels take contiguous O, dO and lse.
+            step_lse = lse[:, :, rows].contiguous()
             step_lse = step_lse.reshape(*step_lse.shape, *ctx.lse_tail)
+            dout_s, out_s = (t[:, :, rows].contiguous() for t in (dout, out))
             dq_s, dk_s, dv_s = backward(
-                dout[:, :, rows], q[:, :, rows], k_s[:, :, cols], v_s[:, :, cols], out[:, :, rows], step_lse,
+                dout_s, q[:, :, rows], k_s[:, :, cols], v_s[:, :, cols], out_s, step_lse,
                 ctx.extras[step], is_causal, scale,
             )[:3]
             pad_q = (0, 0, rows.start or 0, 0)
