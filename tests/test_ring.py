@@ -1,7 +1,7 @@
 """Hand-written ring attention (``ring_programs.ring_by_hand``) on gloo: output and every
 gradient against a single-device fp64 reference, eager and compiled with cp_inductor, which
-finds the ring regions in both graphs, rewrites nothing by default (ce_rotation is off:
-``tests/test_ce_rotation.py``) and keeps the answer."""
+finds the ring regions in both graphs, rewrites nothing on CPU (ce_rotation needs the copy
+engines: ``tests/test_ce_rotation.py``) and keeps the answer."""
 
 from __future__ import annotations
 
