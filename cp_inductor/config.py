@@ -45,7 +45,11 @@ head_partition_forward: bool = False
 # are hidden); "copy_engine": pulls by the copy engines from symmetric memory, ordered by stream
 # flags (lowerings/ce_transport.py), which move while attention holds every SM; where it cannot
 # run (CPU, gloo, no cuda-bindings, ranks on several hosts) NCCL, with the reason in the report.
-transport: str = "nccl"
+# "auto": the copy engines where they can run and the region's attention is at least
+# transport_min_tflop (their host-side work, about 0.3 ms per transfer, must hide under it:
+# measured faster at 4.4 TFLOP per region, B1 S32K H32 D128, and slower at 1.1, B4 S8K H16).
+transport: str = "auto"
+transport_min_tflop: float = 2.0
 # ce_rotation leaves smaller rotations on NCCL: 256 MiB (B1 S32K H32 D128 bf16 K and V per rank)
 # is the smallest measured faster; below it the copy engines' host-side launch work per step
 # is not known to pay (head_partition's copy-engine all-to-alls lost at B4 S8K, README).

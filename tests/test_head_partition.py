@@ -206,6 +206,20 @@ Hq=8 Hkv=4 causal unpack=views (set by config) G=2, transport=nccl (copy-engine 
 forward: a2a#0[2, 8, 2, 8, 16] wait#0 attn(h=4) a2a#1[2, 8, 2, 4, 16] wait#1
 backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 4, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 4, 16] wait#2 wait#3""")
 
+    def test_auto_weighs_the_attention(self):
+        # Copy engines available (faked): "auto" takes them only for attention long enough to
+        # hide their host-side work; this region is far below the measured threshold.
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
+            details = []
+            for threshold in (2.0, 0.0):
+                with fake_pg(2), cp_inductor.config.patch(head_partition=True, fused_a2a_unpack="views",
+                                                          transport="auto", transport_min_tflop=threshold):
+                    graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+                    details += [r.detail.split("G=")[1] for r in pipeline.analyze(graphs["backward"].graph, "backward")]
+        self.assertExpectedInline("\n".join(details), """\
+2, transport=nccl (attention 6.6e-08 TFLOP < transport_min_tflop 2)
+2, transport=copy_engine (attention 6.6e-08 TFLOP >= transport_min_tflop 0)""")
+
 
 HP_ALL = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, **VIEWS}
 

@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from ..fx_emit import Emitter
+from ..sdpa_ops import bound_args
 
 c10d = torch.ops._c10d_functional
 
@@ -22,13 +23,30 @@ def copy_engine_unavailable(region) -> str | None:
 
 def transport_choice(region, cfg) -> tuple[str, str]:
     """(transport, why) for the all-to-alls head_partition emits: ``cfg.transport``, or "nccl"
-    where the copy engines cannot run (the reason says why)."""
-    if cfg.transport not in ("copy_engine", "nccl"):
+    where the copy engines cannot run (the reason says why); "auto": the copy engines where the
+    region's attention is long enough to hide their host-side work (``transport_min_tflop``)."""
+    if cfg.transport not in ("copy_engine", "nccl", "auto"):
         return "nccl", f"unknown transport {cfg.transport!r}"
     if cfg.transport == "nccl":
         return "nccl", "config"
     reason = copy_engine_unavailable(region)
-    return ("nccl", reason) if reason else ("copy_engine", "copy engines and symmetric memory available")
+    if reason:
+        return "nccl", reason
+    if cfg.transport == "auto":
+        work = attention_tflop(region)
+        verdict = ">=" if work >= cfg.transport_min_tflop else "<"
+        why = f"attention {work:.2g} TFLOP {verdict} transport_min_tflop {cfg.transport_min_tflop:g}"
+        return ("copy_engine" if verdict == ">=" else "nccl"), why
+    return "copy_engine", "copy engines and symmetric memory available"
+
+
+def attention_tflop(region) -> float:
+    """The region's attention on this rank, forward FLOPs (4 B H Sq Sk D, half where causal)."""
+    args = bound_args(region.attention)
+    q, k = args["query"].meta["val"], args["key"].meta["val"]
+    b, h, sq, d = q.shape
+    flop = 4 * b * h * sq * k.shape[2] * d * (0.5 if region.is_causal else 1.0)
+    return flop / 1e12
 
 
 def only_wait(collective: torch.fx.Node) -> torch.fx.Node | None:
