@@ -5,6 +5,7 @@ against the fp64 reference)."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -27,11 +28,11 @@ def _qkv(hq=4, hkv=2):
     return mk(hq), mk(hkv), mk(hkv)
 
 
-def _rewritten(cp, fn, available=True, **cfg):
+def _rewritten(cp, fn, available=True, rank=0, **cfg):
     """(report rows, graphs) after the post-grad passes with ce_rotation on."""
     patch = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None) if available else mock.MagicMock()
     cfg = {"ce_rotation": True, "ce_rotation_min_bytes": 0, **cfg}  # the test shapes are tiny
-    with patch, fake_pg(cp), cp_inductor.config.patch(**cfg):
+    with patch, fake_pg(cp, rank), cp_inductor.config.patch(**cfg):
         graphs = aot_graphs(fn, *_qkv())
         rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind)]
         for gm in graphs.values():
@@ -62,6 +63,31 @@ ce#0(to 1, from 3) attn wait#0 ce#1(to 1, from 3) attn wait#1 ce#2(to 1, from 3)
         self.assertExpectedInline("\n".join(f"{k}: {rotations(gm)}" for k, gm in graphs.items()), """\
 forward: ce#0(to 1, from 1) attn wait#0 attn
 backward: attn ce#0(to 1, from 1) attn wait#0 ce#1(to 1, from 1) wait#1""")
+
+
+def _collective_kinds(graphs) -> dict:
+    """Per graph, its collectives in order, by transport: what every rank must issue alike."""
+    return {k: [t.split("#")[0] for t in rotations(gm).split() if t.startswith(("ce#", "nccl#"))] for k, gm in graphs.items()}
+
+
+# Not native's all-to-all rotation at cp = 4: there AOTAutograd's partitioner already gives the
+# ranks different backward collectives (it recomputes the forward's first rotation in the
+# backward on ranks 1-3 only: 7 rotations against rank 0's 6), before any cp_inductor pass.
+@pytest.mark.parametrize("cp,program", [(2, "hand"), (4, "hand"), (2, "native_alltoall"), (4, "native_allgather")])
+def test_every_rank_decides_alike(cp, program):
+    """Ring programs trace different graphs per rank (load balancing slices by rank); a rotation
+    moved to the copy engines on one rank and left to NCCL on another would hang both. Every
+    rank must end with the same collectives, in the same order, on the same transport."""
+    rotate = program.split("_")[-1]
+    causal = program == "hand" or rotate == "alltoall"
+    fn = (lambda q, k, v: ring_by_hand(q, k, v, causal=True)) if program == "hand" else (
+        lambda q, k, v: native_ring(q, k, v, causal=causal))
+    kinds = []
+    for rank in range(cp):
+        with native_options(rotate, load_balance=causal) if program != "hand" else contextlib.nullcontext():
+            kinds.append(_collective_kinds(_rewritten(cp, fn, rank=rank)[1]))
+    assert all(k == kinds[0] for k in kinds), kinds
+    assert "ce" in kinds[0]["backward"], kinds[0]
 
 
 class TestEligibility(TestCase):
