@@ -65,6 +65,16 @@ def graph_passes(cfg, inductor_patches: dict) -> dict:
     return out
 
 
+def _rotates(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph, or an autograd.Function body in it, holds a ring rotation."""
+    from .passes.detect.ring import rotation
+
+    return any(
+        rotation(n) is not None
+        for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+    )
+
+
 def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     ours, inductor_patches = _split_options(options)
     if mode is not None and mode != "default":
@@ -73,7 +83,10 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     inductor_patches.update(graph_passes(cfg, inductor_patches))
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    functorch_patches = {"enable_autograd_cache": False}
+    if not cfg.ring_aot_cse and _rotates(gm):
+        functorch_patches["cse"] = False
+    with torch._functorch.config.patch(functorch_patches):
         return compile_fx(
             gm,
             example_inputs,

@@ -55,6 +55,13 @@ transport_min_tflop: float = 2.0
 # is not known to pay (head_partition's copy-engine all-to-alls lost at B4 S8K, README).
 ce_rotation_min_bytes: int = 256 << 20
 
+# AOTAutograd's common-subexpression elimination on graphs with ring rotations. It merges a
+# backward collective with the identical forward one where it finds them, and ring programs
+# trace different graphs per rank (load balancing slices by rank), so it merges on some ranks
+# only and their collectives stop matching: native CP's all-to-all rotation at cp=4 hangs under
+# torch.compile with any AOT backend (aot_eager included; gloo, tests/test_ring.py). Off.
+ring_aot_cse: bool = False
+
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True
 

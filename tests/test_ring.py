@@ -46,10 +46,11 @@ def _check_native(rank, cp, rotate):
         return check_cp_attention(rank, cp, [case], lambda q, k, v: native_ring(q, k, v, causal=causal))
 
 
-@pytest.mark.parametrize("cp,rotate", [(2, "alltoall"), (4, "allgather")])
+@pytest.mark.parametrize("cp,rotate", [(2, "alltoall"), (4, "allgather"), (4, "alltoall")])
 def test_native_context_parallel_ring_matches_single_device(cp, rotate):
     """Native CP's own ring code (CPU kernel) eager and compiled with cp_inductor: the answer
-    is unchanged and its regions are found (all-gather forward regions with that rotation)."""
+    is unchanged and its regions are found (all-gather forward regions with that rotation). The
+    all-to-all rotation at cp=4 hangs with AOTAutograd's CSE on (config.ring_aot_cse)."""
     forward = "ring" if rotate == "alltoall" else "allgather"
     for rank_results in run_on_ranks(_check_native, cp, rotate):
         assert_cp_results(rank_results, TOL, applied=())

@@ -70,7 +70,8 @@ STYLE = RingMatch.style
 def rotation(node) -> tuple[int, str] | None:
     """(cp, group) if ``node`` is an all_to_all_single that moves its whole input to one rank
     and receives one rank's whole tensor, else None."""
-    if not isinstance(node, torch.fx.Node) or node.target is not c10d.all_to_all_single.default:
+    # Dynamo's graphs call the op packet, AOTAutograd's the overload.
+    if not isinstance(node, torch.fx.Node) or node.target not in (c10d.all_to_all_single.default, c10d.all_to_all_single):
         return None
     _, out_splits, in_splits, group = node.args[:4]
     if not isinstance(out_splits, (list, tuple)) or not isinstance(in_splits, (list, tuple)):
