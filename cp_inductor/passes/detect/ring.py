@@ -73,6 +73,8 @@ def rotation(node) -> tuple[int, str] | None:
     # Dynamo's graphs call the op packet, AOTAutograd's the overload.
     if not isinstance(node, torch.fx.Node) or node.target not in (c10d.all_to_all_single.default, c10d.all_to_all_single):
         return None
+    if len(node.args) < 4:  # splits or group passed by keyword: not a form we read
+        return None
     _, out_splits, in_splits, group = node.args[:4]
     if not isinstance(out_splits, (list, tuple)) or not isinstance(in_splits, (list, tuple)):
         return None
