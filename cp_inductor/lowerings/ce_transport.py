@@ -196,26 +196,15 @@ class _Transport:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         out_blocks = out.view(-1).view(torch.uint8).view(world, -1)
         me, driver = area.rank, _driver()
-        main, side = torch.cuda.current_stream(), self.stream
         peers = [(me + i) % world for i in range(1, world)]
-        on_main = driver.CUstream(main.cuda_stream)
+        on_main = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         for p in peers:
             _wait_value(driver, on_main, area.flag(me, _CONSUMED, p), 1)
             _write_value(driver, on_main, area.flag(me, _CONSUMED, p), 0)
             area.block(me, p, nbytes).copy_(flat[p])
             _write_value(driver, on_main, area.flag(p, _READY, me), 1)
         out_blocks[me].copy_(flat[me])
-        side.wait_stream(main)
-        on_side = driver.CUstream(side.cuda_stream)
-        with torch.cuda.stream(side):
-            for p in peers:
-                _wait_value(driver, on_side, area.flag(me, _READY, p), 1)
-                _write_value(driver, on_side, area.flag(me, _READY, p), 0)
-                _engine_copy(driver, on_side, out_blocks[p], area.block(p, me, nbytes), area.device(p))
-                _write_value(driver, on_side, area.flag(p, _CONSUMED, me), 1)
-            done = torch.cuda.Event()
-            done.record(side)
-        self.in_flight[slot] = (out, done, index)
+        self._pull(slot, out, index, [(p, out_blocks[p], area.block(p, me, nbytes)) for p in peers])
 
     def start_rotation(self, x: torch.Tensor, dst: int, src: int, slot: int) -> None:
         """Send all of ``x`` to rank ``dst`` and receive ``src``'s into a tensor like it: one
@@ -229,8 +218,7 @@ class _Transport:
         area = self.areas[index]
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         me, driver = area.rank, _driver()
-        main, side = torch.cuda.current_stream(), self.stream
-        on_main = driver.CUstream(main.cuda_stream)
+        on_main = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         # The area's previous transfer may have gone to other peers (a pooled area, rotations
         # in the other direction): every reader must be done before it is overwritten.
         for p in range(world):
@@ -239,13 +227,22 @@ class _Transport:
         _write_value(driver, on_main, area.flag(me, _CONSUMED, dst), 0)
         area.span(me, nbytes).copy_(flat)
         _write_value(driver, on_main, area.flag(dst, _READY, me), 1)
-        side.wait_stream(main)
+        self._pull(slot, out, index, [(src, out.view(-1).view(torch.uint8), area.span(src, nbytes))])
+
+    def _pull(self, slot: int, out: torch.Tensor, index: int, pulls: list) -> None:
+        """On the side stream, after the main stream's work so far (``out``'s memory is free):
+        per (peer, destination bytes, peer's staged bytes), wait until the peer has staged its
+        block, pull it by a copy engine, tell the peer it was read. ``slot`` holds the transfer
+        until its wait."""
+        area, driver, side = self.areas[index], _driver(), self.stream
+        side.wait_stream(torch.cuda.current_stream())
         on_side = driver.CUstream(side.cuda_stream)
         with torch.cuda.stream(side):
-            _wait_value(driver, on_side, area.flag(me, _READY, src), 1)
-            _write_value(driver, on_side, area.flag(me, _READY, src), 0)
-            _engine_copy(driver, on_side, out.view(-1).view(torch.uint8), area.span(src, nbytes), area.device(src))
-            _write_value(driver, on_side, area.flag(src, _CONSUMED, me), 1)
+            for peer, dst, src in pulls:
+                _wait_value(driver, on_side, area.flag(area.rank, _READY, peer), 1)
+                _write_value(driver, on_side, area.flag(area.rank, _READY, peer), 0)
+                _engine_copy(driver, on_side, dst, src, area.device(peer))
+                _write_value(driver, on_side, area.flag(peer, _CONSUMED, area.rank), 1)
             done = torch.cuda.Event()
             done.record(side)
         self.in_flight[slot] = (out, done, index)
