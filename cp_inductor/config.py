@@ -61,6 +61,10 @@ ce_rotation_min_bytes: int = 256 << 20
 # only and their collectives stop matching: native CP's all-to-all rotation at cp=4 hangs under
 # torch.compile with any AOT backend (aot_eager included; gloo, tests/test_ring.py). Off.
 ring_aot_cse: bool = False
+# Without that CSE, a collective the joint graph computes twice from the same inputs is merged
+# where its inputs come from graph inputs through rank-free ops only (views, cat, casts: the
+# same on every rank): a backward that rotates or gathers K/V again reads the forward's copy.
+collective_cse: bool = True
 
 # Run region detection and fill the report even when every rewrite is off.
 detect: bool = True

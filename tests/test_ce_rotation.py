@@ -6,6 +6,7 @@ against the fp64 reference)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from expecttest import TestCase
 
 import cp_inductor
+from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
 from cp_inductor.passes.rewrites import ce_rotation
@@ -29,11 +31,13 @@ def _qkv(hq=4, hkv=2):
 
 
 def _rewritten(cp, fn, available=True, rank=0, **cfg):
-    """(report rows, graphs) after the post-grad passes with ce_rotation on."""
+    """(report rows, graphs) after the post-grad passes with ce_rotation on; the joint graph as
+    the backend compiles ring graphs: AOTAutograd's CSE off, the pipeline's joint-graph passes."""
     patch = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None) if available else mock.MagicMock()
     cfg = {"ce_rotation": True, "ce_rotation_min_bytes": 0, **cfg}  # the test shapes are tiny
-    with patch, fake_pg(cp, rank), cp_inductor.config.patch(**cfg):
-        graphs = aot_graphs(fn, *_qkv())
+    with patch, fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
+        joint = functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=snapshot())
+        graphs = aot_graphs(fn, *_qkv(), joint_pass=joint)
         rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind)]
         for gm in graphs.values():
             pipeline.rewrite_graph(gm.graph)
@@ -82,10 +86,7 @@ def test_every_rank_decides_alike(cp, program):
         lambda q, k, v: native_ring(q, k, v, causal=causal))
     kinds = []
     for rank in range(cp):
-        # As the backend compiles graphs with rotations: AOTAutograd's CSE off (config.ring_aot_cse;
-        # with it, native's all-to-all rotation at cp=4 gives rank 0 one backward rotation fewer).
-        with native_options(rotate, load_balance=causal) if program != "hand" else contextlib.nullcontext(), \
-                torch._functorch.config.patch(cse=False):
+        with native_options(rotate, load_balance=causal) if program != "hand" else contextlib.nullcontext():
             kinds.append(_collective_kinds(_rewritten(cp, fn, rank=rank)[1]))
     assert all(k == kinds[0] for k in kinds), kinds
     assert "ce" in kinds[0]["backward"], kinds[0]

@@ -3,7 +3,7 @@
     DETECTORS  one module per CP style; each finds its regions and returns match records
     REWRITES   the rewrite catalogue in decision order; each record says which styles it
                concerns, why it cannot apply, how it applies, on which Inductor hook
-    GUARDS     whole-graph fixes that always run on a hook after the rewrites
+    GUARDS     whole-graph passes that always run on a hook after the rewrites
 
 Two places in Inductor run this code, both with the compile's config snapshot:
 
@@ -27,7 +27,7 @@ import torch.fx
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
-from . import grad_out_layout
+from . import collective_cse, grad_out_layout
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather, ring
 from .guard import why_not
@@ -57,10 +57,27 @@ REWRITES: tuple[Rewrite, ...] = (
     ce_rotation.REWRITE,
 )
 
-# cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did.
-GUARDS = {POST_GRAD: (grad_out_layout.grad_out_layout_pass,)}
+JOINT = "joint_custom_pre_pass"  # the joint forward+backward graph, before the partitioner
 
-HOOKS = ("joint_custom_pre_pass", "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
+
+def _merge_repeated_collectives(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    if cfg.ring_aot_cse or not any(ring.rotation(n) is not None for n in graph.nodes):
+        return  # graphs compiled with AOTAutograd's CSE (the backend's choice): left to it
+    if cfg.collective_cse:
+        collective_cse.merge_repeated_collectives(graph)
+    collective_cse.pin_collectives(graph)
+
+
+def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    grad_out_layout.grad_out_layout_pass(graph)
+
+
+# Whole-graph passes, ``guard(graph, cfg)``: a collective computed twice is merged where every
+# rank merges it alike (graphs with ring rotations compile without AOTAutograd's CSE); cuDNN's
+# attention backward must get a dO laid out like O, whatever the rewrites did.
+GUARDS = {JOINT: (_merge_repeated_collectives,), POST_GRAD: (_grad_out_layout,)}
+
+HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
 
 @dataclass
@@ -170,8 +187,14 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
     graph order) decide and apply, then the hook's guards. ``only``: just these rewrites, no
     guards (tests run one rewrite alone)."""
-    if not any(r.hook == hook and r.implemented for r in REWRITES) and hook not in GUARDS:
-        return
+    if any(r.hook == hook and r.implemented for r in REWRITES):
+        _rewrite_regions(hook, graph, cfg, only)
+    if only is None:
+        for guard in GUARDS.get(hook, ()):
+            guard(graph, cfg)
+
+
+def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
     matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
@@ -189,9 +212,6 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     if changed:
         graph.eliminate_dead_code()
         graph.lint()
-    if only is None:
-        for guard in GUARDS.get(hook, ()):
-            guard(graph)
 
 
 def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only) -> bool:

@@ -1,0 +1,138 @@
+"""A whole-graph pass, not a region rewrite: merge a collective the joint graph computes twice,
+where every rank provably merges it alike.
+
+Graphs with ring rotations compile without AOTAutograd's common-subexpression elimination
+(``config.ring_aot_cse``): it merges wherever two nodes happen to agree, and ring programs trace
+different graphs per rank, so it dropped a backward rotation on rank 0 only and the ranks' NCCL
+calls stopped pairing (a hang). Without it a backward that rotates K/V again pays the rotation
+twice (the ring helper at B1 S32K H32 D128 cp=2 on NCCL: 1.04x slower than default Inductor,
+run 39). This pass gives the merge back where it cannot depend on the rank: both collectives'
+inputs are built from graph inputs by rank-free ops only (views, cat, dtype casts, clones and
+other such collectives), so a rank merges exactly when the program, the same on every rank up
+to its sliced data, repeats the collective. Slices, index ops and arithmetic are left alone:
+their arguments are where ring programs differ per rank. Before (joint graph)::
+
+    kv = cat(view(k), view(v));  kv1 = wait(all_to_all(kv, ...))      # forward
+    kv' = cat(view(k), view(v)); kv1' = wait(all_to_all(kv', ...))    # backward, same inputs
+
+After::
+
+    kv = cat(view(k), view(v));  kv1 = wait(all_to_all(kv, ...))      # the backward reads kv1
+
+It runs on the joint graph (Inductor's ``joint_custom_pre_pass``), before the partitioner
+decides what the backward saves: the merged K/V are saved, as under AOTAutograd's CSE.
+
+:func:`pin_collectives` then keeps every collective in the graph it was written in. The
+partitioner copies each node whose inputs a graph has into that graph and never drops a
+collective as dead code, so a collective whose inputs are saved anyway (or a backward one
+that only reads the forward's inputs) ran in both graphs; what is saved is the min-cut's
+choice on this rank's graph, and native CP's all-to-all rotation at cp=4 ran one more backward
+rotation on ranks 1-3 than on rank 0 (the hang ``config.ring_aot_cse`` describes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+
+aten, prims = torch.ops.aten, torch.ops.prims
+c10d = torch.ops._c10d_functional
+NAME = "collective_cse"
+
+_COLLECTIVES = {c10d.all_to_all_single.default, c10d.all_gather_into_tensor.default, c10d.wait_tensor.default}
+_RANK_FREE = _COLLECTIVES | {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.cat.default,
+    aten.clone.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default,
+    prims.convert_element_type.default, aten._to_copy.default,
+}
+
+
+def _mutated_inputs(graph: torch.fx.Graph) -> set:
+    """Placeholders some node writes to: reading one before and after is not the same value."""
+    out = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.is_write and isinstance(value, torch.fx.Node):
+                out.add(value)
+    return out
+
+
+def merge_repeated_collectives(graph: torch.fx.Graph) -> int:
+    """Merge every rank-free node (and so every collective) computed twice from the same
+    inputs; the number of collectives merged."""
+    mutated = _mutated_inputs(graph)
+    same: dict = {}  # node -> the first node computing the same (None: not rank-free)
+    first: dict = {}  # key -> that first node
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            same[node] = None if node in mutated else node
+            continue
+        key = None
+        if node.op == "call_function" and node.target in _RANK_FREE:
+            if all(same.get(a) is not None for a in node.all_input_nodes):
+                key = _key(node, same)
+        if key is None:
+            same[node] = None
+        elif key in first:
+            same[node] = first[key]
+            node.replace_all_uses_with(first[key])
+            merged += node.target in _COLLECTIVES and node.target is not c10d.wait_tensor.default
+            graph.erase_node(node)
+        else:
+            same[node] = first[key] = node
+    if merged:
+        counters["cp_inductor"][NAME] += merged
+        graph.lint()
+    return merged
+
+
+class _Symbolic(Exception):
+    pass
+
+
+def _key(node: torch.fx.Node, same: dict):
+    """The node's target and arguments, each input node replaced by the first node computing
+    the same; None where an argument is symbolic (a dynamic size)."""
+
+    def freeze(x):
+        if isinstance(x, torch.fx.Node):
+            return same[x]
+        if isinstance(x, (list, tuple)):
+            return tuple(freeze(v) for v in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in x.items()))
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Symbolic
+        return (type(x).__name__, x)  # 1 and 1.0 and True are different arguments
+
+    try:
+        return (node.target, freeze(node.args), freeze(node.kwargs))
+    except _Symbolic:
+        return None
+
+
+def pin_collectives(graph: torch.fx.Graph) -> int:
+    """Tag each collective of a joint graph ``must_be_in_forward`` or ``must_be_in_backward``
+    by the part AOTAutograd traced it in; the number tagged (0: not a joint graph, or a torch
+    whose partitioner does not read these tags)."""
+    from torch._functorch import partitioners
+
+    nodes = list(graph.nodes)
+    joint = any(n.meta.get("partitioner_tag") == "is_forward" for n in nodes) and any(
+        n.op == "placeholder" and "tangents" in str(n.target) for n in nodes
+    )
+    if not joint or not hasattr(partitioners, "_has_tag_must_be_in_backward"):
+        return 0
+    tagged = 0
+    for node in nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+            forward = node.meta.get("partitioner_tag") in ("is_forward", "must_be_in_forward")
+            node.meta["partitioner_tag"] = "must_be_in_forward" if forward else "must_be_in_backward"
+            tagged += 1
+    return tagged
