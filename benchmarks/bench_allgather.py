@@ -45,6 +45,8 @@ KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for
 RING_ARMS = {
     "ring_eager": (None,), "ring_inductor": ("inductor",), "ring_cp": ("cp_inductor",),
     "ring_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
+    # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)
+    "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_aot_cse": True}),
 }
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).
 ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
