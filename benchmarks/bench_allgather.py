@@ -45,6 +45,7 @@ KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for
 RING_ARMS = {
     "ring_eager": (None,), "ring_inductor": ("inductor",), "ring_cp": ("cp_inductor",),
     "ring_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
+    "ring_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)
     "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_aot_cse": True}),
 }

@@ -308,6 +308,9 @@ NATIVE_ARMS = {
     "native": (None,), "native_inductor": ("inductor",), "native_cp": ("cp_inductor",),
     "native_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
     "native_cp_ce": ("cp_inductor", {"cp_inductor.ce_rotation": True, "cp_inductor.ce_rotation_min_bytes": 0}),
+    # the defaults with the last dK/dV rotation left in fp32 (narrow_rotation off)
+    "native_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
+    "native_cp_nccl_wide": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.narrow_rotation": False}),
 }
 
 

@@ -25,6 +25,10 @@ owner_grad_return: bool = False
 # 2xH200, native CP fwd+bwd: 0.88x / 0.94x of the NCCL rotations at S32K (all-to-all / all-gather
 # rotation), 0.93x at S64K; README).
 ce_rotation: bool = True
+# A ring's last dK/dV rotation (after the last attention backward: exposed) carries the gradients
+# already cast to the inputs' dtype when the program casts them only after it: same bits, half
+# the bytes in bf16.
+narrow_rotation: bool = True
 
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the

@@ -38,6 +38,7 @@ from .rewrites import (
     ce_rotation,
     fused_a2a,
     head_partition,
+    narrow_rotation,
     owner_grad_return,
     planned,
 )
@@ -54,6 +55,7 @@ REWRITES: tuple[Rewrite, ...] = (
     head_partition.REWRITE,
     planned.UNIFORM_THD,
     owner_grad_return.REWRITE,
+    narrow_rotation.REWRITE,  # before ce_rotation: it moves the narrowed rotation
     ce_rotation.REWRITE,
 )
 

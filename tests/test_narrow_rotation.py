@@ -1,0 +1,123 @@
+"""narrow_rotation: a ring's last dK/dV rotation travels cast to the inputs' dtype. Goldens of the
+rotations' payload dtypes (bf16 inputs, fake process group), every rank deciding alike, the
+reason where it does not apply, and on gloo the compiled gradients bit for bit equal with the
+rewrite on and off (it moves a cast across a pure data move)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from expecttest import TestCase
+from torch._dynamo.utils import counters
+
+import cp_inductor
+from cp_inductor.config_snapshot import snapshot
+from cp_inductor.passes import pipeline
+from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, fake_pg
+from ring_programs import native_options, native_ring, ring_by_hand
+
+c10d = torch.ops._c10d_functional
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _rewritten(cp, fn, rank=0, dtype=torch.bfloat16, **cfg):
+    """(report rows, graphs) as the backend compiles them (joint passes, then post-grad)."""
+    q, k, v = (torch.randn(1, 8, h, 8, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    with fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
+        cfg_now = snapshot()
+        graphs = aot_graphs(fn, q, k, v, joint_pass=functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=cfg_now))
+        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind, cfg=cfg_now)]
+        for gm in graphs.values():
+            pipeline.run_hook(pipeline.POST_GRAD, gm.graph, cfg_now)
+    return rows, graphs
+
+
+def _payloads(graphs) -> str:
+    """Each graph's rotations in order, by the dtype they send."""
+    return "\n".join(
+        f"{kind}: " + " ".join(_SHORT[n.args[0].meta["val"].dtype] for n in gm.graph.nodes
+                               if n.target is c10d.all_to_all_single.default)
+        for kind, gm in graphs.items()
+    )
+
+
+_HAND = functools.partial(ring_by_hand, causal=True)
+
+
+def _native(q, k, v):
+    return native_ring(q, k, v, causal=True)
+
+
+class TestGolden(TestCase):
+    def test_hand_written_ring_cp2(self):
+        # Forward: K/V in bf16. Backward: the dK/dV accumulator goes on in fp32, comes home in bf16.
+        _, graphs = _rewritten(2, _HAND, ce_rotation=False)
+        self.assertExpectedInline(_payloads(graphs), """\
+forward: bf16
+backward: fp32 bf16""")
+
+    def test_native_context_parallel_cp4(self):
+        # The backward rotates K/V again (bf16) between its dK/dV rotations; the last one, home,
+        # was fp32 (off) and is bf16 (on).
+        for on in (False, True):
+            with native_options("alltoall", load_balance=True):
+                _, graphs = _rewritten(4, _native, ce_rotation=False, narrow_rotation=on)
+            self.assertExpectedInline(_payloads(graphs).split("\n")[1], [
+                """backward: fp32 bf16 fp32 bf16 fp32 fp32""",
+                """backward: fp32 bf16 fp32 bf16 fp32 bf16""",
+            ][on])
+
+    def test_off(self):
+        _, graphs = _rewritten(2, _HAND, ce_rotation=False, narrow_rotation=False)
+        self.assertExpectedInline(_payloads(graphs), """\
+forward: bf16
+backward: fp32 fp32""")
+
+    def test_reasons(self):
+        # fp32 inputs: the program never casts its gradients, nothing to narrow.
+        rows, _ = _rewritten(2, _HAND, dtype=torch.float32, ce_rotation=False)
+        text = "\n".join(f"{r.graph_kind} {r.detail}: {r.skipped.get('narrow_rotation', 'applied')}" for r in rows)
+        self.assertExpectedInline(text, """\
+forward Hq=4 Hkv=2 step=0 causal: a forward region: attention reads its rotated K/V as they are
+forward Hq=4 Hkv=2 step=1: a forward region: attention reads its rotated K/V as they are
+backward Hq=4 Hkv=2 causal: no rotation of its dK/dV is only cast down by its readers (accumulators travel on)
+backward Hq=4 Hkv=2: no rotation of its dK/dV is only cast down by its readers (accumulators travel on)""")
+
+
+@pytest.mark.parametrize("cp,program", [(2, "hand"), (4, "hand"), (2, "alltoall"), (4, "alltoall"), (4, "allgather")])
+def test_every_rank_decides_alike(cp, program):
+    fn = _HAND if program == "hand" else functools.partial(native_ring, causal=program == "alltoall")
+    payloads = []
+    for rank in range(cp):
+        with contextlib.nullcontext() if program == "hand" else native_options(program, load_balance=program == "alltoall"):
+            payloads.append(_payloads(_rewritten(cp, fn, rank=rank, ce_rotation=False)[1]))
+    assert all(p == payloads[0] for p in payloads), payloads
+    assert "bf16" in payloads[0].split("backward:")[1], payloads[0]
+
+
+def _grads(rank, cp, program):
+    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True,
+                         dtype=torch.bfloat16)
+    fn = _HAND if program == "hand" else _native
+    full = full_inputs(case)
+    out, applied = {}, {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="cp_inductor", fullgraph=True,
+                                 options={"cp_inductor.narrow_rotation": on, "cp_inductor.ce_rotation": False})
+        with native_options("alltoall", load_balance=True) if program != "hand" else contextlib.nullcontext():
+            out[on] = run_cp(compiled, case, full, rank, cp)
+        applied[on] = counters["cp_inductor"]["narrow_rotation"]
+    return {"applied": applied, "same": {name: torch.equal(out[False][name], out[True][name]) for name in out[False]}}
+
+
+@pytest.mark.parametrize("program", ["hand", "native"])
+def test_same_bits_on_and_off(program):
+    for r in run_on_ranks(_grads, 2, program):
+        assert r["applied"] == {False: 0, True: 1} and all(r["same"].values()), r
