@@ -207,8 +207,10 @@ def test_ring_nccl_bf16(kernel, ce):
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (key, r)
             assert {row[:3] for row in r["report"]} == {("forward", "ring", 2), ("backward", "ring", 2)}, r
-            # ce: a forward and a backward region rewritten (the backward's rotations go with one).
-            assert r["applied"] == (["ce_rotation"] if ce else []), r
+            # ce: a forward and a backward region rewritten (the backward's rotations go with one);
+            # the last dK/dV rotation travels in bf16 either way (narrow_rotation).
+            assert sorted(r["applied"]) == (["ce_rotation", "narrow_rotation"] if ce else ["narrow_rotation"]), r
+            assert r["rewritten"].get("narrow_rotation", 0) >= 1, r
             assert (r["rewritten"].get("ce_rotation", 0) >= 2) if ce else ("ce_rotation" not in r["rewritten"]), r
 
 
@@ -283,4 +285,4 @@ def test_native_context_parallel_with_ce_rotation():
     copy engines keep native eager's answer."""
     for r in run_on_ranks(_native_context_parallel, 2, "alltoall", CE_ROTATION, pg_backend="nccl"):
         assert max(r["errs"]) < 1e-2, r
-        assert r["applied"] == ["ce_rotation"], r
+        assert sorted(r["applied"]) == ["ce_rotation", "narrow_rotation"], r
