@@ -53,7 +53,8 @@ backward: attn nccl#0 wait#0 attn nccl#1 wait#1""")
 
     def test_sliced_inputs_are_not_merged(self):
         # A slice's bounds are where ring programs differ per rank: the same collective of the
-        # same slice twice stays twice; of a cat of views it is merged.
+        # same slice twice stays twice (the slices themselves merge: computation, not
+        # communication); of a cat of views it is merged.
         def graph(piece):
             g = torch.fx.Graph()
             x = g.placeholder("x")
@@ -68,6 +69,15 @@ backward: attn nccl#0 wait#0 attn nccl#1 wait#1""")
         sliced = graph(lambda g, x: g.call_function(aten.slice.Tensor, (x, 0, 0, 4)))
         catted = graph(lambda g, x: g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (x, [-1]))] * 2,)))
         self.assertEqual((merge_repeated_collectives(sliced), merge_repeated_collectives(catted)), (0, 1))
+        self.assertExpectedInline(str(sliced).strip(), """\
+graph():
+    %x : [num_users=1] = placeholder[target=x]
+    %slice_tensor : [num_users=2] = call_function[target=torch.ops.aten.slice.Tensor](args = (%x, 0, 0, 4), kwargs = {})
+    %all_to_all_single_default : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_to_all_single.default](args = (%slice_tensor, [4, 0], [0, 4], 0), kwargs = {})
+    %wait_tensor_default : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_to_all_single_default,), kwargs = {})
+    %all_to_all_single_default_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_to_all_single.default](args = (%slice_tensor, [4, 0], [0, 4], 0), kwargs = {})
+    %wait_tensor_default_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_to_all_single_default_1,), kwargs = {})
+    return (wait_tensor_default, wait_tensor_default_1)""")
         self.assertExpectedInline(str(catted).strip(), """\
 graph():
     %x : [num_users=1] = placeholder[target=x]

@@ -85,8 +85,8 @@ backward: fp32 fp32""")
         self.assertExpectedInline(text, """\
 forward Hq=4 Hkv=2 step=0 causal: a forward region: attention reads its rotated K/V as they are
 forward Hq=4 Hkv=2 step=1: a forward region: attention reads its rotated K/V as they are
-backward Hq=4 Hkv=2 causal: no rotation of its dK/dV is only cast down by its readers (accumulators travel on)
-backward Hq=4 Hkv=2: no rotation of its dK/dV is only cast down by its readers (accumulators travel on)""")
+backward Hq=4 Hkv=2 causal: no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)
+backward Hq=4 Hkv=2: no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)""")
 
 
 @pytest.mark.parametrize("cp,program", [(2, "hand"), (4, "hand"), (2, "alltoall"), (4, "alltoall"), (4, "allgather")])

@@ -1,16 +1,19 @@
-"""A whole-graph pass, not a region rewrite: merge a collective the joint graph computes twice,
-where every rank provably merges it alike.
+"""A whole-graph pass, not a region rewrite: common-subexpression elimination of a ring
+program's joint graph that every rank does alike where collectives are concerned.
 
-Graphs with ring rotations compile without AOTAutograd's common-subexpression elimination
-(``config.ring_aot_cse``): it merges wherever two nodes happen to agree, and ring programs trace
-different graphs per rank, so it dropped a backward rotation on rank 0 only and the ranks' NCCL
-calls stopped pairing (a hang). Without it a backward that rotates K/V again pays the rotation
-twice (the ring helper at B1 S32K H32 D128 cp=2 on NCCL: 1.04x slower than default Inductor,
-run 39). This pass gives the merge back where it cannot depend on the rank: both collectives'
-inputs are built from graph inputs by rank-free ops only (views, cat, dtype casts, clones and
-other such collectives), so a rank merges exactly when the program, the same on every rank up
-to its sliced data, repeats the collective. Slices, index ops and arithmetic are left alone:
-their arguments are where ring programs differ per rank. Before (joint graph)::
+Graphs with ring rotations compile without AOTAutograd's CSE (``config.ring_aot_cse``): it
+merges any two nodes that agree, collectives included, and ring programs trace different graphs
+per rank (load balancing slices by rank), so whether two collectives agree may depend on the
+rank; a merge on some ranks only leaves the ranks' NCCL calls unpaired (a hang). Without any CSE
+a backward that rotates K/V again pays the rotation twice (the ring helper at B1 S32K H32 D128
+cp=2 on NCCL: 1.04x slower than default Inductor, run 39) and recomputes what the forward had.
+
+This pass merges every pure node computed twice from the same inputs, as AOTAutograd's CSE
+would (merging computation never changes which collectives run), but a collective only where
+both copies' inputs are built from graph inputs by rank-free ops (views, cat, dtype casts,
+clones and other such collectives): then a rank merges exactly when the program, the same on
+every rank up to its sliced data, repeats the collective. Slices, index ops and arithmetic are
+not rank-free: their arguments are where ring programs differ per rank. Before (joint graph)::
 
     kv = cat(view(k), view(v));  kv1 = wait(all_to_all(kv, ...))      # forward
     kv' = cat(view(k), view(v)); kv1' = wait(all_to_all(kv', ...))    # backward, same inputs
@@ -32,9 +35,12 @@ rotation on ranks 1-3 than on rank 0 (the hang ``config.ring_aot_cse`` describes
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch._dynamo.utils import counters
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -62,30 +68,74 @@ def _mutated_inputs(graph: torch.fx.Graph) -> set:
     return out
 
 
+def _pure(node: torch.fx.Node) -> bool:
+    """An ATen op whose result depends on its arguments only (no write, no random numbers), or
+    a getitem; collectives and our transport ops are not."""
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("_c10d_functional", "cp_inductor"):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags and (
+        target.overloadpacket not in (aten.empty, aten.empty_strided, aten.empty_like)
+    )
+
+
+def _output_storages(graph: torch.fx.Graph) -> set:
+    """Storages the graph returns: a node on one of them stays (two returned tensors that were
+    separate in eager must stay separate)."""
+    storages = set()
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for value in output.all_input_nodes:
+        storage = _storage(value)
+        if storage is not None:
+            storages.add(storage)
+    return storages
+
+
+def _storage(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except NotImplementedError:
+        return None
+
+
 def merge_repeated_collectives(graph: torch.fx.Graph) -> int:
-    """Merge every rank-free node (and so every collective) computed twice from the same
-    inputs; the number of collectives merged."""
+    """Merge every pure node, and every collective with rank-free inputs, computed twice from the
+    same inputs; the number of collectives merged."""
     mutated = _mutated_inputs(graph)
-    same: dict = {}  # node -> the first node computing the same (None: not rank-free)
+    writes = any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in graph.nodes)
+    returned = _output_storages(graph)
+    same: dict = {}  # node -> the first node computing the same
+    rank_free: dict = {}  # node -> built from graph inputs by rank-free ops only
     first: dict = {}  # key -> that first node
     merged = 0
     for node in list(graph.nodes):
+        same[node] = node
+        inputs = node.all_input_nodes
         if node.op == "placeholder":
-            same[node] = None if node in mutated else node
+            rank_free[node] = node not in mutated
             continue
-        key = None
-        if node.op == "call_function" and node.target in _RANK_FREE:
-            if all(same.get(a) is not None for a in node.all_input_nodes):
-                key = _key(node, same)
+        rank_free[node] = node.target in _RANK_FREE and all(rank_free[a] for a in inputs)
+        if node.op != "call_function":
+            continue
+        if node.target in _COLLECTIVES:
+            mergeable = rank_free[node]
+        else:  # where the graph writes anywhere, only collectives (their inputs are never written)
+            mergeable = not writes and _pure(node) and _storage(node) not in returned
+        key = _key(node, same) if mergeable else None
         if key is None:
-            same[node] = None
-        elif key in first:
-            same[node] = first[key]
-            node.replace_all_uses_with(first[key])
-            merged += node.target in _COLLECTIVES and node.target is not c10d.wait_tensor.default
-            graph.erase_node(node)
-        else:
-            same[node] = first[key] = node
+            continue
+        if key not in first:
+            first[key] = node
+            continue
+        same[node] = first[key]
+        node.replace_all_uses_with(first[key])
+        merged += node.target in _COLLECTIVES and node.target is not c10d.wait_tensor.default
+        graph.erase_node(node)
     if merged:
         counters["cp_inductor"][NAME] += merged
         graph.lint()
@@ -112,9 +162,11 @@ def _key(node: torch.fx.Node, same: dict):
         return (type(x).__name__, x)  # 1 and 1.0 and True are different arguments
 
     try:
-        return (node.target, freeze(node.args), freeze(node.kwargs))
-    except _Symbolic:
+        key = (node.target, freeze(node.args), freeze(node.kwargs))
+        hash(key)
+    except (_Symbolic, TypeError):  # TypeError: an argument Python cannot hash
         return None
+    return key
 
 
 def pin_collectives(graph: torch.fx.Graph) -> int:

@@ -83,7 +83,7 @@ def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
     if region.direction != "backward":
         return "a forward region: attention reads its rotated K/V as they are"
     if not _narrowable(region):
-        return "no rotation of its dK/dV is only cast down by its readers (accumulators travel on)"
+        return "no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)"
     return None
 
 
