@@ -11,12 +11,15 @@ import pytest
 import torch
 import torch.fx
 from expecttest import TestCase
+from torch.utils.checkpoint import checkpoint
 
 import cp_inductor
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.passes import collective_cse, pipeline
 from cp_inductor.passes.collective_cse import merge_repeated_collectives
-from helpers import aot_graphs, fake_pg, rotations
+from cp_inductor.testing.checks import AttentionCase, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, assert_cp_results, fake_pg, rotations
 from ring_programs import native_options, native_ring, ring_by_hand
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -95,6 +98,31 @@ graph():
         second = g.call_function(c10d.all_to_all_single.default, (x, [4, 0], [0, 4], "0"))
         g.output((g.call_function(c10d.wait_tensor.default, (first,)), g.call_function(c10d.wait_tensor.default, (second,))))
         self.assertEqual(merge_repeated_collectives(g), 0)
+
+
+def test_activation_checkpointing_keeps_its_recomputation():
+    """Collectives in a checkpointed region are the user's to recompute in the backward: they
+    are not pinned (pinning one to the forward left the partitioner without it: "was invalid,
+    but is output"), and the schedule is plain AOTAutograd's."""
+    def fn(q, k, v):
+        return checkpoint(lambda q, k, v: ring_by_hand(q, k, v, causal=True) * 2, q, k, v, use_reentrant=False)
+
+    with fake_pg(2):
+        plain = _schedule(aot_graphs(fn, *_qkv()))
+    assert _schedule(_graphs(2, fn)) == plain, plain
+    assert "nccl" in plain.split("backward:")[1], plain  # the K/V rotation is recomputed
+
+
+def _checkpointed_ring(rank, cp):
+    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True)
+    fn = lambda q, k, v: checkpoint(  # noqa: E731
+        lambda q, k, v: ring_by_hand(q, k, v, causal=True), q, k, v, use_reentrant=False)
+    return check_cp_attention(rank, cp, [case], fn)
+
+
+def test_checkpointed_ring_compiles_and_matches_single_device():
+    for rank_results in run_on_ranks(_checkpointed_ring, 2):
+        assert_cp_results(rank_results, 1e-5, applied=())
 
 
 def _collectives(graphs) -> dict:

@@ -183,6 +183,8 @@ def pin_collectives(graph: torch.fx.Graph) -> int:
         return 0
     tagged = 0
     for node in nodes:
+        if node.meta.get("recompute") is not None:
+            continue  # activation checkpointing's: the user chose to recompute it in the backward
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
             forward = node.meta.get("partitioner_tag") in ("is_forward", "must_be_in_forward")
             node.meta["partitioner_tag"] = "must_be_in_forward" if forward else "must_be_in_backward"
