@@ -59,15 +59,16 @@ transport_min_tflop: float = 2.0
 # is not known to pay (head_partition's copy-engine all-to-alls lost at B4 S8K, README).
 ce_rotation_min_bytes: int = 256 << 20
 
-# AOTAutograd's common-subexpression elimination on graphs with ring rotations. It merges a
-# backward collective with the identical forward one where it finds them, and ring programs
-# trace different graphs per rank (load balancing slices by rank), so it merges on some ranks
-# only and their collectives stop matching: native CP's all-to-all rotation at cp=4 hangs under
-# torch.compile with any AOT backend (aot_eager included; gloo, tests/test_ring.py). Off.
+# AOTAutograd's common-subexpression elimination on graphs with ring rotations. Off: it merges
+# collectives wherever two agree, and ring programs trace different graphs per rank (load
+# balancing slices by rank). Such graphs go through passes/collective_cse.py instead, which also
+# pins each collective to its graph (the partitioner copied collectives into both graphs per
+# rank: native CP's all-to-all rotation at cp=4 hung, tests/test_collective_cse.py); True skips
+# that pass too.
 ring_aot_cse: bool = False
-# Without that CSE, a collective the joint graph computes twice from the same inputs is merged
-# where its inputs come from graph inputs through rank-free ops only (views, cat, casts: the
-# same on every rank): a backward that rotates or gathers K/V again reads the forward's copy.
+# That pass's merge: computation done twice, and a collective whose inputs come from graph inputs
+# through rank-free ops only (views, cat, casts: the same on every rank), so that a backward that
+# rotates K/V again reads the forward's copy. Off: the collectives are pinned, nothing merged.
 collective_cse: bool = True
 
 # Run region detection and fill the report even when every rewrite is off.

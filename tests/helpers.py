@@ -5,6 +5,7 @@ every numerics test makes on ``cp_inductor.testing.checks.check_cp_attention``."
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,24 @@ def aot_graphs(fn, *inputs, joint_pass=None) -> dict:
     if isinstance(out, torch.Tensor) and out.requires_grad:
         out.sum().backward()
     return graphs
+
+
+def ring_graphs(cp: int, fn, inputs, rank: int = 0, post_grad: bool = True, **cfg) -> tuple[list, dict]:
+    """(report rows, graphs) of ``fn(*inputs)`` on rank ``rank`` of a fake ``cp``-rank group, as
+    the backend compiles a ring program: AOTAutograd's CSE off, the pipeline's joint-graph passes
+    before the partitioner, then (``post_grad``) the report and the post-grad rewrites. ``cfg``:
+    cp_inductor config for the compile."""
+    import cp_inductor
+
+    with fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
+        compile_cfg = snapshot()
+        graphs = aot_graphs(fn, *inputs, joint_pass=functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=compile_cfg))
+        if not post_grad:
+            return [], graphs
+        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind, cfg=compile_cfg)]
+        for gm in graphs.values():
+            pipeline.run_hook(pipeline.POST_GRAD, gm.graph, compile_cfg)
+    return rows, graphs
 
 
 def _short(node) -> str:

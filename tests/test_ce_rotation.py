@@ -6,21 +6,17 @@ against the fp64 reference)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from unittest import mock
 
 import pytest
 import torch
 from expecttest import TestCase
 
-import cp_inductor
-from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes import pipeline
 from cp_inductor.passes.rewrites import ce_rotation
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, fake_pg, rotations
+from helpers import rotations, ring_graphs
 from ring_programs import native_options, native_ring, ring_by_hand
 
 
@@ -35,13 +31,8 @@ def _rewritten(cp, fn, available=True, rank=0, **cfg):
     the backend compiles ring graphs: AOTAutograd's CSE off, the pipeline's joint-graph passes."""
     patch = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None) if available else mock.MagicMock()
     cfg = {"ce_rotation": True, "ce_rotation_min_bytes": 0, **cfg}  # the test shapes are tiny
-    with patch, fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
-        joint = functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=snapshot())
-        graphs = aot_graphs(fn, *_qkv(), joint_pass=joint)
-        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind)]
-        for gm in graphs.values():
-            pipeline.rewrite_graph(gm.graph)
-    return rows, graphs
+    with patch:
+        return ring_graphs(cp, fn, _qkv(), rank=rank, **cfg)
 
 
 class TestGolden(TestCase):

@@ -4,7 +4,6 @@ the graph (forward or backward) it was written in, so that every rank issues the
 
 from __future__ import annotations
 
-import functools
 from unittest import mock
 
 import pytest
@@ -13,13 +12,11 @@ import torch.fx
 from expecttest import TestCase
 from torch.utils.checkpoint import checkpoint
 
-import cp_inductor
-from cp_inductor.config_snapshot import snapshot
-from cp_inductor.passes import collective_cse, pipeline
-from cp_inductor.passes.collective_cse import merge_repeated_collectives
+from cp_inductor.passes import collective_cse
+from cp_inductor.passes.collective_cse import merge_repeated
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, assert_cp_results, fake_pg, rotations
+from helpers import aot_graphs, assert_cp_results, fake_pg, rotations, ring_graphs
 from ring_programs import native_options, native_ring, ring_by_hand
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -32,9 +29,7 @@ def _qkv():
 
 def _graphs(cp, fn, rank=0, **cfg):
     """Forward and backward graphs as the backend partitions a ring program's joint graph."""
-    with fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
-        joint = functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=snapshot())
-        return aot_graphs(fn, *_qkv(), joint_pass=joint)
+    return ring_graphs(cp, fn, _qkv(), rank=rank, post_grad=False, **cfg)[1]
 
 
 def _schedule(graphs) -> str:
@@ -71,7 +66,7 @@ backward: attn nccl#0 wait#0 attn nccl#1 wait#1""")
 
         sliced = graph(lambda g, x: g.call_function(aten.slice.Tensor, (x, 0, 0, 4)))
         catted = graph(lambda g, x: g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (x, [-1]))] * 2,)))
-        self.assertEqual((merge_repeated_collectives(sliced), merge_repeated_collectives(catted)), (0, 1))
+        self.assertEqual((merge_repeated(sliced), merge_repeated(catted)), (0, 1))
         self.assertExpectedInline(str(sliced).strip(), """\
 graph():
     %x : [num_users=1] = placeholder[target=x]
@@ -97,7 +92,7 @@ graph():
         g.call_function(aten.add_.Tensor, (x, 1.0))
         second = g.call_function(c10d.all_to_all_single.default, (x, [4, 0], [0, 4], "0"))
         g.output((g.call_function(c10d.wait_tensor.default, (first,)), g.call_function(c10d.wait_tensor.default, (second,))))
-        self.assertEqual(merge_repeated_collectives(g), 0)
+        self.assertEqual(merge_repeated(g), 0)
 
 
 def test_activation_checkpointing_keeps_its_recomputation():

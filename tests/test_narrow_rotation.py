@@ -13,12 +13,9 @@ import torch
 from expecttest import TestCase
 from torch._dynamo.utils import counters
 
-import cp_inductor
-from cp_inductor.config_snapshot import snapshot
-from cp_inductor.passes import pipeline
 from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, fake_pg
+from helpers import ring_graphs
 from ring_programs import native_options, native_ring, ring_by_hand
 
 c10d = torch.ops._c10d_functional
@@ -27,14 +24,8 @@ _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 def _rewritten(cp, fn, rank=0, dtype=torch.bfloat16, **cfg):
     """(report rows, graphs) as the backend compiles them (joint passes, then post-grad)."""
-    q, k, v = (torch.randn(1, 8, h, 8, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
-    with fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
-        cfg_now = snapshot()
-        graphs = aot_graphs(fn, q, k, v, joint_pass=functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=cfg_now))
-        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind, cfg=cfg_now)]
-        for gm in graphs.values():
-            pipeline.run_hook(pipeline.POST_GRAD, gm.graph, cfg_now)
-    return rows, graphs
+    qkv = [torch.randn(1, 8, h, 8, dtype=dtype, requires_grad=True) for h in (4, 2, 2)]
+    return ring_graphs(cp, fn, qkv, rank=rank, **cfg)
 
 
 def _payloads(graphs) -> str:

@@ -55,17 +55,19 @@ _RANK_FREE = _COLLECTIVES | {
 }
 
 
-def _mutated_inputs(graph: torch.fx.Graph) -> set:
-    """Placeholders some node writes to: reading one before and after is not the same value."""
-    out = set()
+def _writes(graph: torch.fx.Graph) -> tuple[bool, set]:
+    """(whether any node writes, the nodes written to): reading a written placeholder before and
+    after the write is not the same value."""
+    any_write, written = False, set()
     for node in graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if schema is None or not schema.is_mutable:
             continue
+        any_write = True
         for arg, value in zip(schema.arguments, node.args):
             if arg.is_write and isinstance(value, torch.fx.Node):
-                out.add(value)
-    return out
+                written.add(value)
+    return any_write, written
 
 
 def _pure(node: torch.fx.Node) -> bool:
@@ -103,11 +105,10 @@ def _storage(node: torch.fx.Node):
         return None
 
 
-def merge_repeated_collectives(graph: torch.fx.Graph) -> int:
+def merge_repeated(graph: torch.fx.Graph) -> int:
     """Merge every pure node, and every collective with rank-free inputs, computed twice from the
     same inputs; the number of collectives merged."""
-    mutated = _mutated_inputs(graph)
-    writes = any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in graph.nodes)
+    writes, mutated = _writes(graph)
     returned = _output_storages(graph)
     same: dict = {}  # node -> the first node computing the same
     rank_free: dict = {}  # node -> built from graph inputs by rank-free ops only

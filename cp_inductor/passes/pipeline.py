@@ -62,11 +62,11 @@ REWRITES: tuple[Rewrite, ...] = (
 JOINT = "joint_custom_pre_pass"  # the joint forward+backward graph, before the partitioner
 
 
-def _merge_repeated_collectives(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+def _ring_joint_graph(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     if cfg.ring_aot_cse or not any(ring.rotation(n) is not None for n in graph.nodes):
         return  # graphs compiled with AOTAutograd's CSE (the backend's choice): left to it
     if cfg.collective_cse:
-        collective_cse.merge_repeated_collectives(graph)
+        collective_cse.merge_repeated(graph)
     collective_cse.pin_collectives(graph)
 
 
@@ -74,10 +74,10 @@ def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     grad_out_layout.grad_out_layout_pass(graph)
 
 
-# Whole-graph passes, ``guard(graph, cfg)``: a collective computed twice is merged where every
-# rank merges it alike (graphs with ring rotations compile without AOTAutograd's CSE); cuDNN's
-# attention backward must get a dO laid out like O, whatever the rewrites did.
-GUARDS = {JOINT: (_merge_repeated_collectives,), POST_GRAD: (_grad_out_layout,)}
+# Whole-graph passes, ``guard(graph, cfg)``: the joint graph of a ring program (compiled without
+# AOTAutograd's CSE) gets the merges every rank makes alike and its collectives pinned to their
+# graph; cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did.
+GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_grad_out_layout,)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
