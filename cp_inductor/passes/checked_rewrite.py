@@ -54,11 +54,12 @@ def check(graph: torch.fx.Graph, replaced: list) -> None:
     graph.lint()
 
 
-def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg) -> bool:
+def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs=()) -> bool:
     """Apply ``rewrite`` (a :class:`~cp_inductor.passes.rewrites.Rewrite`) to ``match`` if its
     trial on a copy of ``graph`` passes :func:`check`; ``match_at(node, graph_kind, cfg)`` finds
-    the match again on the copy. Counts the kept rewrite (and those it replaces) in
-    ``counters["cp_inductor"]``; returns whether it was kept."""
+    the match again on the copy. Counts the kept rewrite (and ``performs``: the rewrites it
+    replaces that also apply to this match) in ``counters["cp_inductor"]``; returns whether it
+    was kept."""
     attention = match.attention
     try:
         trial, val_map = _copy(graph)
@@ -71,6 +72,6 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg) -> bool:
         return False
     rewrite.apply(graph, match, cfg)
     stable_topological_sort(graph)  # the next region's trial copies the graph in order
-    for name in (rewrite.name, *rewrite.replaces):
+    for name in (rewrite.name, *performs):
         counters["cp_inductor"][name] += 1
     return True

@@ -220,8 +220,10 @@ def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only
     """Apply what :func:`decide` chose for ``match`` on ``hook``, each rewrite checked first;
     whether any was kept."""
     kept = False
-    for rewrite in decide(match, cfg, only).to_run(hook):
-        if not apply_checked(graph, match, rewrite, detector.match_at, cfg):
+    decision = decide(match, cfg, only)
+    for rewrite in decision.to_run(hook):
+        performs = [name for name in rewrite.replaces if name in decision.applied]
+        if not apply_checked(graph, match, rewrite, detector.match_at, cfg, performs):
             continue
         kept = True
         attention = match.attention

@@ -25,8 +25,23 @@ pair of the copy-engine ops (``lowerings/ce_transport.py``), whose transfers nee
 move while another group's attention holds every SM; where they cannot run the report's detail
 says why and NCCL carries it.
 
-This rewrite builds on fused_a2a's buffers (one pack kernel for all groups, attention reading
-strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
+A K/V all-gather region (``allgather``) is split where its memory goes: each attention call (the
+backward by default, the forward too with ``head_partition_forward``) becomes G calls over head
+groups, reading head slices (views) of q, dO, O, log-sum-exp and of the gathered K/V::
+
+    dq, dk, dv = attention_backward(dO, q, k, v, O, lse)            # all heads: one workspace
+    ->  dq_g, dk_g, dv_g = attention_backward(dO[:, g], q[:, g], k[:, g], ...)   for g < G
+        dq, dk, dv = cat(dq_g), cat(dk_g), cat(dv_g)                  # on the head dim
+
+A fused backward kernel's allocations (dQ accumulated in fp32, dK/dV of every query head under
+GQA) scale with the heads of the call: on H200 one cuDNN backward of Hq32 Hkv8 over 32K x 96K
+rows allocates 2.63 GiB, four head groups 1.25 GiB, for 1.4% more time
+(``benchmarks/bench_head_split.py``). The gathers and reduce-scatters stay whole: per-group
+collectives each wait for the slower rank (measured 2.6-12% slower with the helper's
+``head_groups``, README), and a gathered K/V is small beside that workspace under GQA.
+
+On Ulysses regions this rewrite builds on fused_a2a's buffers (one pack kernel for all groups,
+attention reading strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
 order (every incoming collective first, then per group: wait, attention, send) is what overlaps,
 so graphs it rewrites are compiled without Inductor's peak-memory reordering (the record's
 ``inductor_patches``).
@@ -66,6 +81,9 @@ _KV_HEAD_ARGS = ("key", "value")
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
 # of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower (README).
 AUTO_MAX_GROUPS = 2
+# All-gather regions split for memory: four groups took a cuDNN backward's allocations to what its
+# outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
+AUTO_MAX_GROUPS_ALLGATHER = 4
 
 
 @dataclass
@@ -77,20 +95,26 @@ class Partition:
     heads_kv: int  # local key/value heads per group
 
 
-def choose_groups(region: A2AMatch, cfg) -> tuple[int, str | None]:
+def choose_groups(region, cfg) -> tuple[int, str | None]:
     """(G, None), or (1, why the region stays one group)."""
-    hq, hkv = region.heads_q // region.cp, region.heads_kv // region.cp
+    if region.style == "a2a":  # the attention op sees this rank's head block
+        hq, hkv, label, auto_max = region.heads_q // region.cp, region.heads_kv // region.cp, "local heads", AUTO_MAX_GROUPS
+        names = ("Hq/cp", "Hkv/cp")
+    else:
+        hq, hkv, label, auto_max = region.heads_q, region.heads_kv, "heads", AUTO_MAX_GROUPS_ALLGATHER
+        names = ("Hq", "Hkv")
     common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
     want = cfg.head_groups
     if want == 1:
         return 1, "head_groups=1"
+    shown = f"{names[0]}={hq}, {names[1]}={hkv}"
     if want > 1:
         if want in common:
             return want, None
-        return 1, f"head_groups={want} does not divide the local heads (Hq/cp={hq}, Hkv/cp={hkv})"
-    fitting = [g for g in common if g <= AUTO_MAX_GROUPS]
+        return 1, f"head_groups={want} does not divide the {label} ({shown})"
+    fitting = [g for g in common if g <= auto_max]
     if not fitting:
-        return 1, f"local heads Hq/cp={hq}, Hkv/cp={hkv} have no common divisor in 2..{AUTO_MAX_GROUPS}"
+        return 1, f"{label} {shown} have no common divisor in 2..{auto_max}"
     return fitting[-1], None
 
 
@@ -98,8 +122,7 @@ def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
     """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
     fused_a2a's verdict on the same region."""
     if region.style == "allgather":
-        return ("not implemented yet as a graph rewrite for allgather; "
-                "allgather_attention(head_groups=G) splits the helper's own code")
+        return _split_calls_why_not(region, cfg)
     if region.style != "a2a":
         return f"not implemented yet for {region.style}"
     if not cfg.fused_a2a:
@@ -269,13 +292,59 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition, transport: s
     return emit.replaced
 
 
-def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
+def _split_calls_why_not(region, cfg) -> str | None:
+    """An all-gather region's attention call split by head groups: why not, or None."""
+    if region.direction == "forward" and not cfg.head_partition_forward:
+        return "forward region (head_partition_forward=False; its kernel's workspace is small)"
+    if region.dropout_p:
+        return "dropout (each group would draw its own mask)"
+    args = bound_args(region.attention)
+    for name in ("attn_mask", "attn_bias"):
+        mask = args.get(name)
+        if isinstance(mask, torch.fx.Node):
+            shape = mask.meta["val"].shape
+            if len(shape) == 4 and shape[1] != 1:
+                return f"{name} has a head dim (not split by heads)"
+    outs = tuple_outputs(region.attention)
+    if region.direction == "backward" and any(outs[i].users for i in outs if i > 2):
+        return "attention returns a gradient the rewrite does not rebuild (the bias's)"
+    return choose_groups(region, cfg)[1]
+
+
+def _split_calls(graph: torch.fx.Graph, region, p: Partition) -> list:
+    """The attention op as ``p.groups`` calls over head groups, their head-carrying results
+    (out and log-sum-exp; dq, dk, dv) concatenated back with the old strides, the rest (sizes,
+    seeds: the same for every group) taken from the first call."""
+    node = region.attention
+    emit = Emitter(graph, node)
+    calls = [_group_call(emit, node, p, g, {}) for g in range(p.groups)]
+    per_head = 3 if region.direction == "backward" else 2
+    outs = tuple_outputs(node)
+    for idx, item in outs.items():
+        if not item.users:
+            continue
+        if idx < per_head:
+            pieces = [emit(operator.getitem, call, idx) for call in calls]
+            emit.replace(item, _cat_like(emit, pieces, 1, item.meta["val"]))
+        else:
+            emit.replace(item, emit(operator.getitem, calls[0], idx))
+    for n in list(outs.values()) + [node]:
+        if not n.users:
+            graph.erase_node(n)
+    return emit.replaced
+
+
+def apply(graph: torch.fx.Graph, region, cfg) -> list:
     groups, _ = choose_groups(region, cfg)
+    if region.style == "allgather":
+        return _split_calls(graph, region, Partition(groups, region.heads_q // groups, region.heads_kv // groups))
     hq, hkv = region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups
     return _rewrite(graph, region, Partition(groups, hq, hkv), transport_choice(region, cfg)[0])
 
 
-def detail(region: A2AMatch, cfg) -> str:
+def detail(region, cfg) -> str:
+    if region.style == "allgather":
+        return f"G={choose_groups(region, cfg)[0]}: attention calls split by head groups (gathers, reduce-scatters whole)"
     transport, why = transport_choice(region, cfg)
     return f"G={choose_groups(region, cfg)[0]}, transport={transport} ({why})"
 

@@ -1,0 +1,164 @@
+"""head_partition on K/V all-gather regions: each attention call of a region becomes G calls over
+head groups (the gathers and reduce-scatters stay whole). Golden schedules at cp = 2, 4, 8,
+eligibility reasons, numerics on gloo against the fp64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, causal_allgather, fake_pg
+from test_detect_allgather import head_stride_loop, llama3_style_masked
+
+c10d = torch.ops._c10d_functional
+
+
+def qkv(hq: int, hkv: int, seq: int = 16):
+    mk = lambda h: torch.randn(1, seq, h, 8, requires_grad=True)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def noncausal_allgather(q, k, v):
+    from cp_inductor.parallel import allgather_attention
+
+    return allgather_attention(q, k, v, is_causal=False)
+
+
+def calls(gm) -> str:
+    """Gathers, attention calls (query heads) and reduce-scatters in graph order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.target is c10d.all_gather_into_tensor.default:
+            out.append("gather")
+        elif n.target is c10d.reduce_scatter_tensor.default:
+            out.append("reduce_scatter")
+        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
+            q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]
+            out.append(f"attn(h={q.meta['val'].shape[1]})")
+    return " ".join(out)
+
+
+def split(cp, fn, *inputs, **cfg) -> str:
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **cfg):
+        lines = []
+        for kind, gm in aot_graphs(fn, *inputs).items():
+            pipeline.rewrite_graph(gm.graph)
+            lines.append(f"{kind}: {calls(gm)}")
+    return "\n".join(lines)
+
+
+class TestGolden(TestCase):
+    def test_backward_calls_over_gathered_keys_in_two_groups(self):
+        # Causal load-balanced, Hq4 Hkv2 (auto: G=2). Rank 0's chunk 0 attends over the gathered
+        # keys causally and chunk 3 over its prefix: both split; chunk 3's diagonal block reads
+        # the rank's own K/V (not a region) and stays one call. The forward stays whole.
+        self.assertExpectedInline(split(2, causal_allgather, *qkv(4, 2)), """\
+forward: gather attn(h=4) attn(h=4) attn(h=4)
+backward: attn(h=2) attn(h=2) attn(h=4) attn(h=2) attn(h=2) reduce_scatter""")
+
+    def test_forward_too_cp4_four_groups(self):
+        self.assertExpectedInline(
+            split(4, causal_allgather, *qkv(8, 4, seq=8), head_groups=4, head_partition_forward=True), """\
+forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=8)
+backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=8) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
+
+    def test_not_causal_cp8(self):
+        self.assertExpectedInline(split(8, noncausal_allgather, *qkv(8, 8, seq=4), head_partition_forward=True), """\
+forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2)
+backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
+
+    def test_hand_written_llama3_style_masks_broadcast_over_heads(self):
+        # Per-chunk bottom-right masks [S_q, S_k]: every group reads the same mask (Hq = Hkv = 4:
+        # auto takes 4 groups). K and V are gathered separately, so each has its reduce-scatter.
+        self.assertExpectedInline(split(2, llama3_style_masked, *qkv(4, 4)), """\
+forward: gather gather attn(h=4) attn(h=4)
+backward: attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) reduce_scatter reduce_scatter""")
+
+
+def reasons(cp, fn, *inputs, **cfg) -> str:
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **cfg):
+        return "\n".join(sorted({
+            f"{kind}: {row.skipped.get('head_partition', 'applied: ' + row.detail.split(' G=')[-1])}"
+            for kind, gm in aot_graphs(fn, *inputs).items() for row in pipeline.analyze(gm.graph, kind)
+        }))
+
+
+def head_masked(q, k, v):
+    """Non-causal all-gather with a mask per query head: not split."""
+    from test_detect_allgather import _gather
+
+    k_all, v_all = (_gather(t).transpose(1, 2) for t in (k, v))
+    mask = torch.ones(q.shape[2], q.shape[1], k_all.shape[2], dtype=torch.bool).tril().unsqueeze(0)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask).transpose(1, 2)
+
+
+class TestEligibility(TestCase):
+    def test_reasons(self):
+        cases = {
+            "default": reasons(2, causal_allgather, *qkv(4, 2)),
+            "head_groups=3": reasons(2, noncausal_allgather, *qkv(6, 2), head_groups=3),
+            "one K/V head": reasons(2, noncausal_allgather, *qkv(4, 1)),
+            "a mask per head": reasons(2, head_masked, *qkv(2, 2), head_partition_forward=True),
+            "K/V heads gathered one at a time": reasons(2, head_stride_loop, *qkv(2, 2)),
+        }
+        text = "\n".join(f"# {name}\n{why}" for name, why in cases.items())
+        self.assertExpectedInline(text, """\
+# default
+backward: applied: 2: attention calls split by head groups (gathers, reduce-scatters whole)
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+# head_groups=3
+backward: head_groups=3 does not divide the heads (Hq=6, Hkv=2)
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+# one K/V head
+backward: heads Hq=4, Hkv=1 have no common divisor in 2..4
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+# a mask per head
+backward: attn_mask has a head dim (not split by heads)
+forward: attn_mask has a head dim (not split by heads)
+# K/V heads gathered one at a time
+backward: applied: 2: attention calls split by head groups (gathers, reduce-scatters whole)
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)""")
+
+
+HP = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+TOL = 1e-5  # fp32 vs fp64, relative L2
+
+
+def _check(rank, cp, cases, hand_written):
+    out = [r for case in cases for r in check_cp_attention(rank, cp, [case], allgather_fn(case), options=HP)]
+    if hand_written:
+        shape = dict(batch=1, seq=16, heads_q=4, heads_kv=4, head_dim=8)
+        out += check_cp_attention(rank, cp, [AttentionCase(**shape, causal=True, load_balanced=True)], llama3_style_masked, options=HP)
+        out += check_cp_attention(rank, cp, [AttentionCase(**shape, causal=False)], head_stride_loop, options=HP)
+    return out
+
+
+CASES = {
+    2: [
+        AttentionCase(batch=1, seq=32, heads_q=8, heads_kv=2, head_dim=8, causal=True, load_balanced=True),
+        AttentionCase(batch=2, seq=16, heads_q=4, heads_kv=4, head_dim=8, layout="bhsd", causal=True),
+        AttentionCase(batch=1, seq=16, heads_q=4, heads_kv=2, head_dim=8, causal=False),
+    ],
+    4: [AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, layout="bhsd", causal=True, load_balanced=True)],
+}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_numerics_gloo(cp):
+    """Output and every gradient within fp32 tolerance of the fp64 reference with every all-gather
+    region's calls split, forward and backward (GQA causal load-balanced, BHSD, not causal;
+    hand-written Llama3-style masks and a head-stride gather loop at cp=2)."""
+    for rank_results in run_on_ranks(_check, cp, CASES[cp], cp == 2):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (r["case"], key, r[key])
+            # Every region (several per graph: one per attention call over gathered keys) split.
+            assert r["applied"] == ["head_partition"] and r["rewritten"] == {"head_partition": len(r["report"])}, r
+            assert {row[:3] for row in r["report"]} == {("forward", "allgather", cp), ("backward", "allgather", cp)}, r
