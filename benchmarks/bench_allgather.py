@@ -39,7 +39,8 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
-# "<arm>_hg<G>": any arm above on the helper with head_groups=G.
+# "<arm>_hg<G>": any arm above on the helper with head_groups=G. "cp_hp<G>": cp_inductor with
+# head_partition (the attention backward calls split into G head groups); "cp_hpf<G>": forward too.
 # The ring helper (cp_inductor.parallel.ring_attention) on the same shards: eager, default
 # Inductor, cp_inductor's defaults (ce_rotation where rotations are large enough), ce_rotation off.
 RING_ARMS = {
@@ -85,6 +86,11 @@ class AllGatherBench(Bench):
             if self.args.causal:
                 raise ValueError("the hand-written all-gather block is not causal: run with --no-causal")
             return self.allgather_arm(*HAND_ARMS[name], code="hand")
+        split = re.fullmatch(r"cp_hp(f?)(\d+)", name)
+        if split:
+            options = {"cp_inductor.head_partition": True, "cp_inductor.head_groups": int(split[2]),
+                       "cp_inductor.head_partition_forward": bool(split[1])}
+            return self.allgather_arm("cp_inductor", options)
         grouped = re.fullmatch(r"(.+)_hg(\d+)", name)
         if grouped:  # the helper's head_groups=G: K/V gathered per group, again in the backward
             return self.allgather_arm(*ARMS[grouped[1]], head_groups=int(grouped[2]))

@@ -161,17 +161,48 @@ def test_allgather_nccl_bf16(kernel, head_groups):
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", 2), ("backward", "allgather", 2)}, r
 
 
+# head_partition on all-gather regions: every attention call over gathered keys split in 2 or 4
+# head groups, forward and backward.
+ALLGATHER_SPLIT = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+
+
+def _allgather_split_bf16(rank, cp, kernel, groups):
+    options = {**ALLGATHER_SPLIT, "cp_inductor.head_groups": groups}
+    bf16 = torch.bfloat16
+    cases = [
+        AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
+        AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", dtype=bf16),
+        AttentionCase(batch=1, seq=1024, heads_q=8, heads_kv=4, head_dim=128, causal=False, dtype=bf16),
+    ]
+    return [r for c in cases for r in check_cp_attention(rank, cp, [c], allgather_fn(c, kernel), device="cuda", options=options)]
+
+
 @needs_gpus
-@pytest.mark.parametrize("head_groups", [None, 2])
-def test_allgather_cuda_graph_training_step(head_groups):
+@pytest.mark.parametrize("kernel,groups", [("flash", 2), ("cudnn", 4)])
+def test_allgather_head_partition_nccl_bf16(kernel, groups):
+    for rank_results in run_on_ranks(_allgather_split_bf16, 2, kernel, groups, pg_backend="nccl"):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (r["case"], key, r[key])
+            assert r["applied"] == ["head_partition"], r
+            # every region split (cuDNN's backward calls also get dO laid out like O)
+            assert r["rewritten"]["head_partition"] == len(r["report"]), r
+
+
+@needs_gpus
+@pytest.mark.parametrize("head_groups,split", [(None, False), (2, False), (None, True)])
+def test_allgather_cuda_graph_training_step(head_groups, split):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01, head_groups=head_groups)
+    options = ALLGATHER_SPLIT if split else None
     results = run_on_ranks(
-        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", None, torch.bfloat16, pg_backend="nccl"
+        compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16, pg_backend="nccl"
     )
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
+        if split:
+            assert r["rewritten"].get("head_partition", 0) > 0, r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= 2e-2 * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < 2e-2, r["max_param_diff"]

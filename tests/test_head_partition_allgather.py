@@ -57,17 +57,18 @@ def split(cp, fn, *inputs, **cfg) -> str:
 class TestGolden(TestCase):
     def test_backward_calls_over_gathered_keys_in_two_groups(self):
         # Causal load-balanced, Hq4 Hkv2 (auto: G=2). Rank 0's chunk 0 attends over the gathered
-        # keys causally and chunk 3 over its prefix: both split; chunk 3's diagonal block reads
-        # the rank's own K/V (not a region) and stays one call. The forward stays whole.
+        # keys causally and chunk 3 over its prefix: both split, and chunk 3's diagonal block on
+        # the rank's own K/V (not a region: it reads the prefix call's queries) with them. The
+        # forward stays whole.
         self.assertExpectedInline(split(2, causal_allgather, *qkv(4, 2)), """\
 forward: gather attn(h=4) attn(h=4) attn(h=4)
-backward: attn(h=2) attn(h=2) attn(h=4) attn(h=2) attn(h=2) reduce_scatter""")
+backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
     def test_forward_too_cp4_four_groups(self):
         self.assertExpectedInline(
             split(4, causal_allgather, *qkv(8, 4, seq=8), head_groups=4, head_partition_forward=True), """\
-forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=8)
-backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=8) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
+forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2)
+backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
     def test_not_causal_cp8(self):
         self.assertExpectedInline(split(8, noncausal_allgather, *qkv(8, 8, seq=4), head_partition_forward=True), """\
@@ -111,7 +112,8 @@ class TestEligibility(TestCase):
         text = "\n".join(f"# {name}\n{why}" for name, why in cases.items())
         self.assertExpectedInline(text, """\
 # default
-backward: applied: 2: attention calls split by head groups (gathers, reduce-scatters whole)
+backward: applied: 2: attention call and 1 call(s) on local K/V reading its queries split by head groups (gathers, reduce-scatters whole)
+backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
 forward: forward region (head_partition_forward=False; its kernel's workspace is small)
 # head_groups=3
 backward: head_groups=3 does not divide the heads (Hq=6, Hkv=2)
@@ -123,7 +125,7 @@ forward: forward region (head_partition_forward=False; its kernel's workspace is
 backward: attn_mask has a head dim (not split by heads)
 forward: attn_mask has a head dim (not split by heads)
 # K/V heads gathered one at a time
-backward: applied: 2: attention calls split by head groups (gathers, reduce-scatters whole)
+backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
 forward: forward region (head_partition_forward=False; its kernel's workspace is small)""")
 
 

@@ -101,6 +101,12 @@ def _sources(node) -> tuple[set, bool]:
     return gathers, complete
 
 
+def gathered_by(node) -> set:
+    """The all-gathers an attention input comes from through layout ops and reorders (empty:
+    none, e.g. the rank's own K/V)."""
+    return _sources(node)[0]
+
+
 def _gathered_input(node, name: str) -> tuple:
     """The all-gathers ``node`` (k or v) comes from, in graph order: one, or several when heads
     are gathered a few at a time and concatenated; () if it comes from none."""

@@ -27,7 +27,9 @@ says why and NCCL carries it.
 
 A K/V all-gather region (``allgather``) is split where its memory goes: each attention call (the
 backward by default, the forward too with ``head_partition_forward``) becomes G calls over head
-groups, reading head slices (views) of q, dO, O, log-sum-exp and of the gathered K/V::
+groups, reading head slices (views) of q, dO, O, log-sum-exp and of the gathered K/V, and so does
+the call on the rank's own K/V that reads the same queries (a load-balanced causal chunk's
+diagonal block: not a region itself, but the same attention)::
 
     dq, dk, dv = attention_backward(dO, q, k, v, O, lse)            # all heads: one workspace
     ->  dq_g, dk_g, dv_g = attention_backward(dO[:, g], q[:, g], k[:, g], ...)   for g < G
@@ -57,7 +59,8 @@ import torch.fx
 from ..detect.a2a import A2AMatch
 from ..fx_emit import Emitter, stride_order
 from ..layout_algebra import Factor, Layout, plan_relayout
-from ..sdpa_ops import bound_args, tuple_outputs
+from ..detect import allgather
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from . import Rewrite, fused_a2a
 from .transport import Sender, transport_choice
 from .ulysses_buffers import (
@@ -190,6 +193,10 @@ def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs
             value = inputs[name]
         elif name in _Q_HEAD_ARGS and isinstance(value, torch.fx.Node):
             value = emit(aten.slice.Tensor, value, 1, g * p.heads_q, (g + 1) * p.heads_q)
+            if name == "logsumexp" and not value.meta["val"].is_contiguous():
+                # The flash backward indexes its log-sum-exp as a dense [B, H, S]: a head slice
+                # of a batch > 1 gave wrong gradients on H200 (run 45). It is small: copy it.
+                value = emit(aten.clone.default, value, memory_format=torch.contiguous_format)
         elif name in _KV_HEAD_ARGS and isinstance(value, torch.fx.Node):
             value = emit(aten.slice.Tensor, value, 1, g * p.heads_kv, (g + 1) * p.heads_kv)
         else:
@@ -296,29 +303,50 @@ def _split_calls_why_not(region, cfg) -> str | None:
     """An all-gather region's attention call split by head groups: why not, or None."""
     if region.direction == "forward" and not cfg.head_partition_forward:
         return "forward region (head_partition_forward=False; its kernel's workspace is small)"
-    if region.dropout_p:
+    return _call_why_not(region.attention) or choose_groups(region, cfg)[1]
+
+
+def _call_why_not(node: torch.fx.Node) -> str | None:
+    """Why one attention op cannot be split by heads as it is, or None."""
+    args = bound_args(node)
+    if args.get("dropout_p"):
         return "dropout (each group would draw its own mask)"
-    args = bound_args(region.attention)
     for name in ("attn_mask", "attn_bias"):
         mask = args.get(name)
         if isinstance(mask, torch.fx.Node):
             shape = mask.meta["val"].shape
             if len(shape) == 4 and shape[1] != 1:
                 return f"{name} has a head dim (not split by heads)"
-    outs = tuple_outputs(region.attention)
-    if region.direction == "backward" and any(outs[i].users for i in outs if i > 2):
+    outs = tuple_outputs(node)
+    if node.target in SDPA_BACKWARD and any(outs[i].users for i in outs if i > 2):
         return "attention returns a gradient the rewrite does not rebuild (the bias's)"
-    return choose_groups(region, cfg)[1]
+    return None
 
 
-def _split_calls(graph: torch.fx.Graph, region, p: Partition) -> list:
-    """The attention op as ``p.groups`` calls over head groups, their head-carrying results
-    (out and log-sum-exp; dq, dk, dv) concatenated back with the old strides, the rest (sizes,
-    seeds: the same for every group) taken from the first call."""
+def local_siblings(region) -> list:
+    """Attention ops on this rank's own K/V that read the same queries as ``region``'s op: a
+    load-balanced causal block's diagonal call beside the chunk's prefix call over gathered
+    keys (the same CP attention; the largest allocation left once the region's calls are split)."""
     node = region.attention
-    emit = Emitter(graph, node)
+    query = bound_args(node)["query"]
+    ops = SDPA_BACKWARD if region.direction == "backward" else SDPA_FORWARD
+    out = []
+    for user in query.users:
+        if user is node or user.op != "call_function" or user.target not in ops:
+            continue
+        args = bound_args(user)
+        if (args["query"] is query and not any(allgather.gathered_by(args[n]) for n in ("key", "value"))
+                and args["key"].meta["val"].shape[1] == region.heads_kv and _call_why_not(user) is None):
+            out.append(user)
+    return out
+
+
+def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool) -> None:
+    """``node`` as ``p.groups`` calls over head groups, their head-carrying results (out and
+    log-sum-exp; dq, dk, dv) concatenated back with the old strides, the rest (sizes, seeds:
+    the same for every group) taken from the first call."""
     calls = [_group_call(emit, node, p, g, {}) for g in range(p.groups)]
-    per_head = 3 if region.direction == "backward" else 2
+    per_head = 3 if backward else 2
     outs = tuple_outputs(node)
     for idx, item in outs.items():
         if not item.users:
@@ -330,8 +358,17 @@ def _split_calls(graph: torch.fx.Graph, region, p: Partition) -> list:
             emit.replace(item, emit(operator.getitem, calls[0], idx))
     for n in list(outs.values()) + [node]:
         if not n.users:
-            graph.erase_node(n)
-    return emit.replaced
+            emit.graph.erase_node(n)
+
+
+def _split_calls(graph: torch.fx.Graph, region, p: Partition) -> list:
+    """The region's attention op and its local siblings, each split by head groups."""
+    replaced = []
+    for node in [region.attention, *local_siblings(region)]:
+        emit = Emitter(graph, node)
+        _split_call(emit, node, p, region.direction == "backward")
+        replaced += emit.replaced
+    return replaced
 
 
 def apply(graph: torch.fx.Graph, region, cfg) -> list:
@@ -344,7 +381,9 @@ def apply(graph: torch.fx.Graph, region, cfg) -> list:
 
 def detail(region, cfg) -> str:
     if region.style == "allgather":
-        return f"G={choose_groups(region, cfg)[0]}: attention calls split by head groups (gathers, reduce-scatters whole)"
+        siblings = len(local_siblings(region))
+        also = f" and {siblings} call(s) on local K/V reading its queries" if siblings else ""
+        return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups (gathers, reduce-scatters whole)"
     transport, why = transport_choice(region, cfg)
     return f"G={choose_groups(region, cfg)[0]}, transport={transport} ({why})"
 
