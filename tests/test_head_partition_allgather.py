@@ -109,6 +109,13 @@ class TestEligibility(TestCase):
             "a mask per head": reasons(2, head_masked, *qkv(2, 2), head_partition_forward=True),
             "K/V heads gathered one at a time": reasons(2, head_stride_loop, *qkv(2, 2)),
         }
+        with fake_pg(2), cp_inductor.config.patch(head_partition=True, owner_grad_return=True):
+            rows = [row for kind, gm in aot_graphs(causal_allgather, *qkv(4, 2)).items()
+                    for row in pipeline.analyze(gm.graph, kind) if kind == "backward"]
+        cases["owner_grad_return on too"] = "\n".join(sorted({
+            f"{r.skipped.get('head_partition', 'head_partition applied')}; "
+            f"owner_grad_return: {r.skipped.get('owner_grad_return', 'applied')}" for r in rows
+        }))
         text = "\n".join(f"# {name}\n{why}" for name, why in cases.items())
         self.assertExpectedInline(text, """\
 # default
@@ -126,7 +133,9 @@ backward: attn_mask has a head dim (not split by heads)
 forward: attn_mask has a head dim (not split by heads)
 # K/V heads gathered one at a time
 backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)""")
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+# owner_grad_return on too
+head_partition applied; owner_grad_return: head_partition splits this region's attention calls (one or the other)""")
 
 
 HP = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}

@@ -48,6 +48,10 @@ def _reduce_scatters(region: AllGatherMatch) -> list:
 def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
     if region.direction != "backward":
         return "forward region (the rewrite returns the backward's dK/dV)"
+    if "head_partition" in decided and decided["head_partition"] is None:
+        # Each rewrite re-finds the region by its attention op or its reduce-scatters, which
+        # the other replaces: the pipeline cannot apply both to one region.
+        return "head_partition splits this region's attention calls (one or the other)"
     scatters = _reduce_scatters(region)
     for rs in scatters:
         if rs.args[1] != "sum":
