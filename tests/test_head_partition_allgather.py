@@ -70,6 +70,17 @@ backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_sca
 forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2)
 backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
+    def test_two_layers_each_split(self):
+        # The second layer's K/V are computed from the first layer's output (which read
+        # gathered keys): still the rank's own K/V, so its diagonal blocks are split too.
+        def two_layers(q, k, v):
+            out = causal_allgather(q, k, v)
+            return causal_allgather(out, out[:, :, :2] * 0.5, out[:, :, 2:] + 1.0)
+
+        self.assertExpectedInline(split(2, two_layers, *qkv(4, 2)), """\
+forward: gather attn(h=4) attn(h=4) attn(h=4) gather attn(h=4) attn(h=4) attn(h=4)
+backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
+
     def test_not_causal_cp8(self):
         self.assertExpectedInline(split(8, noncausal_allgather, *qkv(8, 8, seq=4), head_partition_forward=True), """\
 forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2)

@@ -43,7 +43,7 @@ c10d = torch.ops._c10d_functional
 
 # Ops that move or pick elements of the gathered K/V on its way to attention (first argument is
 # the tracked tensor), besides the layout algebra's own.
-_REORDER_OPS = (
+REORDER_OPS = (
     prims.rev.default, aten.flip.default, aten.index_select.default, aten.index.Tensor, aten.repeat_interleave.self_int,
 )
 # Ops through which a dK/dV contribution reaches the reduce-scatter: the tracked tensor is any
@@ -94,17 +94,11 @@ def _sources(node) -> tuple[set, bool]:
             gathers.add(gather)
         elif n.op == "call_function" and n.target is aten.cat.default:
             stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
-        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in _REORDER_OPS):
+        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in REORDER_OPS):
             stack.append(n.args[0])
         else:
             complete = False
     return gathers, complete
-
-
-def gathered_by(node) -> set:
-    """The all-gathers an attention input comes from through layout ops and reorders (empty:
-    none, e.g. the rank's own K/V)."""
-    return _sources(node)[0]
 
 
 def _gathered_input(node, name: str) -> tuple:

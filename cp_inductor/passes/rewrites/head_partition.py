@@ -57,9 +57,9 @@ import torch
 import torch.fx
 
 from ..detect.a2a import A2AMatch
+from ..detect.allgather import REORDER_OPS
 from ..fx_emit import Emitter, stride_order
-from ..layout_algebra import Factor, Layout, plan_relayout
-from ..detect import allgather
+from ..layout_algebra import Factor, Layout, is_layout_op, is_value_op, plan_relayout
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from . import Rewrite, fused_a2a
 from .transport import Sender, transport_choice
@@ -335,10 +335,33 @@ def local_siblings(region) -> list:
         if user is node or user.op != "call_function" or user.target not in ops:
             continue
         args = bound_args(user)
-        if (args["query"] is query and not any(allgather.gathered_by(args[n]) for n in ("key", "value"))
+        if (args["query"] is query and not any(_after_collective(args[n]) for n in ("key", "value"))
                 and args["key"].meta["val"].shape[1] == region.heads_kv and _call_why_not(user) is None):
             out.append(user)
     return out
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "cp_inductor")
+
+
+def _after_collective(node: torch.fx.Node) -> bool:
+    """Whether ``node`` comes, through layout ops, slices, casts and ``cat``, from a collective:
+    such an op is some CP region's (gathered or rotated K/V), not the rank's own attention."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            continue
+        if getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            return True
+        if n.target is aten.cat.default:
+            stack.extend(n.args[0])
+        elif is_layout_op(n) or is_value_op(n) or n.target in REORDER_OPS:
+            stack.append(n.args[0])
+    return False
 
 
 def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool) -> None:
