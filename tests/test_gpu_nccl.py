@@ -161,13 +161,13 @@ def test_allgather_nccl_bf16(kernel, head_groups):
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", 2), ("backward", "allgather", 2)}, r
 
 
-# head_partition on all-gather regions: every attention call over gathered keys split in 2 or 4
+# head_partition on all-gather (and ring) regions: every attention call split in 2 or 4
 # head groups, forward and backward.
-ALLGATHER_SPLIT = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+HEAD_SPLIT = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
 
 
 def _allgather_split_bf16(rank, cp, kernel, groups):
-    options = {**ALLGATHER_SPLIT, "cp_inductor.head_groups": groups}
+    options = {**HEAD_SPLIT, "cp_inductor.head_groups": groups}
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
@@ -195,7 +195,7 @@ def test_allgather_cuda_graph_training_step(head_groups, split):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01, head_groups=head_groups)
-    options = ALLGATHER_SPLIT if split else None
+    options = HEAD_SPLIT if split else None
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16, pg_backend="nccl"
     )
@@ -243,6 +243,20 @@ def test_ring_nccl_bf16(kernel, ce):
             assert sorted(r["applied"]) == (["ce_rotation", "narrow_rotation"] if ce else ["narrow_rotation"]), r
             assert r["rewritten"].get("narrow_rotation", 0) >= 1, r
             assert (r["rewritten"].get("ce_rotation", 0) >= 2) if ce else ("ce_rotation" not in r["rewritten"]), r
+
+
+@needs_gpus
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_ring_head_partition_nccl_bf16(kernel):
+    """Every ring region's calls split in head groups, forward and backward, with the rotations
+    on the copy engines and the last one narrowed: the rewrites after head_partition still apply."""
+    options = {**HEAD_SPLIT, **CE_ROTATION, "cp_inductor.head_groups": 2}
+    for rank_results in run_on_ranks(_ring_bf16, 2, kernel, options, pg_backend="nccl"):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (key, r)
+            assert sorted(r["applied"]) == ["ce_rotation", "head_partition", "narrow_rotation"], r
+            assert r["rewritten"]["head_partition"] == len(r["report"]) and r["rewritten"]["ce_rotation"] >= 2, r
 
 
 @needs_gpus

@@ -4,6 +4,8 @@ eligibility reasons, numerics on gloo against the fp64 reference."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +186,94 @@ def test_numerics_gloo(cp):
             # Every region (several per graph: one per attention call over gathered keys) split.
             assert r["applied"] == ["head_partition"] and r["rewritten"] == {"head_partition": len(r["report"])}, r
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", cp), ("backward", "allgather", cp)}, r
+
+
+# --- ring regions: the same split of each step's call; the rotations stay whole, and the
+# rewrites after it (ce_rotation, narrow_rotation) still find the region through its first call.
+
+
+def ring_calls(gm) -> str:
+    """Rotations (``nccl`` / ``ce``), their waits and attention calls (query heads) in order."""
+    from cp_inductor.lowerings import ce_transport  # noqa: F401  (registers the ops)
+
+    ce_start, ce_wait = torch.ops.cp_inductor.ce_rotate_start.default, torch.ops.cp_inductor.ce_all_to_all_wait.default
+    ids, out = {}, []
+    for n in gm.graph.nodes:
+        if n.target in (c10d.all_to_all_single.default, ce_start):
+            ids[n] = len(ids)
+            out.append(f"{'nccl' if n.target is c10d.all_to_all_single.default else 'ce'}#{ids[n]}")
+        elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
+            out.append(f"wait#{ids[n.args[0]]}")
+        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
+            q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]
+            out.append(f"attn(h={q.meta['val'].shape[1]})")
+    return " ".join(out)
+
+
+def ring_split(cp, fn, copy_engines=False, **cfg) -> str:
+    from unittest import mock
+
+    from cp_inductor.lowerings import ce_transport
+    from helpers import ring_graphs
+
+    cfg = {"head_partition": True, "strict": True, "ce_rotation_min_bytes": 0, **cfg}
+    available = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None)
+    with available if copy_engines else contextlib.nullcontext():
+        rows, graphs = ring_graphs(cp, fn, qkv(4, 2, seq=8), **cfg)
+    lines = [f"{kind}: {ring_calls(gm)}" for kind, gm in graphs.items()]
+    applied = sorted({f"{r.graph_kind}: {' '.join(r.applied)}" for r in rows})
+    return "\n".join(lines + applied)
+
+
+def hand_ring(q, k, v):
+    from ring_programs import ring_by_hand
+
+    return ring_by_hand(q, k, v, causal=True)
+
+
+class TestRing(TestCase):
+    def test_hand_written_ring_cp2_with_copy_engine_rotations(self):
+        # Every step's call in two groups; ce_rotation still moves the rotations (it finds each
+        # split region again through its first call). One line per region kind in the report.
+        self.assertExpectedInline(ring_split(2, hand_ring, copy_engines=True, head_partition_forward=True), """\
+forward: ce#0 attn(h=2) attn(h=2) wait#0 attn(h=2) attn(h=2)
+backward: attn(h=2) attn(h=2) ce#0 attn(h=2) attn(h=2) wait#0 ce#1 wait#1
+backward: head_partition ce_rotation
+forward: head_partition
+forward: head_partition ce_rotation""")
+
+    def test_native_context_parallel_cp4(self):
+        from ring_programs import native_options, native_ring
+
+        # Native CP's all-to-all rotation, load-balanced; the backward's calls split (forward off).
+        with native_options("alltoall", load_balance=True):
+            text = ring_split(4, lambda q, k, v: native_ring(q, k, v, causal=True))
+        self.assertExpectedInline(text, """\
+forward: nccl#0 wait#0 attn(h=4) nccl#1 wait#1 attn(h=4) nccl#2 wait#2 attn(h=4) attn(h=4)
+backward: attn(h=2) attn(h=2) nccl#0 wait#0 nccl#1 wait#1 attn(h=2) attn(h=2) nccl#2 wait#2 nccl#3 wait#3 attn(h=2) attn(h=2) nccl#4 wait#4 attn(h=2) attn(h=2) nccl#5 wait#5
+backward: head_partition
+forward: """)
+
+
+def _check_ring(rank, cp):
+    from ring_programs import native_options, native_ring, ring_by_hand
+
+    case = AttentionCase(batch=2, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True)
+    out = check_cp_attention(rank, cp, [case], lambda q, k, v: ring_by_hand(q, k, v, causal=True), options=HP)
+    mha = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=4, head_dim=8, causal=True, load_balanced=True)
+    with native_options("alltoall", load_balance=True):
+        out += check_cp_attention(rank, cp, [mha], lambda q, k, v: native_ring(q, k, v, causal=True), options=HP)
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_numerics_gloo(cp):
+    """The hand-written ring (GQA, batch 2) and native CP's ring code (all-to-all rotation),
+    every region's calls split forward and backward: within fp32 tolerance of the fp64 reference."""
+    for rank_results in run_on_ranks(_check_ring, cp):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (r["case"], key, r[key])
+            assert r["applied"] == ["head_partition"], r
+            rewritten = {k: v for k, v in r["rewritten"].items() if k != "collective_cse"}
+            assert rewritten == {"head_partition": len(r["report"])}, r

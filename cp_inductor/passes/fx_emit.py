@@ -10,6 +10,10 @@ from .layout_algebra import Relayout
 
 aten = torch.ops.aten
 
+# meta key on the ops a rewrite put in place of an attention op: the old op's name (the pipeline
+# finds the region again through the first of them for the rewrites that follow).
+REPLACES = "cp_inductor_replaces"
+
 
 class Emitter:
     """Creates nodes before ``anchor`` (in call order) and fills ``meta["val"]``."""

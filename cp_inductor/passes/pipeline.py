@@ -29,6 +29,7 @@ from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
 from . import collective_cse, grad_out_layout
 from .checked_rewrite import apply_checked
+from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
 from .guard import why_not
 from .rewrites import (
@@ -227,7 +228,9 @@ def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only
             continue
         kept = True
         attention = match.attention
-        match = None if attention._erased else detector.match_at(attention, "post_grad", cfg)
+        if attention._erased:  # split into several calls: the region is found again by the first
+            attention = next((n for n in graph.nodes if n.meta.get(REPLACES) == attention.name), None)
+        match = None if attention is None else detector.match_at(attention, "post_grad", cfg)
         if match is None:
             break
     return kept

@@ -51,17 +51,16 @@ so graphs it rewrites are compiled without Inductor's peak-memory reordering (th
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from ..detect.a2a import A2AMatch
-from ..detect.allgather import REORDER_OPS
-from ..fx_emit import Emitter, stride_order
-from ..layout_algebra import Factor, Layout, is_layout_op, is_value_op, plan_relayout
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
-from . import Rewrite, fused_a2a
+from ..fx_emit import Emitter
+from ..layout_algebra import Factor, Layout, plan_relayout
+from ..sdpa_ops import bound_args, tuple_outputs
+from . import Rewrite, fused_a2a, head_split
+from .head_split import Partition, cat_like, group_call
 from .transport import Sender, transport_choice
 from .ulysses_buffers import (
     as_delivered,
@@ -76,9 +75,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "head_partition"
 
-# Attention arguments that carry query heads / key-value heads on dim 1 (forward and backward).
-_Q_HEAD_ARGS = ("query", "grad_out", "out", "logsumexp")
-_KV_HEAD_ARGS = ("key", "value")
 
 # Most groups the automatic choice takes. Each split costs attention time (one more tail wave
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
@@ -87,15 +83,6 @@ AUTO_MAX_GROUPS = 2
 # All-gather regions split for memory: four groups took a cuDNN backward's allocations to what its
 # outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
 AUTO_MAX_GROUPS_ALLGATHER = 4
-
-
-@dataclass
-class Partition:
-    """How one region is split."""
-
-    groups: int
-    heads_q: int  # local query heads per group
-    heads_kv: int  # local key/value heads per group
 
 
 def choose_groups(region, cfg) -> tuple[int, str | None]:
@@ -124,10 +111,8 @@ def choose_groups(region, cfg) -> tuple[int, str | None]:
 def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
     """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
     fused_a2a's verdict on the same region."""
-    if region.style == "allgather":
-        return _split_calls_why_not(region, cfg)
-    if region.style != "a2a":
-        return f"not implemented yet for {region.style}"
+    if region.style in ("allgather", "ring"):
+        return head_split.why_not(region, cfg) or choose_groups(region, cfg)[1]
     if not cfg.fused_a2a:
         return "needs fused_a2a (disabled by config)"
     if region.direction == "forward" and not cfg.head_partition_forward:
@@ -174,40 +159,6 @@ def _send_layout(emit: Emitter, x: torch.fx.Node, cp: int) -> torch.fx.Node:
     return emit(aten.permute.default, emit(aten.reshape.default, x, [b, h, cp, s // cp, d]), [2, 3, 0, 1, 4])
 
 
-def _cat_like(emit: Emitter, parts: list, dim: int, like: torch.Tensor) -> torch.fx.Node:
-    """Concatenate ``parts`` along ``dim`` into a tensor with ``like``'s strides: it replaces a
-    saved tensor whose strides the backward graph was compiled for."""
-    order = stride_order(like)
-    inverse = [order.index(i) for i in range(like.dim())]
-    permuted = [emit(aten.permute.default, p, order) for p in parts]
-    return emit(aten.permute.default, emit(aten.cat.default, permuted, order.index(dim)), inverse)
-
-
-def _group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs: dict) -> torch.fx.Node:
-    """``node`` (an attention op) on the heads of group ``g``: ``inputs`` replaces some arguments,
-    the rest are sliced on their head dim or passed as they are."""
-    args, kwargs = list(node.args), dict(node.kwargs)
-    schema = node.target._schema.arguments
-    for i, (name, value) in enumerate(bound_args(node).items()):
-        if name in inputs:
-            value = inputs[name]
-        elif name in _Q_HEAD_ARGS and isinstance(value, torch.fx.Node):
-            value = emit(aten.slice.Tensor, value, 1, g * p.heads_q, (g + 1) * p.heads_q)
-            if name == "logsumexp" and not value.meta["val"].is_contiguous():
-                # The flash backward indexes its log-sum-exp as a dense [B, H, S]: a head slice
-                # of a batch > 1 gave wrong gradients on H200 (run 45). It is small: copy it.
-                value = emit(aten.clone.default, value, memory_format=torch.contiguous_format)
-        elif name in _KV_HEAD_ARGS and isinstance(value, torch.fx.Node):
-            value = emit(aten.slice.Tensor, value, 1, g * p.heads_kv, (g + 1) * p.heads_kv)
-        else:
-            continue
-        if i < len(args):
-            args[i] = value
-        else:
-            kwargs[schema[i].name] = value
-    return emit(node.target, *args, **kwargs)
-
-
 def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partition, sender: Sender):
     """One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
     back while each group's attention waits only for its own. Returns (sends, layouts)."""
@@ -234,7 +185,7 @@ def _attend_per_group(emit: Emitter, region: A2AMatch, p: Partition, sender: Sen
             part = recv if len(layouts) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
             inputs[name] = heads_view(emit, part)
             offset += heads
-        call = _group_call(emit, region.attention, p, g, inputs)
+        call = group_call(emit, region.attention, p, g, inputs)
         calls.append(call)
         results = [emit(operator.getitem, call, i) for i in range(n_out)]
         sends = [_send_layout(emit, r, region.cp) for r in results]
@@ -264,13 +215,13 @@ def _restore_full_tensors(emit: Emitter, node, calls: list, names, inc_args: lis
     outs = tuple_outputs(node)
     for name, arg in zip(names, inc_args):
         if any(u is not node for u in arg.users):
-            full = _cat_like(emit, [bound_args(call)[name] for call in calls], 1, arg.meta["val"])
+            full = cat_like(emit, [bound_args(call)[name] for call in calls], 1, arg.meta["val"])
             emit.replace(arg, full, delete_user_cb=lambda u: u is not node)
     if not backward:
         for idx in (0, 1):
             if idx in outs and outs[idx].users:
                 pieces = [emit(operator.getitem, call, idx) for call in calls]
-                emit.replace(outs[idx], _cat_like(emit, pieces, 1, outs[idx].meta["val"]))
+                emit.replace(outs[idx], cat_like(emit, pieces, 1, outs[idx].meta["val"]))
     for idx, item in outs.items():
         if idx > (1 if not backward else 2) and item.users:  # seeds, sizes: the same for every group
             emit.replace(item, emit(operator.getitem, calls[0], idx))
@@ -299,114 +250,20 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition, transport: s
     return emit.replaced
 
 
-def _split_calls_why_not(region, cfg) -> str | None:
-    """An all-gather region's attention call split by head groups: why not, or None."""
-    if region.direction == "forward" and not cfg.head_partition_forward:
-        return "forward region (head_partition_forward=False; its kernel's workspace is small)"
-    return _call_why_not(region.attention) or choose_groups(region, cfg)[1]
-
-
-def _call_why_not(node: torch.fx.Node) -> str | None:
-    """Why one attention op cannot be split by heads as it is, or None."""
-    args = bound_args(node)
-    if args.get("dropout_p"):
-        return "dropout (each group would draw its own mask)"
-    for name in ("attn_mask", "attn_bias"):
-        mask = args.get(name)
-        if isinstance(mask, torch.fx.Node):
-            shape = mask.meta["val"].shape
-            if len(shape) == 4 and shape[1] != 1:
-                return f"{name} has a head dim (not split by heads)"
-    outs = tuple_outputs(node)
-    if node.target in SDPA_BACKWARD and any(outs[i].users for i in outs if i > 2):
-        return "attention returns a gradient the rewrite does not rebuild (the bias's)"
-    return None
-
-
-def local_siblings(region) -> list:
-    """Attention ops on this rank's own K/V that read the same queries as ``region``'s op: a
-    load-balanced causal block's diagonal call beside the chunk's prefix call over gathered
-    keys (the same CP attention; the largest allocation left once the region's calls are split)."""
-    node = region.attention
-    query = bound_args(node)["query"]
-    ops = SDPA_BACKWARD if region.direction == "backward" else SDPA_FORWARD
-    out = []
-    for user in query.users:
-        if user is node or user.op != "call_function" or user.target not in ops:
-            continue
-        args = bound_args(user)
-        if (args["query"] is query and not any(_after_collective(args[n]) for n in ("key", "value"))
-                and args["key"].meta["val"].shape[1] == region.heads_kv and _call_why_not(user) is None):
-            out.append(user)
-    return out
-
-
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "cp_inductor")
-
-
-def _after_collective(node: torch.fx.Node) -> bool:
-    """Whether ``node`` comes, through layout ops, slices, casts and ``cat``, from a collective:
-    such an op is some CP region's (gathered or rotated K/V), not the rank's own attention."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or not isinstance(n, torch.fx.Node):
-            continue
-        seen.add(n)
-        if n.op != "call_function":
-            continue
-        if getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
-            return True
-        if n.target is aten.cat.default:
-            stack.extend(n.args[0])
-        elif is_layout_op(n) or is_value_op(n) or n.target in REORDER_OPS:
-            stack.append(n.args[0])
-    return False
-
-
-def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool) -> None:
-    """``node`` as ``p.groups`` calls over head groups, their head-carrying results (out and
-    log-sum-exp; dq, dk, dv) concatenated back with the old strides, the rest (sizes, seeds:
-    the same for every group) taken from the first call."""
-    calls = [_group_call(emit, node, p, g, {}) for g in range(p.groups)]
-    per_head = 3 if backward else 2
-    outs = tuple_outputs(node)
-    for idx, item in outs.items():
-        if not item.users:
-            continue
-        if idx < per_head:
-            pieces = [emit(operator.getitem, call, idx) for call in calls]
-            emit.replace(item, _cat_like(emit, pieces, 1, item.meta["val"]))
-        else:
-            emit.replace(item, emit(operator.getitem, calls[0], idx))
-    for n in list(outs.values()) + [node]:
-        if not n.users:
-            emit.graph.erase_node(n)
-
-
-def _split_calls(graph: torch.fx.Graph, region, p: Partition) -> list:
-    """The region's attention op and its local siblings, each split by head groups."""
-    replaced = []
-    for node in [region.attention, *local_siblings(region)]:
-        emit = Emitter(graph, node)
-        _split_call(emit, node, p, region.direction == "backward")
-        replaced += emit.replaced
-    return replaced
-
-
 def apply(graph: torch.fx.Graph, region, cfg) -> list:
     groups, _ = choose_groups(region, cfg)
-    if region.style == "allgather":
-        return _split_calls(graph, region, Partition(groups, region.heads_q // groups, region.heads_kv // groups))
+    if region.style in ("allgather", "ring"):
+        return head_split.apply(graph, region, groups)
     hq, hkv = region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups
     return _rewrite(graph, region, Partition(groups, hq, hkv), transport_choice(region, cfg)[0])
 
 
 def detail(region, cfg) -> str:
-    if region.style == "allgather":
-        siblings = len(local_siblings(region))
+    if region.style in ("allgather", "ring"):
+        siblings = len(head_split.siblings(region))
         also = f" and {siblings} call(s) on local K/V reading its queries" if siblings else ""
-        return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups (gathers, reduce-scatters whole)"
+        whole = "gathers, reduce-scatters" if region.style == "allgather" else "rotations"
+        return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups ({whole} whole)"
     transport, why = transport_choice(region, cfg)
     return f"G={choose_groups(region, cfg)[0]}, transport={transport} ({why})"
 
@@ -414,6 +271,6 @@ def detail(region, cfg) -> str:
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 REWRITE = Rewrite(
-    NAME, styles=("a2a", "allgather"), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
+    NAME, styles=("a2a", "allgather", "ring"), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
     inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )

@@ -1,0 +1,180 @@
+"""head_partition's split of one attention call into G calls over head groups, on K/V all-gather
+and ring regions (the Ulysses form, which also splits the all-to-alls, is ``head_partition.py``;
+both build the group calls here)::
+
+    dq, dk, dv = attention_backward(dO, q, k, v, O, lse)            # all heads: one workspace
+    ->  dq_g, dk_g, dv_g = attention_backward(dO[:, g], q[:, g], k[:, g], ...)   for g < G
+        dq, dk, dv = cat(dq_g), cat(dk_g), cat(dv_g)                  # on the head dim
+
+Group g takes query heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V heads ``[g*Hkv/G, ...)``, so GQA pairs
+stay together. The collectives around the call are untouched: the split is the same on every
+rank (it depends on the head counts only).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..detect.allgather import REORDER_OPS
+from ..fx_emit import REPLACES, Emitter, stride_order
+from ..layout_algebra import is_layout_op, is_value_op
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+
+aten = torch.ops.aten
+
+# Attention arguments that carry query heads / key-value heads on dim 1 (forward and backward).
+_Q_HEAD_ARGS = ("query", "grad_out", "out", "logsumexp")
+_KV_HEAD_ARGS = ("key", "value")
+
+
+@dataclass
+class Partition:
+    """How one region is split."""
+
+    groups: int
+    heads_q: int  # local query heads per group
+    heads_kv: int  # local key/value heads per group
+
+
+def cat_like(emit: Emitter, parts: list, dim: int, like: torch.Tensor) -> torch.fx.Node:
+    """Concatenate ``parts`` along ``dim`` into a tensor with ``like``'s strides: it replaces a
+    saved tensor whose strides the backward graph was compiled for."""
+    order = stride_order(like)
+    inverse = [order.index(i) for i in range(like.dim())]
+    permuted = [emit(aten.permute.default, p, order) for p in parts]
+    return emit(aten.permute.default, emit(aten.cat.default, permuted, order.index(dim)), inverse)
+
+
+def group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs: dict) -> torch.fx.Node:
+    """``node`` (an attention op) on the heads of group ``g``: ``inputs`` replaces some arguments,
+    the rest are sliced on their head dim or passed as they are."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    schema = node.target._schema.arguments
+    for i, (name, value) in enumerate(bound_args(node).items()):
+        if name in inputs:
+            value = inputs[name]
+        elif name in _Q_HEAD_ARGS and isinstance(value, torch.fx.Node):
+            value = emit(aten.slice.Tensor, value, 1, g * p.heads_q, (g + 1) * p.heads_q)
+            if name == "logsumexp" and not value.meta["val"].is_contiguous():
+                # The flash backward indexes its log-sum-exp as a dense [B, H, S]: a head slice
+                # of a batch > 1 gave wrong gradients on H200 (run 45). It is small: copy it.
+                value = emit(aten.clone.default, value, memory_format=torch.contiguous_format)
+        elif name in _KV_HEAD_ARGS and isinstance(value, torch.fx.Node):
+            value = emit(aten.slice.Tensor, value, 1, g * p.heads_kv, (g + 1) * p.heads_kv)
+        else:
+            continue
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[schema[i].name] = value
+    return emit(node.target, *args, **kwargs)
+
+
+def why_not(region, cfg) -> str | None:
+    """Why ``region``'s attention call cannot be split by head groups (the number of groups
+    aside), or None."""
+    if region.direction == "forward" and not cfg.head_partition_forward:
+        return "forward region (head_partition_forward=False; its kernel's workspace is small)"
+    return _call_why_not(region.attention)
+
+
+def _call_why_not(node: torch.fx.Node) -> str | None:
+    """Why one attention op cannot be split by heads as it is, or None."""
+    args = bound_args(node)
+    if args.get("dropout_p"):
+        return "dropout (each group would draw its own mask)"
+    for name in ("attn_mask", "attn_bias"):
+        mask = args.get(name)
+        if isinstance(mask, torch.fx.Node):
+            shape = mask.meta["val"].shape
+            if len(shape) == 4 and shape[1] != 1:
+                return f"{name} has a head dim (not split by heads)"
+    outs = tuple_outputs(node)
+    if node.target in SDPA_BACKWARD and any(outs[i].users for i in outs if i > 2):
+        return "attention returns a gradient the rewrite does not rebuild (the bias's)"
+    return None
+
+
+def siblings(region) -> list:
+    """What is split with an all-gather region's op (:func:`local_siblings`); none for a ring's
+    (its step on local K/V is a region of its own)."""
+    return local_siblings(region) if region.style == "allgather" else []
+
+
+def local_siblings(region) -> list:
+    """Attention ops on this rank's own K/V that read the same queries as ``region``'s op: a
+    load-balanced causal block's diagonal call beside the chunk's prefix call over gathered
+    keys (the same CP attention; the largest allocation left once the region's calls are split)."""
+    node = region.attention
+    query = bound_args(node)["query"]
+    ops = SDPA_BACKWARD if region.direction == "backward" else SDPA_FORWARD
+    out = []
+    for user in query.users:
+        if user is node or user.op != "call_function" or user.target not in ops:
+            continue
+        args = bound_args(user)
+        if (args["query"] is query and not any(_after_collective(args[n]) for n in ("key", "value"))
+                and args["key"].meta["val"].shape[1] == region.heads_kv and _call_why_not(user) is None):
+            out.append(user)
+    return out
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "cp_inductor")
+
+
+def _after_collective(node: torch.fx.Node) -> bool:
+    """Whether ``node`` comes, through layout ops, slices, casts and ``cat``, from a collective:
+    such an op is some CP region's (gathered or rotated K/V), not the rank's own attention."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            continue
+        if getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            return True
+        if n.target is aten.cat.default:
+            stack.extend(n.args[0])
+        elif is_layout_op(n) or is_value_op(n) or n.target in REORDER_OPS:
+            stack.append(n.args[0])
+    return False
+
+
+def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool) -> None:
+    """``node`` as ``p.groups`` calls over head groups, their head-carrying results (out and
+    log-sum-exp; dq, dk, dv) concatenated back with the old strides, the rest (sizes, seeds:
+    the same for every group) taken from the first call."""
+    calls = [group_call(emit, node, p, g, {}) for g in range(p.groups)]
+    for call in calls:
+        call.meta[REPLACES] = node.name  # later rewrites find the region again by its first call
+    per_head = 3 if backward else 2
+    outs = tuple_outputs(node)
+    for idx, item in outs.items():
+        if not item.users:
+            continue
+        if idx < per_head:
+            pieces = [emit(operator.getitem, call, idx) for call in calls]
+            emit.replace(item, cat_like(emit, pieces, 1, item.meta["val"]))
+        else:
+            emit.replace(item, emit(operator.getitem, calls[0], idx))
+    for n in list(outs.values()) + [node]:
+        if not n.users:
+            emit.graph.erase_node(n)
+
+
+def apply(graph: torch.fx.Graph, region, groups: int) -> list:
+    """The region's attention op (and, on an all-gather region, its local siblings), each split
+    into ``groups`` calls."""
+    p = Partition(groups, region.heads_q // groups, region.heads_kv // groups)
+    replaced = []
+    for node in [region.attention, *siblings(region)]:
+        emit = Emitter(graph, node)
+        _split_call(emit, node, p, region.direction == "backward")
+        replaced += emit.replaced
+    return replaced
