@@ -1,5 +1,6 @@
 """head_partition: a Ulysses region runs in G head groups, so the all-to-all of one group travels
-while attention of another computes.
+while attention of another computes; K/V all-gather and ring regions split their attention
+calls by head groups to bound the kernels' memory.
 
 Before (backward, after fused_a2a)::
 
@@ -25,22 +26,16 @@ pair of the copy-engine ops (``lowerings/ce_transport.py``), whose transfers nee
 move while another group's attention holds every SM; where they cannot run the report's detail
 says why and NCCL carries it.
 
-A K/V all-gather region (``allgather``) is split where its memory goes: each attention call (the
-backward by default, the forward too with ``head_partition_forward``) becomes G calls over head
-groups, reading head slices (views) of q, dO, O, log-sum-exp and of the gathered K/V, and so does
-the call on the rank's own K/V that reads the same queries (a load-balanced causal chunk's
-diagonal block: not a region itself, but the same attention)::
-
-    dq, dk, dv = attention_backward(dO, q, k, v, O, lse)            # all heads: one workspace
-    ->  dq_g, dk_g, dv_g = attention_backward(dO[:, g], q[:, g], k[:, g], ...)   for g < G
-        dq, dk, dv = cat(dq_g), cat(dk_g), cat(dv_g)                  # on the head dim
-
-A fused backward kernel's allocations (dQ accumulated in fp32, dK/dV of every query head under
-GQA) scale with the heads of the call: on H200 one cuDNN backward of Hq32 Hkv8 over 32K x 96K
-rows allocates 2.63 GiB, four head groups 1.25 GiB, for 1.4% more time
-(``benchmarks/bench_head_split.py``). The gathers and reduce-scatters stay whole: per-group
-collectives each wait for the slower rank (measured 2.6-12% slower with the helper's
-``head_groups``, README), and a gathered K/V is small beside that workspace under GQA.
+On K/V all-gather and ring regions it is a memory knob (``head_split.py``): each attention call
+(the backward by default, the forward too with ``head_partition_forward``) becomes G calls over
+head groups, the collectives stay whole; on an all-gather region also the call on the rank's own
+K/V that reads the same queries (a causal chunk's diagonal block). A fused backward kernel's
+allocations (dQ accumulated in fp32, dK/dV of every query head under GQA) scale with the heads
+of the call: on H200 one cuDNN backward of Hq32 Hkv8 over 32K x 96K rows allocates 2.63 GiB,
+four head groups 1.25 GiB, for 1.4% more time (``benchmarks/bench_head_split.py``); the S128K
+all-gather step's peak fell 24.5% at +0.7% (README). Per-group gathers and reduce-scatters (the
+helper's ``head_groups``) each wait for the slower rank: measured 2.6-12% slower, and no lower
+peak.
 
 On Ulysses regions this rewrite builds on fused_a2a's buffers (one pack kernel for all groups,
 attention reading strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
@@ -80,8 +75,8 @@ NAME = "head_partition"
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
 # of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower (README).
 AUTO_MAX_GROUPS = 2
-# All-gather regions split for memory: four groups took a cuDNN backward's allocations to what its
-# outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
+# All-gather and ring regions split for memory: four groups took a cuDNN backward's allocations
+# to what its outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
 AUTO_MAX_GROUPS_ALLGATHER = 4
 
 

@@ -7,8 +7,12 @@ both build the group calls here)::
         dq, dk, dv = cat(dq_g), cat(dk_g), cat(dv_g)                  # on the head dim
 
 Group g takes query heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V heads ``[g*Hkv/G, ...)``, so GQA pairs
-stay together. The collectives around the call are untouched: the split is the same on every
-rank (it depends on the head counts only).
+stay together; masks broadcast over heads pass to every group. The collectives around the call
+are untouched: the split is the same on every rank (it depends on the head counts only). The
+group calls carry ``meta[REPLACES]``, the old op's name: the pipeline finds the region again by
+the first of them, so the rewrites after head_partition (ce_rotation, narrow_rotation) still
+apply. A head slice of the log-sum-exp is copied dense where it is not (batch > 1): flash's
+backward indexes it as a dense ``[B, H, S]``.
 """
 
 from __future__ import annotations
@@ -100,15 +104,13 @@ def _call_why_not(node: torch.fx.Node) -> str | None:
 
 
 def siblings(region) -> list:
-    """What is split with an all-gather region's op (:func:`local_siblings`); none for a ring's
-    (its step on local K/V is a region of its own)."""
-    return local_siblings(region) if region.style == "allgather" else []
-
-
-def local_siblings(region) -> list:
-    """Attention ops on this rank's own K/V that read the same queries as ``region``'s op: a
-    load-balanced causal block's diagonal call beside the chunk's prefix call over gathered
-    keys (the same CP attention; the largest allocation left once the region's calls are split)."""
+    """What is split with ``region``'s op: on an all-gather region, the attention ops on this
+    rank's own K/V that read the same queries (a load-balanced causal block's diagonal call
+    beside the chunk's prefix call over gathered keys: the same CP attention, and the largest
+    allocation left once the region's calls are split). None on a ring region: its step on the
+    local K/V is a region of its own."""
+    if region.style != "allgather":
+        return []
     node = region.attention
     query = bound_args(node)["query"]
     ops = SDPA_BACKWARD if region.direction == "backward" else SDPA_FORWARD
