@@ -49,8 +49,8 @@ def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
     if region.direction != "backward":
         return "forward region (the rewrite returns the backward's dK/dV)"
     if "head_partition" in decided and decided["head_partition"] is None:
-        # Each rewrite re-finds the region by its attention op or its reduce-scatters, which
-        # the other replaces: the pipeline cannot apply both to one region.
+        # The backward's regions are found through the reduce-scatters this rewrite replaces:
+        # the graph's other regions, found again after it, would lose their head_partition.
         return "head_partition splits this region's attention calls (one or the other)"
     scatters = _reduce_scatters(region)
     for rs in scatters:
