@@ -49,6 +49,8 @@ RING_ARMS = {
     "ring_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)
     "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_aot_cse": True}),
+    # the defaults with each backward step's attention call split in 4 head groups (memory)
+    "ring_cp_hp4": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": 4}),
 }
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).
 ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
