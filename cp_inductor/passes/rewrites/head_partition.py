@@ -70,24 +70,23 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "head_partition"
 
-
 # Most groups the automatic choice takes. Each split costs attention time (one more tail wave
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
 # of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower (README).
 AUTO_MAX_GROUPS = 2
 # All-gather and ring regions split for memory: four groups took a cuDNN backward's allocations
 # to what its outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
-AUTO_MAX_GROUPS_ALLGATHER = 4
+AUTO_MAX_GROUPS_MEMORY = 4
 
 
 def choose_groups(region, cfg) -> tuple[int, str | None]:
     """(G, None), or (1, why the region stays one group)."""
     if region.style == "a2a":  # the attention op sees this rank's head block
-        hq, hkv, label, auto_max = region.heads_q // region.cp, region.heads_kv // region.cp, "local heads", AUTO_MAX_GROUPS
-        names = ("Hq/cp", "Hkv/cp")
+        hq, hkv, auto_max = region.heads_q // region.cp, region.heads_kv // region.cp, AUTO_MAX_GROUPS
+        label, names = "local heads", ("Hq/cp", "Hkv/cp")
     else:
-        hq, hkv, label, auto_max = region.heads_q, region.heads_kv, "heads", AUTO_MAX_GROUPS_ALLGATHER
-        names = ("Hq", "Hkv")
+        hq, hkv, auto_max = region.heads_q, region.heads_kv, AUTO_MAX_GROUPS_MEMORY
+        label, names = "heads", ("Hq", "Hkv")
     common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
     want = cfg.head_groups
     if want == 1:
@@ -103,9 +102,9 @@ def choose_groups(region, cfg) -> tuple[int, str | None]:
     return fitting[-1], None
 
 
-def why_not(region: A2AMatch, cfg, decided: dict) -> str | None:
+def why_not(region, cfg, decided: dict) -> str | None:
     """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
-    fused_a2a's verdict on the same region."""
+    fused_a2a's verdict on the same (Ulysses) region."""
     if region.style in ("allgather", "ring"):
         return head_split.why_not(region, cfg) or choose_groups(region, cfg)[1]
     if not cfg.fused_a2a:
