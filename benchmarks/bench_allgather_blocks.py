@@ -19,11 +19,10 @@ Prints a table (median ms, x floor) and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
-from common import device_ms
+from common import device_ms, write_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PLANS = ("separate", "batched", "shared_prefix")
@@ -102,9 +101,7 @@ def main(argv=None) -> int:
     for r in rows:
         xf = f"{r['x_floor']:.3f}" if "x_floor" in r else "1.000"
         print(f"{r['cp']:3d} {str(r['rank']):>5s} {r['plan']:>14s} {r['calls']:6d} {r['ms']:9.3f} {xf:>8s}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    write_rows(a.json, a, rows)
     return 0
 
 

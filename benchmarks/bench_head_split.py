@@ -15,10 +15,9 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from common import device_ms
+from common import device_ms, write_rows
 
 from cp_inductor.parallel.allgather import KERNELS
 
@@ -88,9 +87,7 @@ def main(argv=None) -> int:
         base.setdefault(r["kernel"], r["ms"])
         print(f"{r['kernel']:>7s} {r['groups']:3d} {r['ms']:9.3f} {r['ms'] / base[r['kernel']]:7.3f} "
               f"{r['peak_gib']:9.3f} {r['max_diff_vs_g1']:9.2e}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    write_rows(a.json, a, rows)
     return 0
 
 

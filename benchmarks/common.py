@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -36,6 +37,13 @@ def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
         else:
             times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
+
+
+def write_rows(path: str | None, args, rows: list) -> None:
+    """A table script's JSON: its arguments and rows (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 def alternating_rounds(arms: list, rounds: int, time_arm) -> dict:

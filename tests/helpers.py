@@ -197,9 +197,9 @@ def schedule(gm) -> str:
     return " ".join(out)
 
 
-def rotations(gm) -> str:
+def rotations(gm, heads: bool = False) -> str:
     """Rotations, their waits and attention calls in graph order: ``nccl#i`` / ``ce#i(to dst,
-    from src)``, ``wait#i``, ``attn``."""
+    from src)``, ``wait#i``, ``attn`` (``attn(h=query heads)`` with ``heads``)."""
     from cp_inductor.lowerings import ce_transport  # noqa: F401  (registers the ops)
     from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 
@@ -217,7 +217,8 @@ def rotations(gm) -> str:
         elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
             out.append(f"wait#{ids[n.args[0]]}")
         elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
-            out.append("attn")
+            q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]
+            out.append(f"attn(h={q.meta['val'].shape[1]})" if heads else "attn")
     return " ".join(out)
 
 

@@ -192,35 +192,17 @@ def test_numerics_gloo(cp):
 # rewrites after it (ce_rotation, narrow_rotation) still find the region through its first call.
 
 
-def ring_calls(gm) -> str:
-    """Rotations (``nccl`` / ``ce``), their waits and attention calls (query heads) in order."""
-    from cp_inductor.lowerings import ce_transport  # noqa: F401  (registers the ops)
-
-    ce_start, ce_wait = torch.ops.cp_inductor.ce_rotate_start.default, torch.ops.cp_inductor.ce_all_to_all_wait.default
-    ids, out = {}, []
-    for n in gm.graph.nodes:
-        if n.target in (c10d.all_to_all_single.default, ce_start):
-            ids[n] = len(ids)
-            out.append(f"{'nccl' if n.target is c10d.all_to_all_single.default else 'ce'}#{ids[n]}")
-        elif n.target in (c10d.wait_tensor.default, ce_wait) and n.args[0] in ids:
-            out.append(f"wait#{ids[n.args[0]]}")
-        elif n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD:
-            q = n.args[1] if n.target in SDPA_BACKWARD else n.args[0]
-            out.append(f"attn(h={q.meta['val'].shape[1]})")
-    return " ".join(out)
-
-
 def ring_split(cp, fn, copy_engines=False, **cfg) -> str:
     from unittest import mock
 
     from cp_inductor.lowerings import ce_transport
-    from helpers import ring_graphs
+    from helpers import ring_graphs, rotations
 
     cfg = {"head_partition": True, "strict": True, "ce_rotation_min_bytes": 0, **cfg}
     available = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None)
     with available if copy_engines else contextlib.nullcontext():
         rows, graphs = ring_graphs(cp, fn, qkv(4, 2, seq=8), **cfg)
-    lines = [f"{kind}: {ring_calls(gm)}" for kind, gm in graphs.items()]
+    lines = [f"{kind}: {rotations(gm, heads=True)}" for kind, gm in graphs.items()]
     applied = sorted({f"{r.graph_kind}: {' '.join(r.applied)}" for r in rows})
     return "\n".join(lines + applied)
 
@@ -236,8 +218,8 @@ class TestRing(TestCase):
         # Every step's call in two groups; ce_rotation still moves the rotations (it finds each
         # split region again through its first call). One line per region kind in the report.
         self.assertExpectedInline(ring_split(2, hand_ring, copy_engines=True, head_partition_forward=True), """\
-forward: ce#0 attn(h=2) attn(h=2) wait#0 attn(h=2) attn(h=2)
-backward: attn(h=2) attn(h=2) ce#0 attn(h=2) attn(h=2) wait#0 ce#1 wait#1
+forward: ce#0(to 1, from 1) attn(h=2) attn(h=2) wait#0 attn(h=2) attn(h=2)
+backward: attn(h=2) attn(h=2) ce#0(to 1, from 1) attn(h=2) attn(h=2) wait#0 ce#1(to 1, from 1) wait#1
 backward: head_partition ce_rotation
 forward: head_partition
 forward: head_partition ce_rotation""")

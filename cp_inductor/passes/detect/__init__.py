@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ..guard import internal_error
-from ..layout_algebra import LayoutError, node_val
+from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
 
 aten = torch.ops.aten
@@ -80,6 +80,27 @@ def query_layout(node) -> str:
     if not isinstance(src, torch.Tensor) or src.dim() != 4:
         return "?"
     return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
+
+
+def moved_from(node, also=(), max_depth: int = 256) -> tuple[set, bool]:
+    """What ``node`` is a relabelling, piece, cast or concatenation of: (the first nodes going up
+    through layout ops, value ops, ``cat`` and the ops in ``also`` (first argument) that are
+    none of those, whether the walk ended within ``max_depth`` nodes)."""
+    ends, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > max_depth:
+            return ends, False
+        if n.op == "call_function" and n.target is aten.cat.default:
+            stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
+        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in also):
+            stack.append(n.args[0])
+        else:
+            ends.add(n)
+    return ends, True
 
 
 def reached_below(starts, is_target, passes, max_depth: int) -> set:

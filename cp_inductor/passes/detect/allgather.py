@@ -35,7 +35,7 @@ import torch.fx
 from ..layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..match import CPMatch, attention_facts
 from ..sdpa_ops import SDPA_FORWARD, bound_args
-from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, query_layout, reached_below
+from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -81,24 +81,9 @@ def _gather_of_wait(node):
 def _sources(node) -> tuple[set, bool]:
     """Walk up from an attention input: (all-gathers reached, whether every path ends at one).
     Other collectives and compute end a path without a gather."""
-    gathers, seen, stack, complete = set(), set(), [node], True
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > _MAX_DEPTH:
-            return gathers, False
-        gather = _gather_of_wait(n)
-        if gather is not None:
-            gathers.add(gather)
-        elif n.op == "call_function" and n.target is aten.cat.default:
-            stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
-        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in REORDER_OPS):
-            stack.append(n.args[0])
-        else:
-            complete = False
-    return gathers, complete
+    ends, complete = moved_from(node, REORDER_OPS, _MAX_DEPTH)
+    found = [_gather_of_wait(n) for n in ends]
+    return {g for g in found if g is not None}, complete and None not in found
 
 
 def _gathered_input(node, name: str) -> tuple:

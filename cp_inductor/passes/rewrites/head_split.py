@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..detect import moved_from
 from ..detect.allgather import REORDER_OPS
 from ..fx_emit import REPLACES, Emitter, stride_order
-from ..layout_algebra import is_layout_op, is_value_op
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
 aten = torch.ops.aten
@@ -131,21 +131,10 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "cp_ind
 def _after_collective(node: torch.fx.Node) -> bool:
     """Whether ``node`` comes, through layout ops, slices, casts and ``cat``, from a collective:
     such an op is some CP region's (gathered or rotated K/V), not the rank's own attention."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or not isinstance(n, torch.fx.Node):
-            continue
-        seen.add(n)
-        if n.op != "call_function":
-            continue
-        if getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
-            return True
-        if n.target is aten.cat.default:
-            stack.extend(n.args[0])
-        elif is_layout_op(n) or is_value_op(n) or n.target in REORDER_OPS:
-            stack.append(n.args[0])
-    return False
+    ends, complete = moved_from(node, REORDER_OPS)
+    return not complete or any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES for n in ends
+    )
 
 
 def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool) -> None:
