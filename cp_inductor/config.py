@@ -43,6 +43,11 @@ head_groups: int = 0
 # the one attention waited for, only runs in the kernel's tail (profiler trace, README); and the
 # saved q, k, v and output must be copied back together for the backward.
 head_partition_forward: bool = False
+# head_partition on all-gather and ring regions with head_groups=0: split only a call whose fused
+# backward allocates at least this many GiB beyond its gradients (estimated: fp32 dQ accumulator,
+# dK/dV per query head under GQA). Measured on 2xH200: 2 GiB calls (S128K) cost +0.3-0.7% for
+# -19..25% peak, 0.5 GiB calls (S32K) +1.9-3.2%. head_groups=G splits any call.
+head_partition_min_gib: float = 1.0
 
 # head_partition: how each group's all-to-all travels. "nccl": NCCL's all_to_all_single (its
 # kernels need SMs: they starve while cuDNN attention runs, so only the first and last transfers

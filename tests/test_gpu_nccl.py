@@ -195,7 +195,7 @@ def test_allgather_cuda_graph_training_step(head_groups, split):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01, head_groups=head_groups)
-    options = HEAD_SPLIT if split else None
+    options = {**HEAD_SPLIT, "cp_inductor.head_groups": 4} if split else None
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16, pg_backend="nccl"
     )

@@ -20,6 +20,8 @@ from helpers import aot_graphs, causal_allgather, fake_pg
 from test_detect_allgather import head_stride_loop, llama3_style_masked
 
 c10d = torch.ops._c10d_functional
+# The test shapes are tiny: the automatic choice splits any call (head_partition_min_gib).
+ANY_SIZE = {"head_partition_min_gib": 0.0}
 
 
 def qkv(hq: int, hkv: int, seq: int = 16):
@@ -48,7 +50,7 @@ def calls(gm) -> str:
 
 
 def split(cp, fn, *inputs, **cfg) -> str:
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **cfg):
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **{**ANY_SIZE, **cfg}):
         lines = []
         for kind, gm in aot_graphs(fn, *inputs).items():
             pipeline.rewrite_graph(gm.graph)
@@ -97,7 +99,7 @@ backward: attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) 
 
 
 def reasons(cp, fn, *inputs, **cfg) -> str:
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **cfg):
+    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **{**ANY_SIZE, **cfg}):
         return "\n".join(sorted({
             f"{kind}: {row.skipped.get('head_partition', 'applied: ' + row.detail.split(' G=')[-1])}"
             for kind, gm in aot_graphs(fn, *inputs).items() for row in pipeline.analyze(gm.graph, kind)
@@ -121,8 +123,9 @@ class TestEligibility(TestCase):
             "one K/V head": reasons(2, noncausal_allgather, *qkv(4, 1)),
             "a mask per head": reasons(2, head_masked, *qkv(2, 2), head_partition_forward=True),
             "K/V heads gathered one at a time": reasons(2, head_stride_loop, *qkv(2, 2)),
+            "auto, calls of the default size": reasons(2, causal_allgather, *qkv(4, 2), head_partition_min_gib=1.0),
         }
-        with fake_pg(2), cp_inductor.config.patch(head_partition=True, owner_grad_return=True):
+        with fake_pg(2), cp_inductor.config.patch(head_partition=True, owner_grad_return=True, **ANY_SIZE):
             rows = [row for kind, gm in aot_graphs(causal_allgather, *qkv(4, 2)).items()
                     for row in pipeline.analyze(gm.graph, kind) if kind == "backward"]
         cases["owner_grad_return on too"] = "\n".join(sorted({
@@ -147,11 +150,16 @@ forward: attn_mask has a head dim (not split by heads)
 # K/V heads gathered one at a time
 backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
 forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+# auto, calls of the default size
+backward: its backward allocates ~3 KiB beyond its gradients (< head_partition_min_gib 1: smaller calls pay 2-3% time for the split); head_groups=G forces it
+backward: its backward allocates ~7 KiB beyond its gradients (< head_partition_min_gib 1: smaller calls pay 2-3% time for the split); head_groups=G forces it
+forward: forward region (head_partition_forward=False; its kernel's workspace is small)
 # owner_grad_return on too
 head_partition applied; owner_grad_return: head_partition splits this region's attention calls (one or the other)""")
 
 
-HP = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+HP = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True,
+      **{f"cp_inductor.{k}": v for k, v in ANY_SIZE.items()}}
 TOL = 1e-5  # fp32 vs fp64, relative L2
 
 
@@ -198,7 +206,7 @@ def ring_split(cp, fn, copy_engines=False, **cfg) -> str:
     from cp_inductor.lowerings import ce_transport
     from helpers import ring_graphs, rotations
 
-    cfg = {"head_partition": True, "strict": True, "ce_rotation_min_bytes": 0, **cfg}
+    cfg = {"head_partition": True, "strict": True, "ce_rotation_min_bytes": 0, **ANY_SIZE, **cfg}
     available = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None)
     with available if copy_engines else contextlib.nullcontext():
         rows, graphs = ring_graphs(cp, fn, qkv(4, 2, seq=8), **cfg)

@@ -37,3 +37,11 @@ class Rewrite:
     @property
     def implemented(self) -> bool:
         return self.apply is not None
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for the report: 1.5 GiB, 256 MiB, 12 KiB, 80 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"

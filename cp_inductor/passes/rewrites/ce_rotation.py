@@ -28,7 +28,7 @@ import torch.fx
 
 from ..detect.ring import RingMatch, rotation
 from ..fx_emit import Emitter
-from . import Rewrite
+from . import Rewrite, size_text
 from .transport import Sender, copy_engine_unavailable, only_wait, retire
 
 NAME = "ce_rotation"
@@ -50,16 +50,9 @@ def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
         return unavailable
     smallest = min(_nbytes(rot.args[0]) for rot, _ in pending)
     if smallest < cfg.ce_rotation_min_bytes:
-        return (f"a rotation of {_size(smallest)} is below ce_rotation_min_bytes "
-                f"({_size(cfg.ce_rotation_min_bytes)}, the smallest measured faster than NCCL)")
+        return (f"a rotation of {size_text(smallest)} is below ce_rotation_min_bytes "
+                f"({size_text(cfg.ce_rotation_min_bytes)}, the smallest measured faster than NCCL)")
     return None
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes} B"
 
 
 def _nbytes(buf: torch.fx.Node) -> int:

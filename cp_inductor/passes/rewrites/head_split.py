@@ -27,6 +27,7 @@ from ..detect import moved_from
 from ..detect.allgather import REORDER_OPS
 from ..fx_emit import REPLACES, Emitter, stride_order
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+from . import size_text
 
 aten = torch.ops.aten
 
@@ -83,7 +84,27 @@ def why_not(region, cfg) -> str | None:
     aside), or None."""
     if region.direction == "forward" and not cfg.head_partition_forward:
         return "forward region (head_partition_forward=False; its kernel's workspace is small)"
-    return _call_why_not(region.attention)
+    reason = _call_why_not(region.attention)
+    if reason is None and cfg.head_groups == 0:
+        nbytes = backward_allocation(region.attention)
+        if nbytes < cfg.head_partition_min_gib * 2**30:
+            reason = (f"its backward allocates ~{size_text(nbytes)} beyond its gradients (< head_partition_min_gib "
+                      f"{cfg.head_partition_min_gib:g}: smaller calls pay 2-3% time for the split); head_groups=G forces it")
+    return reason
+
+
+def backward_allocation(node: torch.fx.Node) -> int:
+    """Bytes the fused backward of this attention call allocates beyond its gradients, as measured
+    on H200 for cuDNN and flash alike (``bench_head_split.py``, run 44: 32K x 96K rows, Hq32 Hkv8
+    -> 2.0 GiB): dQ accumulated in fp32, and under GQA dK and dV for every query head."""
+    args = bound_args(node)
+    q, k = args["query"].meta["val"], args["key"].meta["val"]
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    nbytes = b * hq * sq * d * 4
+    if hkv < hq:
+        nbytes += 2 * b * hq * skv * k.shape[3] * k.element_size()
+    return int(nbytes)
 
 
 def _call_why_not(node: torch.fx.Node) -> str | None:
