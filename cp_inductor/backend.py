@@ -18,6 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from . import config
 from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
+from .passes.canonicalize import canonicalize
 from .passes.hook_pass import CPGraphPass
 from .reporting import clear_report, record, record_rejected
 
@@ -46,6 +47,8 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, **kwargs):
     rejected = []
+    if cfg.detect and canonicalize(gm.graph):
+        gm.recompile()
     rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg)
     for row in rows:
         record(row)

@@ -138,3 +138,27 @@ def test_gqa_by_expand(cp):
     copies, the backward packs dk/dv from the sums over the replicas."""
     case = AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)
     assert_cp_results(run_on_ranks(check_cp_attention, cp, [case], variants.expanded_kv_heads)[0], TOL)
+
+
+def _inplace_styles(rank, cp):
+    """check_cp_attention on the in-place-collective styles (autograd.Functions around
+    dist.all_to_all_single / all_gather_into_tensor / reduce_scatter_tensor)."""
+    ulysses = [AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4, seq=32),
+               AttentionCase(layout="bhsd", causal=False, heads_q=4, heads_kv=4, seq=32)]
+    gather = [AttentionCase(layout="bshd", causal=False, heads_q=4, heads_kv=2, seq=32)]
+    return {
+        "inplace_bshd": check_cp_attention(rank, cp, ulysses[:1], variants.inplace_bshd),
+        "inplace_seq_first": check_cp_attention(
+            rank, cp, ulysses[1:], functools.partial(variants.inplace_seq_first, is_causal=False)),
+        "inplace_allgather": check_cp_attention(rank, cp, gather, variants.inplace_allgather),
+    }
+
+
+def test_inplace_collective_styles_cp2():
+    for rank_results in run_on_ranks(_inplace_styles, 2):
+        assert_cp_results(rank_results["inplace_bshd"], TOL, cp=2, check_layout=True)
+        assert_cp_results(rank_results["inplace_seq_first"], TOL, cp=2, check_layout=True)
+        # No all-gather rewrite is on by default: found, reported, the same answer.
+        assert_cp_results(rank_results["inplace_allgather"], TOL, applied=())
+        assert [row[:2] for row in rank_results["inplace_allgather"][0]["report"]] == [
+            ("forward", "allgather"), ("backward", "allgather")]

@@ -14,7 +14,8 @@ from cp_inductor.passes import cost_model
 from cp_inductor.passes.rewrites import fused_a2a
 from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
 from cp_inductor.reporting import clear_report, report
-from helpers import aot_graphs, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
+from cp_inductor.passes.canonicalize import canonicalize
+from helpers import aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 from test_fused_a2a import qkv
 
 
@@ -103,6 +104,10 @@ class TestUndoneRewrite(TestCase):
                     fused_a2a_pass(graphs["backward"].graph)
 
 
+def _op(node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
 def _register_deepspeed_like_op():
     """An op under DeepSpeed's schema (``deepspeed::dim_zero_all_to_all``), without DeepSpeed."""
     if hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "dim_zero_all_to_all"):
@@ -148,6 +153,53 @@ class TestKnownCollectives(TestCase):
         self.assertExpectedInline(text, """\
 forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+
+
+class TestInplaceCollectives(TestCase):
+    """``dist.all_to_all_single(out, x)`` / ``dist.all_gather_into_tensor(out, x)`` into fresh
+    buffers (DeepSpeed, yunchang, hand-written all-gathers) trace as ``copy(empty, wait)``:
+    canonicalize makes that a clone, which detection follows."""
+
+    def test_fresh_copy_becomes_a_clone(self):
+        with fake_pg(2):
+            gm = aot_graphs(variants.inplace_bshd, *qkv((1, 4, 2, 8), (1, 4, 2, 8)))["forward"]
+        ops = lambda: " ".join(sorted({_op(n) for n in gm.graph.nodes if n.op == "call_function"}))  # noqa: E731
+        self.assertIn("copy", ops().split())
+        self.assertEqual(canonicalize(gm.graph), 4)  # q, k, v and the output
+        self.assertEqual(canonicalize(gm.graph), 0)
+        self.assertExpectedInline(ops(), """_scaled_dot_product_flash_attention_for_cpu alias all_to_all_single clone getitem permute view wait_tensor""")
+
+    def test_copy_that_casts_or_broadcasts_is_kept(self):
+        g = torch.fx.Graph()
+        with FakeTensorMode():
+            vals = {"f32": torch.empty(2, 3), "bf16": torch.empty(2, 3, dtype=torch.bfloat16), "row": torch.empty(3)}
+        nodes = {}
+        for name, val in vals.items():
+            nodes[name] = g.placeholder(name)
+            nodes[name].meta["val"] = val
+        for dst, src in (("bf16", "f32"), ("f32", "row")):
+            c = g.call_function(torch.ops.aten.copy.default, (nodes[dst], nodes[src]))
+            c.meta["val"] = vals[dst]
+            g.output(c) if dst == "f32" else None
+        self.assertEqual(canonicalize(g), 0)
+
+    def test_third_party_styles_are_found_forward_and_backward(self):
+        texts = []
+        with fake_pg(2):
+            for fn, shapes in ((variants.inplace_bshd, ((1, 4, 2, 8),) * 2),
+                               (variants.inplace_seq_first, ((1, 2, 4, 8),) * 2),
+                               (variants.inplace_allgather, ((1, 4, 4, 8), (1, 4, 2, 8)))):
+                texts.append(f"{fn.__name__}:\n" + describe_matches(aot_graphs(fn, *qkv(*shapes))))
+        self.assertExpectedInline("\n".join(texts), """\
+inplace_bshd:
+forward: a2a cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+backward: a2a cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+inplace_seq_first:
+forward: a2a cp=2 bhsd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 causal
+backward: a2a cp=2 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=2 Hkv=2 causal
+inplace_allgather:
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2""")
 
 
 class TestGradOutLayoutGuard(TestCase):

@@ -161,3 +161,94 @@ def _scaled_query_attention(q, k, v):
 def scaled_query(q, k, v, group=None):
     """Ulysses by hand with a pointwise op on q between its all-to-all and attention."""
     return around(_scaled_query_attention)(q, k, v, group)
+
+
+# --- torch.distributed's in-place collectives inside autograd.Functions (DeepSpeed's and
+# yunchang's Ulysses, many hand-written all-gathers): traced as copy(empty, wait(...)).
+
+
+class _InplaceAllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single(out, x)`` into a fresh buffer; the backward sends the gradient
+    back the same way (an equal-split all-to-all is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _InplaceAllToAll.apply(grad.contiguous(), ctx.group), None
+
+
+def inplace_bshd(q, k, v, group=None, is_causal=True):
+    """BSHD in, yunchang-style ``SeqAllToAll4D``: heads to dim 0 by a transpose, in-place
+    all-to-all, sequence-major receive."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [B, S/cp, H, D] -> [B, H/cp, S, D]
+        b, s_l, h, d = x.shape
+        send = x.reshape(b, s_l, cp, h // cp, d).transpose(0, 2)  # [cp, S_l, B, Hl, D]
+        recv = _InplaceAllToAll.apply(send, group).reshape(cp * s_l, b, h // cp, d)
+        return recv.permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
+    b, hl, s, d = o.shape
+    send = o.reshape(b, hl, cp, s // cp, d).permute(2, 0, 3, 1, 4)  # [cp, B, S_l, Hl, D]
+    recv = _InplaceAllToAll.apply(send, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * hl, d)
+
+
+def inplace_seq_first(q, k, v, group=None, is_causal=True):
+    """BHSD in and out, Megatron/DeepSpeed-style inside: [S/cp, B, H, D] buffers, one
+    ``single_all_to_all`` per tensor (scatter heads, gather the sequence; back the other way)."""
+    group = group or dist.group.WORLD
+    cp = _cp(group)
+
+    def scatter(x):  # [B, H, S/cp, D] -> [B, H/cp, S, D]
+        sbhd = x.permute(2, 0, 1, 3)
+        s_l, b, h, d = sbhd.shape
+        send = sbhd.reshape(s_l, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp, S_l, B, Hl, D]
+        return _InplaceAllToAll.apply(send, group).reshape(cp * s_l, b, h // cp, d).permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=is_causal)
+    b, hl, s, d = o.shape
+    send = o.permute(2, 0, 1, 3).reshape(cp, s // cp, b, hl, d)  # [cp (seq block), S_l, B, Hl, D]
+    recv = _InplaceAllToAll.apply(send, group)  # [cp (head block), S_l, B, Hl, D]
+    return recv.permute(2, 0, 3, 1, 4).reshape(b, cp * hl, s // cp, d)
+
+
+class _InplaceGather(torch.autograd.Function):
+    """``dist.all_gather_into_tensor`` on dim 0 into a fresh buffer; the backward is
+    ``dist.reduce_scatter_tensor`` into another."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((_cp(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((grad.shape[0] // _cp(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def inplace_allgather(q, k, v, group=None):
+    """BSHD, not causal (DiT style): K and V gathered along the sequence by in-place
+    all-gathers (sequence to dim 0 and back), GQA through ``enable_gqa``."""
+    group = group or dist.group.WORLD
+
+    def gather(x):  # [B, S/cp, Hkv, D] -> [B, Hkv, S, D]
+        return _InplaceGather.apply(x.transpose(0, 1), group).permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), gather(k), gather(v), enable_gqa=q.shape[2] != k.shape[2]
+    )
+    return o.transpose(1, 2)

@@ -1,5 +1,6 @@
 """Every cp_inductor pass, in the order it runs: the one place to read the pipeline.
 
+    canonicalize  forms the detectors rely on, made first (in-place collectives' copies)
     DETECTORS  one module per CP style; each finds its regions and returns match records
     REWRITES   the rewrite catalogue in decision order; each record says which styles it
                concerns, why it cannot apply, how it applies, on which Inductor hook
@@ -27,7 +28,7 @@ import torch.fx
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
-from . import collective_cse, grad_out_layout
+from . import canonicalize, collective_cse, grad_out_layout
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
@@ -136,6 +137,7 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     cfg = cfg if cfg is not None else snapshot()
     if not cfg.detect:
         return []
+    canonicalize.canonicalize(graph)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
@@ -198,6 +200,7 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
 
 
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
+    canonicalize.canonicalize(graph)
     matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False

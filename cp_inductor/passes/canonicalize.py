@@ -1,0 +1,107 @@
+"""Canonical forms the detectors and rewrites rely on, made before either looks at a graph.
+
+Code written against ``torch.distributed``'s in-place collectives (DeepSpeed's and yunchang's
+Ulysses, many hand-written all-gathers)::
+
+    out = torch.empty_like(x); dist.all_to_all_single(out, x, group=g)
+
+traces, under functionalization, to ``copy(empty, wait_tensor(all_to_all_single(x)))``: the
+collective's result written into a fresh buffer. Functional ``aten.copy(dst, src)`` returns a new
+tensor with ``dst``'s metadata and ``src``'s values, so where both have the same shape, dtype and
+device and ``dst`` is dense it is exactly ``clone(src, memory_format=contiguous_format)``::
+
+    copy(empty, wait)   ->   clone(wait)
+
+which every detector already follows as a layout op (``empty_like`` of a permuted view is a
+permuted buffer: ``permute -> clone -> permute back``, the same strides). Same values and
+strides: Inductor generates the same copy kernel either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+_ALLOCATIONS = (
+    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
+    aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.full.default,
+)
+
+
+def _dense_order(t: torch.Tensor) -> list | None:
+    """The dim order (outer to inner) in which ``t``'s memory is a contiguous tensor permuted,
+    or None (overlapping or gapped strides)."""
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), -t.shape[i]))
+    expected = 1
+    strides = [0] * t.dim()
+    for i in reversed(order):
+        strides[i] = expected
+        expected *= t.shape[i]
+    same = all(t.shape[i] == 1 or t.stride(i) == strides[i] for i in range(t.dim()))
+    return order if same else None
+
+
+def _fresh_copy(node: torch.fx.Node) -> tuple | None:
+    """``(src, dim order)`` of ``copy(dst, src)`` when it is ``src``'s values laid out densely
+    in that order of dims, else None."""
+    if node.op != "call_function" or node.target is not aten.copy.default or len(node.args) < 2:
+        return None
+    if node.kwargs.get("non_blocking") or (len(node.args) > 2 and node.args[2]):
+        return None
+    dst, src = node.args[:2]
+    if not isinstance(dst, torch.fx.Node) or not isinstance(src, torch.fx.Node):
+        return None
+    d, s, out = dst.meta.get("val"), src.meta.get("val"), node.meta.get("val")
+    if not all(isinstance(t, torch.Tensor) for t in (d, s, out)):
+        return None
+    if d.shape != s.shape or d.dtype != s.dtype or d.device != s.device:
+        return None
+    order = _dense_order(out)
+    return None if order is None else (src, order)
+
+
+def fresh_copies_to_clones(graph: torch.fx.Graph) -> int:
+    """Replace every ``copy(dst, src)`` that is a dense copy of ``src`` by that clone (permuted
+    where ``dst`` is a permuted dense buffer, as ``empty_like`` of a transposed view makes);
+    how many were replaced."""
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.copy.default)):
+        found = _fresh_copy(node)
+        if found is None:
+            continue
+        src, order = found
+        identity = order == sorted(order)
+        with graph.inserting_before(node):
+            x = src if identity else _call(graph, aten.permute.default, src, order)
+            x = _call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
+            if not identity:
+                x = _call(graph, aten.permute.default, x, [order.index(i) for i in range(len(order))])
+        x.meta.update(node.meta)
+        dst = node.args[0]
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+        # The buffer only the copy wrote into (through views: empty_like of a permuted view).
+        while not dst.users and (dst.target in _ALLOCATIONS or dst.target is aten.permute.default):
+            up = dst.args[0] if dst.target is aten.permute.default else None
+            graph.erase_node(dst)
+            if not isinstance(up, torch.fx.Node):
+                break
+            dst = up
+        count += 1
+    return count
+
+
+def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    node = graph.call_function(target, args, kwargs)
+    src = args[0].meta["val"]
+    with src.fake_mode if hasattr(src, "fake_mode") else contextlib.nullcontext():
+        node.meta["val"] = target(src, *args[1:], **kwargs)
+    return node
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Every canonical form above; how many nodes changed (idempotent: 0 the second time)."""
+    return fresh_copies_to_clones(graph)
