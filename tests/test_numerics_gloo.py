@@ -162,3 +162,27 @@ def test_inplace_collective_styles_cp2():
         assert_cp_results(rank_results["inplace_allgather"], TOL, applied=())
         assert [row[:2] for row in rank_results["inplace_allgather"][0]["report"]] == [
             ("forward", "allgather"), ("backward", "allgather")]
+
+
+def _checkpointed(rank, cp):
+    """check_cp_attention on Ulysses and all-gather attention under activation checkpointing."""
+    from cp_inductor.parallel import allgather_attention, ulysses_attention
+
+    ulysses = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4, seq=32)
+    gather = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=2, seq=32, load_balanced=True)
+    return (
+        check_cp_attention(rank, cp, [ulysses], variants.checkpointed(
+            lambda q, k, v: ulysses_attention(q, k, v, is_causal=True))),
+        check_cp_attention(rank, cp, [gather], variants.checkpointed(
+            lambda q, k, v: allgather_attention(q, k, v, is_causal=True))),
+    )
+
+
+def test_activation_checkpointing_cp2():
+    """AOTAutograd wraps the recomputed attention in RNG-state operators; canonicalize unwraps
+    them (no dropout), so the forward regions are found and rewritten as without checkpointing."""
+    for ulysses, gather in run_on_ranks(_checkpointed, 2):
+        assert_cp_results(ulysses, TOL, cp=2)
+        assert_cp_results(gather, TOL, applied=())
+        kinds = [row[:2] for row in gather[0]["report"]]
+        assert ("forward", "allgather") in kinds and ("backward", "allgather") in kinds, kinds

@@ -105,7 +105,11 @@ class TestUndoneRewrite(TestCase):
 
 
 def _op(node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return _op_name(node.target)
+
+
+def _op_name(target) -> str:
+    return getattr(target, "__name__", str(target)).split(".")[0]
 
 
 def _register_deepspeed_like_op():
@@ -155,10 +159,45 @@ forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the op
 backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
 
-class TestInplaceCollectives(TestCase):
+class TestCanonicalForms(TestCase):
     """``dist.all_to_all_single(out, x)`` / ``dist.all_gather_into_tensor(out, x)`` into fresh
     buffers (DeepSpeed, yunchang, hand-written all-gathers) trace as ``copy(empty, wait)``:
-    canonicalize makes that a clone, which detection follows."""
+    canonicalize makes that a clone, which detection follows. Activation checkpointing wraps the
+    attention in RNG-state operators: canonicalize unwraps them (no dropout)."""
+
+    def test_checkpointed_attention_is_unwrapped(self):
+        def attention_calls(gm) -> str:
+            out = []
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and (_op(n).startswith("run_") or "attention" in _op(n)):
+                    inner = [_op_name(a) for a in n.args if isinstance(a, torch._ops.OpOverload)]
+                    out.append(_op(n) + (f"({inner[0]})" if inner else ""))
+            return ", ".join(out)
+
+        fn = variants.checkpointed(lambda q, k, v: ulysses_attention(q, k, v, is_causal=True))
+        with fake_pg(2):
+            graphs = aot_graphs(fn, *qkv((1, 4, 2, 8), (1, 4, 2, 8)))
+        lines = []
+        for kind, gm in graphs.items():
+            lines.append(f"{kind} before: {attention_calls(gm)}")
+            self.assertEqual(canonicalize(gm.graph), 1)
+            lines.append(f"{kind} after:  {attention_calls(gm)}")
+        self.assertExpectedInline("\n".join(lines), """\
+forward before: run_and_save_rng_state(_scaled_dot_product_flash_attention_for_cpu)
+forward after:  _scaled_dot_product_flash_attention_for_cpu, run_and_save_rng_state(new_empty)
+backward before: run_with_rng_state(_scaled_dot_product_flash_attention_for_cpu), _scaled_dot_product_flash_attention_for_cpu_backward
+backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_product_flash_attention_for_cpu_backward""")
+        with fake_pg(2):
+            self.assertIn("forward a2a cp=2", report_text(graphs))
+
+    def test_dropout_keeps_the_wrapper(self):
+        fn = variants.checkpointed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
+        with fake_pg(2):
+            graphs = aot_graphs(fn, *qkv((1, 2, 4, 8), (1, 2, 4, 8)))
+        wrappers = lambda: sorted(_op(n) for gm in graphs.values() for n in gm.graph.nodes if _op(n).startswith("run_"))  # noqa: E731
+        self.assertEqual(wrappers(), ["run_and_save_rng_state", "run_with_rng_state"])
+        self.assertEqual(sum(canonicalize(gm.graph) for gm in graphs.values()), 0)
+        self.assertEqual(wrappers(), ["run_and_save_rng_state", "run_with_rng_state"])
 
     def test_fresh_copy_becomes_a_clone(self):
         with fake_pg(2):

@@ -252,3 +252,14 @@ def inplace_allgather(q, k, v, group=None):
         q.transpose(1, 2), gather(k), gather(v), enable_gqa=q.shape[2] != k.shape[2]
     )
     return o.transpose(1, 2)
+
+
+def checkpointed(attend):
+    """``attend`` under activation checkpointing (recomputed in the backward), as training
+    code with gradient checkpointing runs every layer."""
+    import torch.utils.checkpoint
+
+    def run(q, k, v):
+        return torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+
+    return run

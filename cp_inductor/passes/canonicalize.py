@@ -15,6 +15,20 @@ device and ``dst`` is dense it is exactly ``clone(src, memory_format=contiguous_
 which every detector already follows as a layout op (``empty_like`` of a permuted view is a
 permuted buffer: ``permute -> clone -> permute back``, the same strides). Same values and
 strides: Inductor generates the same copy kernel either way.
+
+Activation checkpointing (``torch.utils.checkpoint`` under torch.compile) recomputes the
+attention in the backward, and AOTAutograd wraps every random op it recomputes, attention
+included (its ops are tagged ``nondeterministic_seeded`` for dropout), in an RNG-state
+operator::
+
+    run_and_save_rng_state(attention, q, k, v, ...)            (forward: (state, outputs))
+    run_with_rng_state(state, attention, q, k, v, ...)         (backward recompute)
+    graphsafe_run_with_rng_state(attention, q, k, v, ..., rng_state=generator state)
+                                                                (both, on CUDA)
+
+With ``dropout_p == 0`` the attention draws no random numbers, so the wrapper changes nothing:
+it becomes the plain call, which every detector matches (the forward's saved state, which
+only that recompute read, is still saved: by a wrapper around an empty allocation).
 """
 
 from __future__ import annotations
@@ -102,6 +116,69 @@ def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
     return node
 
 
+def _rng_wrapped(node: torch.fx.Node):
+    """``(attention op, its args, its kwargs)`` of an RNG-state wrapper around an attention op
+    without dropout, else None."""
+    from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+
+    hops = torch.ops.higher_order
+    first = {hops.run_and_save_rng_state: 0, hops.run_with_rng_state: 1}
+    graphsafe = getattr(hops, "graphsafe_run_with_rng_state", None)
+    if graphsafe is not None:
+        first[graphsafe] = 0
+    if node.op != "call_function" or node.target not in first:
+        return None
+    op = node.args[first[node.target]]
+    if op not in SDPA_FORWARD + SDPA_BACKWARD:
+        return None
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "rng_state"}  # graphsafe: the generator state
+    plain = torch.fx.Node(node.graph, "probe", "call_function", op, node.args[first[node.target] + 1:], kwargs)
+    if bound_args(plain).get("dropout_p", 0.0) != 0.0:
+        return None
+    return op, plain.args, kwargs
+
+
+def unwrap_rng_attention(graph: torch.fx.Graph) -> int:
+    """Replace every RNG-state wrapper around an attention op without dropout by the plain
+    call; how many were replaced."""
+    count = 0
+    for node in list(graph.nodes):
+        found = _rng_wrapped(node)
+        if found is None:
+            continue
+        op, args, kwargs = found
+        with graph.inserting_before(node):
+            call = graph.call_function(op, args, kwargs)
+            if node.target is torch.ops.higher_order.run_and_save_rng_state:
+                # The state output stays (the backward's signature has it): saved by a wrapper
+                # around an empty allocation on the attention's device.
+                saver = graph.call_function(node.target, (aten.new_empty.default, args[0], [0]))
+        call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        call.meta["val"] = _fake_run(op, args, kwargs)
+        if node.target is torch.ops.higher_order.run_and_save_rng_state:
+            for user in list(node.users):  # getitem 0: the state, getitem 1: the outputs
+                if user.args[1] == 0:
+                    user.replace_input_with(node, saver)
+                else:
+                    user.replace_all_uses_with(call)
+                    graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _fake_run(op, args, kwargs):
+    """``op``'s output values (fake tensors) for these graph arguments."""
+    from torch._guards import detect_fake_mode
+
+    vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
+    with mode if mode is not None else contextlib.nullcontext():
+        return op(*vals[0], **vals[1])
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Every canonical form above; how many nodes changed (idempotent: 0 the second time)."""
-    return fresh_copies_to_clones(graph)
+    return fresh_copies_to_clones(graph) + unwrap_rng_attention(graph)
