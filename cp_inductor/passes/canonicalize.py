@@ -28,7 +28,10 @@ operator::
 
 With ``dropout_p == 0`` the attention draws no random numbers, so the wrapper changes nothing:
 it becomes the plain call, which every detector matches (the forward's saved state, which
-only that recompute read, is still saved: by a wrapper around an empty allocation).
+only that recompute read, is still saved: by a wrapper around an empty allocation). Inductor
+requires a generator input to be read by exactly one ``graphsafe_run_with_rng_state``: after the
+rewrites, :func:`rewrap_rng_attention` puts the unwrapped call (or, where a rewrite replaced it,
+another attention call without dropout) back inside one, which changes nothing either.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 import torch.fx
 
 aten = torch.ops.aten
+GENERATOR = "cp_inductor_rng_generator"  # meta of an unwrapped call: the generator input it read
 _ALLOCATIONS = (
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
     aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.full.default,
@@ -155,6 +159,8 @@ def unwrap_rng_attention(graph: torch.fx.Graph) -> int:
                 saver = graph.call_function(node.target, (aten.new_empty.default, args[0], [0]))
         call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         call.meta["val"] = _fake_run(op, args, kwargs)
+        if "rng_state" in node.kwargs:
+            call.meta[GENERATOR] = node.kwargs["rng_state"]
         if node.target is torch.ops.higher_order.run_and_save_rng_state:
             for user in list(node.users):  # getitem 0: the state, getitem 1: the outputs
                 if user.args[1] == 0:
@@ -165,6 +171,35 @@ def unwrap_rng_attention(graph: torch.fx.Graph) -> int:
         else:
             node.replace_all_uses_with(call)
         graph.erase_node(node)
+        count += 1
+    return count
+
+
+def rewrap_rng_attention(graph: torch.fx.Graph) -> int:
+    """Give every generator input that :func:`unwrap_rng_attention` left unread its one
+    ``graphsafe_run_with_rng_state`` again, around the call that was unwrapped, else around the
+    first attention call without dropout; how many were wrapped."""
+    from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+
+    graphsafe = getattr(torch.ops.higher_order, "graphsafe_run_with_rng_state", None)
+    count = 0
+    for gen in graph.find_nodes(op="placeholder"):
+        if gen.users or not isinstance(gen.meta.get("val"), torch.Generator):
+            continue
+        calls = [
+            n for n in graph.nodes
+            if n.op == "call_function" and n.target in SDPA_FORWARD + SDPA_BACKWARD
+            and bound_args(n).get("dropout_p", 0.0) == 0.0 and n.meta.get("val") is not None
+        ]
+        marked = [n for n in calls if n.meta.get(GENERATOR) is gen]
+        if graphsafe is None or not (marked or calls):
+            continue
+        call = (marked or calls)[0]
+        with graph.inserting_before(call):
+            wrapped = graph.call_function(graphsafe, (call.target, *call.args), {**call.kwargs, "rng_state": gen})
+        wrapped.meta.update({k: v for k, v in call.meta.items() if k != GENERATOR})
+        call.replace_all_uses_with(wrapped)
+        graph.erase_node(call)
         count += 1
     return count
 

@@ -76,10 +76,15 @@ def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     grad_out_layout.grad_out_layout_pass(graph)
 
 
+def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    canonicalize.rewrap_rng_attention(graph)
+
+
 # Whole-graph passes, ``guard(graph, cfg)``: the joint graph of a ring program (compiled without
 # AOTAutograd's CSE) gets the merges every rank makes alike and its collectives pinned to their
-# graph; cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did.
-GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_grad_out_layout,)}
+# graph; cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did;
+# a CUDA generator input canonicalize unwrapped is read by one RNG wrapper again, as Inductor needs.
+GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_grad_out_layout, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
