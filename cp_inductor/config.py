@@ -29,6 +29,9 @@ ce_rotation: bool = True
 # already cast to the inputs' dtype when the program casts them only after it: same bits, half
 # the bytes in bf16.
 narrow_rotation: bool = True
+# A cat that reassembles consecutive slices of one tensor (native CP's dK/dV and dQ buffers)
+# becomes that tensor: one copy less per rotation (passes/cat_of_slices.py).
+cat_of_slices: bool = True
 
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the

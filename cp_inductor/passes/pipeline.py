@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.fx
+from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import Region, Rejected
-from . import canonicalize, collective_cse, grad_out_layout
+from . import canonicalize, cat_of_slices, collective_cse, grad_out_layout
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
@@ -76,15 +77,21 @@ def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     grad_out_layout.grad_out_layout_pass(graph)
 
 
+def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    if cfg.cat_of_slices:
+        counters["cp_inductor"][cat_of_slices.NAME] += cat_of_slices.cat_of_slices_pass(graph)
+
+
 def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     canonicalize.rewrap_rng_attention(graph)
 
 
 # Whole-graph passes, ``guard(graph, cfg)``: the joint graph of a ring program (compiled without
 # AOTAutograd's CSE) gets the merges every rank makes alike and its collectives pinned to their
-# graph; cuDNN's attention backward must get a dO laid out like O, whatever the rewrites did;
-# a CUDA generator input canonicalize unwrapped is read by one RNG wrapper again, as Inductor needs.
-GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_grad_out_layout, _rewrap_rng)}
+# graph; a cat that reassembles slices of one tensor is that tensor; cuDNN's attention backward
+# must get a dO laid out like O, whatever the rewrites did; a CUDA generator input canonicalize
+# unwrapped is read by one RNG wrapper again, as Inductor needs.
+GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _grad_out_layout, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
