@@ -127,7 +127,7 @@ def _whole(cat: torch.fx.Node) -> tuple | None:
 
 def _same_there(base: torch.fx.Node, piece: tuple, dim: int) -> bool:
     """Whether ``base[start:end]`` equals ``piece`` = (its tensor, start, end): the same tensor, or
-    one ``base`` was made from by ``slice_scatter``\ s along ``dim`` that leave [start, end)
+    one ``base`` was made from by ``slice_scatter`` calls along ``dim`` that leave [start, end)
     alone (native CP updates the K and the V half of its buffer one after the other)."""
     src, start, end = piece
     cur = base
