@@ -99,6 +99,30 @@ rank 0: rotations fed by ['cat', 'cat'] -> ['cat', 'slice_scatter'], 2 cats remo
 rank 1: rotations fed by ['cat', 'cat'] -> ['cat', 'slice_scatter'], 3 cats removed""")
 
 
+    def test_after_ce_rotation(self):
+        # On GPUs ce_rotation has replaced the NCCL rotations by the copy-engine ops before this
+        # pass runs (the whole post-grad hook here, the transport's availability faked).
+        from unittest import mock
+
+        from cp_inductor.lowerings import ce_transport
+
+        qkv = [torch.randn(1, 8, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None), \
+                native_options("alltoall", load_balance=True):
+            _, graphs = ring_graphs(2, lambda q, k, v: native_ring(q, k, v, causal=True), qkv,
+                                    ce_rotation=True, ce_rotation_min_bytes=0)
+        gm = graphs["backward"]
+        starts = [n for n in gm.graph.nodes if n.target is torch.ops.cp_inductor.ce_rotate_start.default]
+        self.assertExpectedInline(" ".join(_producer(n.args[0]) for n in starts), """cat convert(slice_scatter)""")
+
+
+def _producer(node) -> str:
+    """The op that computes a rotation's payload, through the narrowing cast."""
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return f"convert({_producer(node.args[0])})"
+    return node.target.__name__.split(".")[0]
+
+
 def _grads(rank, cp):
     case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=4, head_dim=8, causal=True, load_balanced=True,
                          dtype=torch.bfloat16)

@@ -150,7 +150,8 @@ def _same_there(base: torch.fx.Node, piece: tuple, dim: int) -> bool:
 def cat_of_slices_pass(graph: torch.fx.Graph) -> int:
     """Replace every ``cat`` of consecutive slices of one tensor by the tensor or its slice; how
     many were replaced."""
-    if not any(str(getattr(n.target, "namespace", "")) == "_c10d_functional" for n in graph.nodes if n.op == "call_function"):
+    # CP graphs: a collective, NCCL's or the copy-engine transport's.
+    if not any(getattr(n.target, "namespace", None) in ("_c10d_functional", "cp_inductor") for n in graph.nodes):
         return 0
     count = 0
     for cat in list(graph.find_nodes(op="call_function", target=aten.cat.default)):
