@@ -188,7 +188,12 @@ forward after:  _scaled_dot_product_flash_attention_for_cpu, run_and_save_rng_st
 backward before: run_with_rng_state(_scaled_dot_product_flash_attention_for_cpu), _scaled_dot_product_flash_attention_for_cpu_backward
 backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_product_flash_attention_for_cpu_backward""")
         with fake_pg(2):
-            self.assertIn("forward a2a cp=2", report_text(graphs))
+            text = report_text(graphs)
+        self.assertIn("forward a2a cp=2", text)
+        self.assertIn("backward a2a cp=2", text)
+        # The forward recomputed in the backward graph is not a region of its own, and says why.
+        self.assertIn("rejected backward _scaled_dot_product_flash_attention_for_cpu: output read only by the "
+                      "attention backward (a forward recomputed for it: activation checkpointing", text)
 
     def test_cuda_generator_input_keeps_one_wrapper(self):
         """CUDA's graphsafe wrapper reads a generator input, which Inductor requires to be read by

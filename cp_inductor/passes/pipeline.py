@@ -79,7 +79,9 @@ def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 
 def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     if cfg.cat_of_slices:
-        counters["cp_inductor"][cat_of_slices.NAME] += cat_of_slices.cat_of_slices_pass(graph)
+        removed = cat_of_slices.cat_of_slices_pass(graph)
+        if removed:
+            counters["cp_inductor"][cat_of_slices.NAME] += removed
 
 
 def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:

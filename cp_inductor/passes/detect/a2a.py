@@ -41,7 +41,7 @@ from ..layout_algebra import (
 )
 from ..match import CPMatch, attention_facts
 from . import find_with, match_or_none
-from ..sdpa_ops import SDPA_FORWARD, bound_args, tuple_outputs
+from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -300,6 +300,19 @@ def _merges(node, tracked) -> bool:
     return any(a is tracked for a in node.args[:2])
 
 
+def _only_backward_reads(out: torch.fx.Node) -> bool:
+    """Whether only attention backward ops read ``out`` (through aliases and views)."""
+    readers, stack = [], [out]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "call_function" and u.target in (aten.alias.default, aten.detach.default):
+                stack.append(u)
+            else:
+                readers.append(u)
+    return bool(readers) and all(u.op == "call_function" and u.target in SDPA_BACKWARD for u in readers)
+
+
 def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
     """Attention output -> its crossing, if a chain of layout ops reaches an all-to-all. On the
     way: pointwise ops (the crossing then starts after them), one sum over replicated heads, and
@@ -334,6 +347,9 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
                 visit(user, [], lay, user, lay, depth + 1)
 
     visit(node, [], start, node, start)
+    if not found and _only_backward_reads(node):
+        raise LayoutError("output read only by the attention backward (a forward recomputed for it: "
+                          "activation checkpointing; the backward op is its own region)")
     if len({f[0].node for f in found}) != 1:
         raise LayoutError(f"output reaches {len({f[0].node for f in found})} all_to_alls")
     coll, before, lay, source, source_lay = found[0]
