@@ -311,7 +311,9 @@ NATIVE_ARMS = {
     # the defaults with the last dK/dV rotation left in fp32 (narrow_rotation off)
     "native_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     "native_cp_nccl_wide": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.narrow_rotation": False}),
-    # the defaults without cat_of_slices (the backward copies its dK/dV buffer into a cat)
+    # the defaults with cat_of_slices (the dK/dV buffer rotated home without its cat copy)
+    "native_cp_cat": ("cp_inductor", {"cp_inductor.cat_of_slices": True}),
+    # cat_of_slices off (runs 54/55, when it was on by default)
     "native_cp_nocat": ("cp_inductor", {"cp_inductor.cat_of_slices": False}),
     # the defaults with each backward step's attention call split in 4 head groups (memory)
     "native_cp_hp4": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": 4}),

@@ -29,9 +29,11 @@ ce_rotation: bool = True
 # already cast to the inputs' dtype when the program casts them only after it: same bits, half
 # the bytes in bf16.
 narrow_rotation: bool = True
-# A cat that reassembles consecutive slices of one tensor (native CP's dK/dV and dQ buffers)
-# becomes that tensor: one copy less per rotation (passes/cat_of_slices.py).
-cat_of_slices: bool = True
+# A cat that reassembles consecutive slices of one tensor and is what a collective sends
+# (native CP's dK/dV buffer before its rotation home) becomes that tensor (passes/cat_of_slices.py).
+# Off by default until measured on GPUs: the GPU profile showed the cat as a copy kernel of its
+# own (0.18 ms at S32K), but the pass had not applied there yet.
+cat_of_slices: bool = False
 
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the

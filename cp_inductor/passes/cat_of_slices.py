@@ -1,5 +1,5 @@
-"""cat_of_slices: a ``cat`` that puts back together consecutive slices of one tensor is that
-tensor (or one slice of it), not a copy.
+"""cat_of_slices: a ``cat`` that a collective sends and that puts back together consecutive
+slices of one tensor is that tensor (or one slice of it), not a copy.
 
 Ring code splits its flat dK/dV buffer into the K and V parts, updates each with a
 ``slice_scatter``, then concatenates the parts again to rotate them on (native CP's backward)::
@@ -19,8 +19,11 @@ the tensor, covering a run of it gives ``slice`` (a view). A piece cut from a te
 CP's load-balanced ranks update the K half, then the V half, of their buffer). Skipped where the ``cat``'s result
 (or a view of it) is a graph output: AOTAutograd expects fresh outputs.
 
-Runs on graphs with a collective (the CP programs), on the post-grad hook; config switch
-``cat_of_slices``.
+Only cats a collective sends (through views and casts): there Inductor writes the cat into a
+buffer of its own; a cat that pointwise kernels read it fuses into them, and removing one (dQ's
+halves in native CP's backward) split a fused kernel in two (bf16, CPU). Runs on graphs with a
+collective (the CP programs), on the post-grad hook; config switch ``cat_of_slices`` (off until
+measured on GPUs).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import torch.fx
 
 aten = torch.ops.aten
 NAME = "cat_of_slices"
+# Collectives: NCCL's functional ones, the copy-engine transport's (ce_rotation replaces the
+# former on GPUs before this pass runs).
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "cp_inductor")
 _SAME_ORDER_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _VIEWS = _SAME_ORDER_VIEWS + (
     aten.permute.default, aten.slice.Tensor, aten.select.int, aten.expand.default, aten.squeeze.dim,
@@ -106,6 +112,28 @@ def _returned(node: torch.fx.Node) -> bool:
     return False
 
 
+def _sent(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is (through views and casts) what a collective sends: there Inductor
+    must write the cat into a buffer of its own; a cat read by pointwise kernels it fuses into
+    them instead (removing one there split a fused kernel in two, bf16 on CPU)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if getattr(user.target, "namespace", None) in _COLLECTIVE_NAMESPACES and user.args and user.args[0] is n:
+                return True
+            if user.op != "call_function":
+                continue
+            if (user.target in _VIEWS or user.target is torch.ops.prims.convert_element_type.default) and user.args[0] is n:
+                stack.append(user)
+            elif user.target is aten.cat.default and n in user.args[0]:  # a piece of a sent cat
+                stack.append(user)
+    return False
+
+
 def _whole(cat: torch.fx.Node) -> tuple | None:
     """``(base, start, end)`` the ``cat`` node reassembles, or None."""
     tensors = cat.args[0]
@@ -150,13 +178,12 @@ def _same_there(base: torch.fx.Node, piece: tuple, dim: int) -> bool:
 def cat_of_slices_pass(graph: torch.fx.Graph) -> int:
     """Replace every ``cat`` of consecutive slices of one tensor by the tensor or its slice; how
     many were replaced."""
-    # CP graphs: a collective, NCCL's or the copy-engine transport's.
-    if not any(getattr(n.target, "namespace", None) in ("_c10d_functional", "cp_inductor") for n in graph.nodes):
+    if not any(getattr(n.target, "namespace", None) in _COLLECTIVE_NAMESPACES for n in graph.nodes):
         return 0
     count = 0
     for cat in list(graph.find_nodes(op="call_function", target=aten.cat.default)):
         found = _whole(cat)
-        if found is None or _returned(cat):
+        if found is None or _returned(cat) or not _sent(cat):
             continue
         base, dim, start, end = found
         if (start, end) == (0, _shape(base)[dim]):
