@@ -79,7 +79,32 @@ def gathered_key_only(q, k, v):
     return F.scaled_dot_product_attention(q.transpose(1, 2), _gather(k).transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
+def dtensor_ulysses(q, k, v):
+    """Ulysses written with DTensor redistributes (Shard(seq) -> Shard(heads) and back), which
+    trace to all-gathers and a constant slice of this rank's heads. ``MESH``: set by the test."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def scatter(x):  # [B, S/cp, H, D] -> [B, H/cp, S, D]
+        return DTensor.from_local(x, MESH[0], [Shard(1)], run_check=False).redistribute(MESH[0], [Shard(2)]).to_local().transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(scatter(q), scatter(k), scatter(v), is_causal=True).transpose(1, 2)
+    return DTensor.from_local(o, MESH[0], [Shard(2)], run_check=False).redistribute(MESH[0], [Shard(1)]).to_local()
+
+
+MESH = [None]
+
+
 class TestAllGatherGolden(TestCase):
+    def test_dtensor_ulysses_reported(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        with fake_pg(2):
+            MESH[0] = init_device_mesh("cpu", (2,))
+            text = describe_matches(aot_graphs(dtensor_ulysses, *_qkv(1, 8, 4, 4, 8)))
+        self.assertExpectedInline(text, """\
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: q, k, v gathered whole, then this rank's block of heads taken: Ulysses done with all-gathers (as DTensor's Shard(seq) -> Shard(heads) redistribute traces); not rewritten: an all_to_all would move 1/cp of the bytes, but which block a rank takes is a constant of its own graph, and every rank must make the same choice
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)""")
+
     def test_helper_causal_load_balanced_gqa(self):
         # Each rank's two chunks: chunk r (prefix + diagonal calls, or one causal call for chunk 0)
         # and chunk 2cp-1-r. Rank 0 of cp=2 holds chunks 0 and 3: 1 + 2 calls, and their backwards;

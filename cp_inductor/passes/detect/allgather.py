@@ -97,6 +97,17 @@ def _gathered_input(node, name: str) -> tuple:
     return in_graph_order(gathers, node.graph)
 
 
+def _head_block_of_gathered(query, key, gathers) -> bool:
+    """Whether attention reads 1/cp of what was gathered for the query, at the full sequence
+    length of the keys: a block of the heads (sequence-gathered q would keep them all)."""
+    q, k = query.meta.get("val"), key.meta.get("val")
+    gathered = [g.meta.get("val") for g in gathers]
+    if q is None or k is None or any(v is None for v in gathered) or q.dim() < 2:
+        return False
+    cp = _group(next(iter(gathers)))[0]
+    return q.shape[-2] == k.shape[-2] and q.numel() * cp == sum(v.numel() for v in gathered)
+
+
 def _group(gather) -> tuple[int, str]:
     _, size, name = gather.args[:3]
     if isinstance(size, torch.SymInt):
@@ -111,7 +122,14 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
         return None
     if not all(gathers.values()):
         raise LayoutError("only one of key and value comes from an all_gather")
-    if _sources(args["query"])[0]:
+    q_gathers = _sources(args["query"])[0]
+    if q_gathers:
+        if _head_block_of_gathered(args["query"], args["key"], q_gathers):
+            raise LayoutError(
+                "q, k, v gathered whole, then this rank's block of heads taken: Ulysses done with "
+                "all-gathers (as DTensor's Shard(seq) -> Shard(heads) redistribute traces); not "
+                "rewritten: an all_to_all would move 1/cp of the bytes, but which block a rank takes "
+                "is a constant of its own graph, and every rank must make the same choice")
         raise LayoutError("query is gathered too: every rank attends over the whole sequence")
     groups = {_group(g) for gs in gathers.values() for g in gs}
     if len(groups) != 1:
