@@ -47,7 +47,7 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, **kwargs):
     rejected = []
-    if cfg.detect and canonicalize(gm.graph):
+    if cfg.detect and canonicalize(gm.graph, cfg.strict):
         gm.recompile()
     rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg)
     for row in rows:

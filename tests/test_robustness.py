@@ -242,6 +242,25 @@ backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_produc
         self.assertEqual(canonicalize(gm.graph), 0)
         self.assertExpectedInline(ops(), """_scaled_dot_product_flash_attention_for_cpu alias all_to_all_single clone getitem permute view wait_tensor""")
 
+    def test_an_error_leaves_the_graph_and_the_compile_alone(self):
+        from unittest import mock
+
+        from cp_inductor.passes import canonicalize as canon
+
+        with fake_pg(2):
+            gm = aot_graphs(variants.inplace_bshd, *qkv((1, 4, 2, 8), (1, 4, 2, 8)))["forward"]
+        before = str(gm.graph)
+
+        def broken_call(graph, target, *args, **kwargs):  # fails after making its node
+            graph.call_function(target, args, kwargs)
+            raise RuntimeError("bug")
+
+        with mock.patch.object(canon, "_call", broken_call):
+            self.assertEqual(canonicalize(gm.graph), 0)
+            self.assertEqual(str(gm.graph), before)  # nothing half-made left behind
+            with self.assertRaises(RuntimeError):
+                canonicalize(gm.graph, strict=True)
+
     def test_copy_that_casts_or_broadcasts_is_kept(self):
         g = torch.fx.Graph()
         with FakeTensorMode():

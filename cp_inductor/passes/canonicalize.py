@@ -75,6 +75,8 @@ def _fresh_copy(node: torch.fx.Node) -> tuple | None:
     d, s, out = dst.meta.get("val"), src.meta.get("val"), node.meta.get("val")
     if not all(isinstance(t, torch.Tensor) for t in (d, s, out)):
         return None
+    if any(isinstance(x, torch.SymInt) for t in (d, s, out) for x in (*t.shape, *t.stride())):
+        return None  # dynamic shapes: comparing them would add guards
     if d.shape != s.shape or d.dtype != s.dtype or d.device != s.device:
         return None
     order = _dense_order(out)
@@ -92,7 +94,7 @@ def fresh_copies_to_clones(graph: torch.fx.Graph) -> int:
             continue
         src, order = found
         identity = order == sorted(order)
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), _undone_on_error(graph):
             x = src if identity else _call(graph, aten.permute.default, src, order)
             x = _call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
             if not identity:
@@ -151,6 +153,7 @@ def unwrap_rng_attention(graph: torch.fx.Graph) -> int:
         if found is None:
             continue
         op, args, kwargs = found
+        val = _fake_run(op, args, kwargs)
         with graph.inserting_before(node):
             call = graph.call_function(op, args, kwargs)
             if node.target is torch.ops.higher_order.run_and_save_rng_state:
@@ -158,7 +161,7 @@ def unwrap_rng_attention(graph: torch.fx.Graph) -> int:
                 # around an empty allocation on the attention's device.
                 saver = graph.call_function(node.target, (aten.new_empty.default, args[0], [0]))
         call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        call.meta["val"] = _fake_run(op, args, kwargs)
+        call.meta["val"] = val
         if "rng_state" in node.kwargs:
             call.meta[GENERATOR] = node.kwargs["rng_state"]
         if node.target is torch.ops.higher_order.run_and_save_rng_state:
@@ -214,6 +217,28 @@ def _fake_run(op, args, kwargs):
         return op(*vals[0], **vals[1])
 
 
-def canonicalize(graph: torch.fx.Graph) -> int:
-    """Every canonical form above; how many nodes changed (idempotent: 0 the second time)."""
-    return fresh_copies_to_clones(graph) + unwrap_rng_attention(graph)
+@contextlib.contextmanager
+def _undone_on_error(graph: torch.fx.Graph):
+    """On an error inside, erase the nodes made there (the graph is left as it was) and re-raise."""
+    before = set(graph.nodes)
+    try:
+        yield
+    except BaseException:
+        for node in reversed([n for n in graph.nodes if n not in before]):
+            if not node.users:
+                graph.erase_node(node)
+        raise
+
+
+def canonicalize(graph: torch.fx.Graph, strict: bool = False) -> int:
+    """Every canonical form above; how many nodes changed (idempotent: 0 the second time). An
+    unexpected error leaves the rest of the graph as it is (detection then sees the raw form)
+    unless ``strict``: our analysis must never fail the user's compile."""
+    count = 0
+    for form in (fresh_copies_to_clones, unwrap_rng_attention):
+        try:
+            count += form(graph)
+        except Exception:  # noqa: BLE001 - see the docstring
+            if strict:
+                raise
+    return count

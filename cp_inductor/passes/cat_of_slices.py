@@ -46,8 +46,12 @@ _VIEWS = _SAME_ORDER_VIEWS + (
 
 
 def _shape(node) -> tuple | None:
+    """Static shape of a node's tensor; None if unknown or dynamic (comparing symbolic sizes
+    would add guards)."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    if not isinstance(val, torch.Tensor) or any(isinstance(n, torch.SymInt) for n in val.shape):
+        return None
+    return tuple(val.shape)
 
 
 def _piece(node: torch.fx.Node, dim: int) -> tuple | None:
@@ -166,10 +170,13 @@ def _same_there(base: torch.fx.Node, piece: tuple, dim: int) -> bool:
             return False
         args = list(cur.args) + [0, None, None, 1][len(cur.args) - 2:]
         d, s, e, step = args[2:6]
-        n = _shape(cur)[dim]
+        shape = _shape(cur)
+        if shape is None:
+            return False
+        n = shape[dim]
         s = 0 if s is None else (s + n if s < 0 else s)
         e = n if e is None else min(n, e + n if e < 0 else e)
-        if d % len(_shape(cur)) != dim or step != 1 or not (e <= start or end <= s):
+        if d % len(shape) != dim or step != 1 or not (e <= start or end <= s):
             return False
         cur = cur.args[0]
     return False

@@ -78,10 +78,16 @@ def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 
 
 def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
-    if cfg.cat_of_slices:
+    if not cfg.cat_of_slices:
+        return
+    try:
         removed = cat_of_slices.cat_of_slices_pass(graph)
-        if removed:
-            counters["cp_inductor"][cat_of_slices.NAME] += removed
+    except Exception:  # noqa: BLE001 - a bug here must cost the pass, not the compile
+        if cfg.strict:
+            raise
+        return
+    if removed:
+        counters["cp_inductor"][cat_of_slices.NAME] += removed
 
 
 def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
@@ -151,7 +157,7 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     cfg = cfg if cfg is not None else snapshot()
     if not cfg.detect:
         return []
-    canonicalize.canonicalize(graph)
+    canonicalize.canonicalize(graph, cfg.strict)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
@@ -214,7 +220,7 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
 
 
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
-    canonicalize.canonicalize(graph)
+    canonicalize.canonicalize(graph, cfg.strict)
     matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
