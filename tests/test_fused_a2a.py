@@ -166,17 +166,19 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
 forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) already share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
 backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
-    def test_cast_around_the_collective_is_skipped(self):
-        # All three cross in bf16: one wire dtype, but packing from the fp32 tensors or letting
-        # attention read the bf16 buffer would drop a cast.
+    def test_cast_after_the_collective_is_skipped_before_it_packed(self):
+        # All three cross in bf16 and are upcast before attention: letting attention read the
+        # bf16 buffer would drop that cast (forward skipped). The backward's dq/dk/dv are cast
+        # down before the collective, which the pack does, and up after it, which stays where
+        # the program returns them (backward fused).
         def bf16_wire(q, k, v):
             return compressed_wire(q, k, v, wire=(torch.bfloat16,) * 3)
 
         with fake_pg(2):
             text = report_text(aot_graphs(bf16_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the tensor, the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
 
 
 def _generated_code(fused: bool, unpack: str = "views") -> list[str]:

@@ -186,3 +186,30 @@ def test_activation_checkpointing_cp2():
         assert_cp_results(gather, TOL, applied=())
         kinds = [row[:2] for row in gather[0]["report"]]
         assert ("forward", "allgather") in kinds and ("backward", "allgather") in kinds, kinds
+
+
+def _bf16_attention(q, k, v):
+    """fp32 model, attention in bf16: q, k, v cast down before the Ulysses helper, its output
+    cast back up (the pack makes the first cast; the second stays after the return)."""
+    from cp_inductor.parallel import ulysses_attention
+
+    return ulysses_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True).float()
+
+
+def _casts(rank, cp):
+    from test_fused_a2a import compressed_wire
+
+    case = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4, seq=32)
+    not_causal = AttentionCase(layout="bshd", causal=False, heads_q=4, heads_kv=4, seq=32)
+    bf16_wire = functools.partial(compressed_wire, wire=(torch.bfloat16,) * 3)  # not causal
+    return check_cp_attention(rank, cp, [case], _bf16_attention), check_cp_attention(rank, cp, [not_causal], bf16_wire)
+
+
+def test_casts_around_the_collective_cp2():
+    for cast_around, wire in run_on_ranks(_casts, 2):
+        # bf16 inside: the reference tolerance is bf16's; compiled vs eager much closer.
+        assert_cp_results(cast_around, 3e-2, cp=2)
+        assert max(cast_around[0]["compiled_vs_eager"].values()) < 1e-2, cast_around
+        for r in wire:
+            assert r["applied"] == ["fused_a2a"] and r["rewritten"].get("fused_a2a") == 1, r  # the backward
+            assert max(r["compiled_vs_ref"].values()) < 3e-2 and max(r["compiled_vs_eager"].values()) < 1e-2, r

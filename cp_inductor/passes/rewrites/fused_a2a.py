@@ -82,12 +82,16 @@ def _group_ineligible(region: A2AMatch, crossings: list) -> str | None:
         return "no tensor metadata on an all_to_all input"
     if len({v.dtype for v in vals}) != 1:
         return "q/k/v (or their gradients) have different dtypes"
+    read_by_attention = {id(c) for c in region.incoming.values()}
     for c in crossings:
-        # The pack reads c.source and attention may read the buffer directly: a cast on either
-        # side of the collective would be skipped.
-        ends = [c.source, c.a2a.args[0], c.after[-1] if c.after else c.wait]
-        if len({getattr(n.meta.get("val"), "dtype", None) for n in ends}) != 1:
-            return "dtype cast between the tensor, the all_to_all and attention"
+        # Attention may read the buffer directly: a cast after the collective would be skipped
+        # (a returned tensor keeps its chain after the wait, casts included). One before it
+        # (q.to(bf16) ahead of the scatter) the pack makes (packed_source).
+        ends = [c.a2a.args[0], c.after[-1] if c.after else c.wait]
+        if id(c) in read_by_attention and len({getattr(n.meta.get("val"), "dtype", None) for n in ends}) != 1:
+            return "dtype cast between the all_to_all and attention"
+        if _cast_chain(c) is None:
+            return "the chain to the all_to_all changes dtype other than by casts"
     try:
         layouts = [pack_layout(c, region.cp) for c in crossings]
         for c, lay in zip(crossings, layouts):
@@ -99,6 +103,26 @@ def _group_ineligible(region: A2AMatch, crossings: list) -> str | None:
     if len({(s[0], s[1], s[2], s[4]) for s in shapes}) != 1:
         return "q/k/v differ in batch, sequence or head_dim"
     return None
+
+
+def _cast_chain(c) -> torch.dtype | None:
+    """The dtype the pack must cast the crossing's source to (its own where nothing casts), or
+    None when something besides a cast changes the dtype on the way to the all-to-all."""
+    sent = c.a2a.args[0].meta["val"].dtype
+    if c.source.meta["val"].dtype == sent:
+        return sent
+    casts = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+    changed = [n for n in c.before if n.meta["val"].dtype != n.args[0].meta["val"].dtype]
+    return sent if all(n.target in casts for n in changed) else None
+
+
+def packed_source(emit: Emitter, c) -> torch.fx.Node:
+    """The crossing's source cast to the dtype it travels in (a cast in its chain, which the
+    pack copy then does)."""
+    dtype = c.a2a.args[0].meta["val"].dtype
+    if c.source.meta["val"].dtype == dtype:
+        return c.source
+    return emit(torch.ops.prims.convert_element_type.default, c.source, dtype)
 
 
 def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
@@ -120,7 +144,7 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args
     # Pack straight from where each chain starts (the old pack copies go dead): one copy into
     # the buffer, or none for a lone tensor already sequence-major (cuDNN's output).
     layouts = [pack_layout(c, cp) for c in crossings]
-    packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(crossings, layouts)]
+    packs = [emit.relayout(packed_source(emit, c), plan_relayout(c.source_layout, lay)) for c, lay in zip(crossings, layouts)]
     # views: the tensors' heads side by side ([cp, S/cp, B, Hq+2Hkv, D]), so each is a strided
     # view. copy: each tensor's rows together per destination ([cp, q | k | v]): every unpack then
     # reads whole [S/cp, B, H, D] blocks, as default Inductor's own unpack does (the copy out of

@@ -160,7 +160,7 @@ def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partit
     last_send = max((c.a2a.args[0] for c in inc), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
     layouts = [_grouped(pack_layout(c, region.cp), p.groups) for c in inc]
-    packs = [emit.relayout(c.source, plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
+    packs = [emit.relayout(fused_a2a.packed_source(emit, c), plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 4)
     sends = [sender.start(emit, emit(aten.select.int, buf, 0, g)) for g in range(p.groups)]
     return sends, layouts
