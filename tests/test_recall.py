@@ -1,4 +1,5 @@
-"""Recall and precision of Ulysses detection on seeded random programs (tests/ulysses_programs.py):
+"""Recall and precision of Ulysses detection on seeded random programs (tests/ulysses_programs.py,
+functional or in-place collectives, with or without activation checkpointing):
 every valid program found in its forward AND backward graph, no region in a program that is not
 CP attention, no error in detection or in fused_a2a (strict mode), and, for a sample, the same
 answer compiled as eager on gloo."""
@@ -22,6 +23,8 @@ def survey(cp: int) -> tuple[collections.Counter, list]:
         for seed in SEEDS:
             spec = up.sample(seed, cp)
             stats[spec.kind if spec.kind != "ulysses" else f"{spec.source}/{spec.gqa}"] += 1
+            stats[f"collective={spec.collective}"] += 1
+            stats["checkpointed"] += spec.checkpoint
             graphs = aot_graphs(*_fn_and_inputs(spec, cp))
             rejected = []
             found = {kind: len(pipeline.analyze(gm.graph, kind, rejected)) for kind, gm in graphs.items()}
@@ -53,6 +56,7 @@ def test_recall_precision_and_no_errors(cp):
     # The sample covers every family the generator knows (it cannot quietly shrink).
     assert {k for k in stats if "/" in k} >= {"tensors/mha", "proj/sdpa", "fused_proj/expand", "packed/mha", "self/mha"}
     assert set(up.NOT_CP) <= set(stats), stats
+    assert stats["collective=inplace"] > 0 and stats["checkpointed"] > 0, stats  # in-place and checkpointed programs too
     assert stats["found"] >= 0.95 * stats["valid"], misses
     assert stats["false_positive"] == 0, misses
 

@@ -14,6 +14,9 @@ rank's output out. The choices each spec draws:
   ``repeat_kv``), or replicated by ``repeat_interleave`` before it (Hkv < cp);
 * how heads are scattered (5-D helper style, yunchang's transpose, a flattened 1-D buffer) and
   gathered back, with or without ``-1`` in the views;
+* the collective: functional (``all_to_all_single_autograd``) or ``dist.all_to_all_single`` into
+  ``torch.empty_like`` inside an autograd.Function (DeepSpeed's and yunchang's way);
+* activation checkpointing around each layer;
 * neighbours: a pointwise op on q after its collective, one on the output before its return, a
   residual, an output projection, a second stacked layer fed by the first's output.
 
@@ -26,9 +29,10 @@ in the wrong order, k/v heads dealt round-robin against q's blocks.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -56,6 +60,8 @@ class Spec:
     batch: int = 2
     seq_local: int = 4
     head_dim: int = 8
+    collective: str = "funcol"  # funcol | inplace (dist.all_to_all_single into empty_like)
+    checkpoint: bool = False  # each layer under activation checkpointing
 
     def regions(self) -> int:
         return self.layers if self.kind == "ulysses" else 0
@@ -65,13 +71,14 @@ def sample(seed: int, cp: int) -> Spec:
     """A random program; one in four is not CP attention."""
     r = random.Random(seed)
     if r.random() < 0.25:
-        return Spec(seed, r.choice(NOT_CP), batch=r.choice((1, 2)), heads=r.choice((1, 2)))
+        spec = Spec(seed, r.choice(NOT_CP), batch=r.choice((1, 2)), heads=r.choice((1, 2)))
+        return replace(spec, collective=r.choice(("funcol", "funcol", "inplace")))
     source = r.choice(("tensors", "tensors", "proj", "fused_proj", "packed", "self"))
     gqa = "mha" if source in ("packed", "self") else r.choice(("mha", "sdpa", "expand", "replicate_before"))
     layers = 2 if source in ("tensors", "proj") and gqa == "mha" and r.random() < 0.25 else 1
     layout = "bshd" if source in ("packed", "proj", "fused_proj") else r.choice(("bshd", "bhsd", "sbhd"))
     tail = r.choice(("none", "none", "residual", "o_proj")) if source != "self" else "none"
-    return Spec(
+    spec = Spec(
         seed, "ulysses", layout=layout,
         source=source, gqa=gqa, scatter=r.choice(("five_d", "transpose", "flat")),
         gather=r.choice(("five_d", "transpose", "flat")), infer=r.random() < 0.6,
@@ -79,12 +86,30 @@ def sample(seed: int, cp: int) -> Spec:
         tail="none" if tail == "o_proj" and layout != "bshd" else tail,
         layers=layers, causal=r.random() < 0.7, heads=r.choice((1, 2)), batch=r.choice((1, 2)),
     )
+    # Drawn last, so the fields above stay what each seed drew before these existed.
+    return replace(spec, collective=r.choice(("funcol", "funcol", "inplace")), checkpoint=r.random() < 0.2)
 
 
 # --- the pieces users write -----------------------------------------------------------------
 
 
-def _a2a(x):
+class _InplaceAllToAll(torch.autograd.Function):
+    """DeepSpeed/yunchang style: ``dist.all_to_all_single`` into ``torch.empty_like``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=dist.group.WORLD)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _InplaceAllToAll.apply(grad.contiguous())
+
+
+def _a2a(spec, x):
+    if spec.collective == "inplace":
+        return _InplaceAllToAll.apply(x.contiguous())
     return funcol.all_to_all_single_autograd(x, None, None, dist.group.WORLD)
 
 
@@ -101,23 +126,23 @@ def scatter(x, spec: Spec, cp: int, layout: str):
     if spec.scatter == "five_d" and layout == "bhsd":
         b, h, s_l, d = x.shape
         send = x.reshape(b, cp, -1 if spec.infer else h // cp, s_l, d).transpose(0, 1).contiguous()
-        return _a2a(send).permute(1, 2, 0, 3, 4).reshape(b, -1 if spec.infer else h // cp, cp * s_l, d)
+        return _a2a(spec, send).permute(1, 2, 0, 3, 4).reshape(b, -1 if spec.infer else h // cp, cp * s_l, d)
     if spec.scatter == "five_d" and layout == "sbhd":
         s_l, b, h, d = x.shape
         send = x.reshape(s_l, b, cp, -1 if spec.infer else h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        return _a2a(send).reshape(cp * s_l, b, h // cp, d).permute(1, 2, 0, 3)
+        return _a2a(spec, send).reshape(cp * s_l, b, h // cp, d).permute(1, 2, 0, 3)
     x = _to_bshd(x, layout)
     b, s_l, h, d = x.shape
     hl = -1 if spec.infer else h // cp
     if spec.scatter == "transpose":
         send = x.reshape(b, s_l, cp, hl, d).transpose(0, 2).contiguous()  # [cp, S/cp, B, H/cp, D]
-        recv = _a2a(send).reshape(-1 if spec.infer else cp * s_l, b, h // cp, d)
+        recv = _a2a(spec, send).reshape(-1 if spec.infer else cp * s_l, b, h // cp, d)
         return recv.transpose(0, 1).contiguous().transpose(1, 2)
     send = x.reshape(b, s_l, cp, hl, d).permute(2, 0, 1, 3, 4).contiguous()
     if spec.scatter == "flat":
-        recv = _a2a(send.view(-1)).view(cp, b, s_l, h // cp, d)
+        recv = _a2a(spec, send.view(-1)).view(cp, b, s_l, h // cp, d)
     else:
-        recv = _a2a(send)
+        recv = _a2a(spec, send)
     return recv.permute(1, 3, 0, 2, 4).reshape(b, hl, cp * s_l, d)
 
 
@@ -127,13 +152,13 @@ def gather(o, spec: Spec, cp: int, layout: str):
     s_l = s // cp
     if spec.gather == "transpose":  # yunchang: heads to dim 0, back as [H, S/cp, B, D]
         send = o.transpose(1, 2).reshape(b, cp, s_l, hl, d).transpose(0, 3).transpose(0, 1).contiguous()
-        out = _a2a(send).reshape(-1, s_l, b, d).transpose(0, 2).contiguous().reshape(b, s_l, -1 if spec.infer else cp * hl, d)
+        out = _a2a(spec, send).reshape(-1, s_l, b, d).transpose(0, 2).contiguous().reshape(b, s_l, -1 if spec.infer else cp * hl, d)
     else:
         send = o.reshape(b, hl, cp, s_l, d).permute(2, 0, 3, 1, 4).contiguous()
         if spec.gather == "flat":
-            recv = _a2a(send.view(-1)).view(cp, b, s_l, hl, d)
+            recv = _a2a(spec, send.view(-1)).view(cp, b, s_l, hl, d)
         else:
-            recv = _a2a(send)
+            recv = _a2a(spec, send)
         out = recv.permute(1, 2, 0, 3, 4).reshape(b, s_l, -1 if spec.infer else cp * hl, d)
     return _from_bshd(out, layout)
 
@@ -166,7 +191,7 @@ def packed_layer(qkv, spec: Spec, cp: int):
     """q, k, v packed [B, S/cp, 3, H, D] and sent through ONE all-to-all (yunchang's packed path)."""
     b, s_l, _, h, d = qkv.shape
     send = qkv.reshape(b, s_l, 3, cp, h // cp, d).permute(3, 1, 2, 0, 4, 5).contiguous()  # [cp, S/cp, 3, B, H/cp, D]
-    recv = _a2a(send).reshape(cp * s_l, 3, b, h // cp, d).permute(1, 2, 3, 0, 4)  # [3, B, H/cp, S, D]
+    recv = _a2a(spec, send).reshape(cp * s_l, 3, b, h // cp, d).permute(1, 2, 3, 0, 4)  # [3, B, H/cp, S, D]
     q, k, v = recv.unbind(0)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal)
     return gather(o * 1.5 if spec.out_pointwise else o, spec, cp, "bshd")
@@ -225,9 +250,14 @@ def build(spec: Spec, cp: int, generator: torch.Generator | None = None):
 
 
 def _layers(q, k, v, spec, cp, x):
-    out = ulysses_layer(q, k, v, spec, cp)
+    def layer(q, k, v):
+        if spec.checkpoint:
+            return torch.utils.checkpoint.checkpoint(ulysses_layer, q, k, v, spec, cp, use_reentrant=False)
+        return ulysses_layer(q, k, v, spec, cp)
+
+    out = layer(q, k, v)
     if spec.layers == 2:
-        out = ulysses_layer(out, out * 0.5, torch.tanh(out), spec, cp)
+        out = layer(out, out * 0.5, torch.tanh(out))
     if spec.tail == "residual" and out.shape == q.shape:
         out = out + q
     return out
@@ -241,51 +271,51 @@ def _not_cp(spec: Spec, cp: int, mk):
 
     if spec.kind == "moe":  # tokens to experts and back around an MLP; attention on local data
         def fn(x, w):
-            routed = _a2a(x.reshape(b * s_l, -1))
-            y = _a2a(torch.relu(routed @ w)).reshape(b, s_l, -1, d).transpose(1, 2)
+            routed = _a2a(spec, x.reshape(b * s_l, -1))
+            y = _a2a(spec, torch.relu(routed @ w)).reshape(b, s_l, -1, d).transpose(1, 2)
             return attend(y, y, y)
         return fn, [mk(b, s_l, h * d).requires_grad_(), mk(h * d, h * d).requires_grad_()]
     if spec.kind == "weight_a2a":
         def fn(x, w):
-            w = _a2a(w)
+            w = _a2a(spec, w)
             y = (x @ w).reshape(b, s_l, -1, d).transpose(1, 2)
             return attend(y, y, y)
         return fn, [mk(b, s_l, h * d).requires_grad_(), mk(h * d, h * d).requires_grad_()]
     if spec.kind == "batch_exchange":
         def fn(q, k, v):
-            q, k, v = (_a2a(t.contiguous()) for t in (q, k, v))
-            return _a2a(attend(q, k, v).contiguous())
+            q, k, v = (_a2a(spec, t.contiguous()) for t in (q, k, v))
+            return _a2a(spec, attend(q, k, v).contiguous())
         return fn, [mk(b * cp, h, s_l, d).requires_grad_() for _ in range(3)]
     if spec.kind == "round_robin_heads":  # rank r gets heads r, r+cp, ...; sequence inner-major
         def sc(x):
             send = x.reshape(b, s_l, h // cp, cp, d).permute(3, 0, 1, 2, 4).contiguous()
-            return _a2a(send).permute(1, 3, 2, 0, 4).reshape(b, h // cp, s_l * cp, d)
+            return _a2a(spec, send).permute(1, 3, 2, 0, 4).reshape(b, h // cp, s_l * cp, d)
 
         def fn(q, k, v):
             o = attend(sc(q), sc(k), sc(v))
             send = o.reshape(b, h // cp, s_l, cp, d).permute(3, 0, 2, 1, 4).contiguous()
-            return _a2a(send).permute(1, 2, 3, 0, 4).reshape(b, s_l, h, d)
+            return _a2a(spec, send).permute(1, 2, 3, 0, 4).reshape(b, s_l, h, d)
         return fn, [mk(b, s_l, h, d).requires_grad_() for _ in range(3)]
     if spec.kind == "seq_block_one_head":  # one head; a block of the sequence goes to each rank
         def sc(x):
             send = x.reshape(b, cp, s_l // cp, 1, d).permute(1, 0, 2, 3, 4).contiguous()
-            return _a2a(send).permute(1, 3, 0, 2, 4).reshape(b, 1, s_l, d)
+            return _a2a(spec, send).permute(1, 3, 0, 2, 4).reshape(b, 1, s_l, d)
 
         def fn(q, k, v):
             o = attend(sc(q), sc(k), sc(v))
-            return _a2a(o.reshape(b, 1, cp, s_l // cp, d).permute(2, 0, 1, 3, 4).contiguous())
+            return _a2a(spec, o.reshape(b, 1, cp, s_l // cp, d).permute(2, 0, 1, 3, 4).contiguous())
         return fn, [mk(b, s_l, 1, d).requires_grad_() for _ in range(3)]
     if spec.kind == "head_dim_block":  # each rank gets a block of head_dim of every head
         hh = max(h, 2)
 
         def sc(x):
             send = x.reshape(b, s_l, hh, cp, d // cp).permute(3, 0, 1, 2, 4).contiguous()
-            return _a2a(send).permute(1, 3, 0, 2, 4).reshape(b, hh, cp * s_l, d // cp)
+            return _a2a(spec, send).permute(1, 3, 0, 2, 4).reshape(b, hh, cp * s_l, d // cp)
 
         def fn(q, k, v):
             o = attend(sc(q), sc(k), sc(v))
             send = o.reshape(b, hh, cp, s_l, d // cp).permute(2, 0, 3, 1, 4).contiguous()
-            return _a2a(send).permute(1, 2, 3, 0, 4).reshape(b, s_l, hh, d)
+            return _a2a(spec, send).permute(1, 2, 3, 0, 4).reshape(b, s_l, hh, d)
         return fn, [mk(b, s_l, hh, d).requires_grad_() for _ in range(3)]
     hh = max(spec.heads, 2) * cp
     spec_ok = Spec(spec.seed, "ulysses", heads=hh // cp)
@@ -294,13 +324,13 @@ def _not_cp(spec: Spec, cp: int, mk):
             o = attend(*(scatter(t, spec_ok, cp, "bshd") for t in (q, k, v)))
             hl = o.shape[1]
             send = o.reshape(b, hl, cp, s_l, d).permute(2, 0, 3, 1, 4).contiguous()
-            return _a2a(send).permute(1, 2, 3, 0, 4).reshape(b, s_l, hl * cp, d)
+            return _a2a(spec, send).permute(1, 2, 3, 0, 4).reshape(b, s_l, hl * cp, d)
         return fn, [mk(b, s_l, hh, d).requires_grad_() for _ in range(3)]
     assert spec.kind == "kv_round_robin"  # q by blocks, k/v heads dealt round-robin
 
     def sc_rr(x):
         send = x.reshape(b, s_l, hh // cp, cp, d).permute(3, 0, 1, 2, 4).contiguous()
-        return _a2a(send).permute(1, 3, 0, 2, 4).reshape(b, hh // cp, cp * s_l, d)
+        return _a2a(spec, send).permute(1, 3, 0, 2, 4).reshape(b, hh // cp, cp * s_l, d)
 
     def fn(q, k, v):
         o = attend(scatter(q, spec_ok, cp, "bshd"), sc_rr(k), sc_rr(v))
