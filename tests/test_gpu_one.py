@@ -47,3 +47,41 @@ def test_checkpointed_attention_same_as_inductor(dropout_p):
     # Same generator, same random draws (dropout included): the same numbers.
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _compiled_on_fake_group(fn, *shapes, dtype=torch.bfloat16):
+    """Compile and run ``fn`` fwd+bwd on CUDA with a fake 2-rank process group (its collectives
+    move nothing, so only the compile and the launch are checked); the rewrite counters."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        cp_inductor.clear_report()
+        ins = [torch.randn(s, device="cuda", dtype=dtype, requires_grad=True) for s in shapes]
+        torch.compile(fn, backend="cp_inductor", fullgraph=True)(*ins).float().sum().backward()
+        torch.cuda.synchronize()
+        return dict(counters["cp_inductor"]), [(r.graph_kind, r.style) for r in cp_inductor.report().regions]
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+@needs_gpu
+def test_canonical_forms_and_casts_compile_on_cuda():
+    """The CUDA code paths of this session's forms, with CP regions in the graph: checkpointed
+    Ulysses (graphsafe wrappers unwrapped, rewritten, wrapped again), q/k/v cast to bf16 ahead
+    of the scatter (the pack casts), both fused forward and backward."""
+    import variants
+    from cp_inductor.parallel import ulysses_attention
+
+    shape = (1, 512, 8, 64)
+    checkpointed = variants.checkpointed(lambda q, k, v: ulysses_attention(q, k, v, is_causal=True))
+    counts, regions = _compiled_on_fake_group(checkpointed, shape, shape, shape)
+    assert counts.get("fused_a2a", 0) >= 2 and ("forward", "a2a") in regions, (counts, regions)
+    cast_ahead = lambda q, k, v: ulysses_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)  # noqa: E731
+    counts, regions = _compiled_on_fake_group(cast_ahead, shape, shape, shape, dtype=torch.float32)
+    assert counts.get("fused_a2a", 0) == 2, (counts, regions)
