@@ -50,6 +50,8 @@ RING_ARMS = {
     # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)
     "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_aot_cse": True}),
     # the defaults with each backward step's attention call split in 4 head groups (memory)
+    # cp = 2: the step-1 contribution sent home once, the step-0 backward under it
+    "ring_cp_rgr": ("cp_inductor", {"cp_inductor.ring_grad_return": True}),
     "ring_cp_hp4": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": 4}),
 }
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).

@@ -311,6 +311,8 @@ NATIVE_ARMS = {
     # the defaults with the last dK/dV rotation left in fp32 (narrow_rotation off)
     "native_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     "native_cp_nccl_wide": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.narrow_rotation": False}),
+    # cp = 2: the step-1 contribution sent home once, the step-0 backward under it
+    "native_cp_rgr": ("cp_inductor", {"cp_inductor.ring_grad_return": True}),
     # the defaults with cat_of_slices (the dK/dV buffer rotated home without its cat copy)
     "native_cp_cat": ("cp_inductor", {"cp_inductor.cat_of_slices": True}),
     # cat_of_slices off (runs 54/55, when it was on by default)

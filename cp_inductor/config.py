@@ -29,6 +29,10 @@ ce_rotation: bool = True
 # already cast to the inputs' dtype when the program casts them only after it: same bits, half
 # the bytes in bf16.
 narrow_rotation: bool = True
+# cp = 2 ring backward: the step-1 contribution to the peer's dK/dV sent home once (in bf16 where
+# exact) instead of the accumulator there and back, the step-0 attention backward after the send
+# (passes/rewrites/ring_grad_return.py). Off: not measured on GPUs yet.
+ring_grad_return: bool = False
 # A cat that reassembles consecutive slices of one tensor and is what a collective sends
 # (native CP's dK/dV buffer before its rotation home) becomes that tensor (passes/cat_of_slices.py).
 # Off by default until measured on GPUs: the GPU profile showed the cat as a copy kernel of its

@@ -44,6 +44,7 @@ from .rewrites import (
     narrow_rotation,
     owner_grad_return,
     planned,
+    ring_grad_return,
 )
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
@@ -58,6 +59,7 @@ REWRITES: tuple[Rewrite, ...] = (
     head_partition.REWRITE,
     planned.UNIFORM_THD,
     owner_grad_return.REWRITE,
+    ring_grad_return.REWRITE,  # before narrow_rotation and ce_rotation: they see its rotation
     narrow_rotation.REWRITE,  # before ce_rotation: it moves the narrowed rotation
     ce_rotation.REWRITE,
 )

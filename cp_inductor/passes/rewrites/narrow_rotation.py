@@ -82,6 +82,8 @@ def _narrowable(region: RingMatch) -> list:
 def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
     if region.direction != "backward":
         return "a forward region: attention reads its rotated K/V as they are"
+    if decided.get("ring_grad_return", "") is None:
+        return "ring_grad_return sends the home contribution itself (narrowed where exact)"
     if not _narrowable(region):
         return "no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)"
     return None

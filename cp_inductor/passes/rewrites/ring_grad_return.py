@@ -1,0 +1,289 @@
+"""ring_grad_return: at cp = 2 a ring's backward sends each rank's contribution to the peer's
+dK/dV home once, instead of sending the accumulator around and back.
+
+A ring's dK/dV accumulator travels with its K/V block: at cp = 2 the owner sends its own
+contribution to the peer (rotation A), the peer adds its contribution and sends the sum home
+(rotation B), which nothing hides: it follows the last attention backward. Before::
+
+    acc = f0(dK0)                               # the owner's step-0 contribution, fp32
+    r = wait(all_to_all(acc))                   # A: to the peer
+    ... step-1 attention backward -> c         # the peer's contribution to the K/V it holds
+    home = wait(all_to_all(r + c))              # B: the sum, home
+    dK = home
+
+After::
+
+    ... step-1 attention backward -> c
+    d = wait-later(all_to_all(0 + c))           # only the contribution (in bf16 where exact)
+    ... step-0 attention backward -> acc        # moved after the send: the transfer hides under it
+    dK = acc + d
+
+Exact: every element of ``r + c`` holds one accumulator element plus at most one contribution
+(checked: at most one addition on every path from ``r`` to what B sends), so ``acc + (0 + c)``
+is the same fp32 addition as the peer's ``r + c`` with ``r = acc`` (addition commutes; a
+contribution of -0.0 may come home as +0.0). ``0 + c`` travels in the inputs' dtype when every
+contribution is an upcast of that dtype moved, padded or concatenated (exactly representable),
+else in the accumulator's.
+
+Needs cp = 2, a backward region whose dK/dV take two rotations (A, then B home) where what B
+sends depends on A's result only through layout ops, slices, ``slice_scatter``, ``cat`` and one
+addition per element, and A's result read nowhere else. Each rank decides by its own graph,
+which native CP and hand-written rings write alike for both ranks in these respects (the tests
+compile both ranks). Off by default: not measured on GPUs yet.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from ..detect.ring import RingMatch, rotation
+from ..fx_emit import Emitter
+from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
+from . import Rewrite
+from .transport import only_wait
+
+aten, prims = torch.ops.aten, torch.ops.prims
+c10d = torch.ops._c10d_functional
+NAME = "ring_grad_return"
+
+# Ops through which the received accumulator may reach what B sends: pure moves and updates of
+# slices (each keeps one accumulator element per output element).
+_MOVES = set(LAYOUT_OPS) | set(SPLIT_OPS) | {operator.getitem, aten.slice.Tensor, aten.select.int}
+_UPDATES = {aten.slice_scatter.default, aten.cat.default, aten.add.Tensor}
+# Ops that keep a tensor's values exactly representable in the dtype it was upcast from.
+_EXACT_MOVES = _MOVES | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default}
+
+
+def _pair(region: RingMatch):
+    """(A, B, their waits): B the last rotation the region's dK/dV take (home), A the rotation
+    whose received accumulator B sends on; None if there is no such pair."""
+    rots = [r for r in region.moved_by if not r._erased and rotation(r) is not None]
+    if not rots:
+        return None
+    b = rots[-1]
+    found = set()
+    stack, seen = [b.args[0]], set()
+    while stack:  # the rotations whose results B's payload is made from
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > 512:
+            continue
+        seen.add(n)
+        if n.target is c10d.wait_tensor.default and rotation(n.args[0]) is not None:
+            found.add(n.args[0])
+            continue
+        stack.extend(n.all_input_nodes)
+    if len(found) != 1:
+        return None
+    a = found.pop()
+    waits = [only_wait(a), only_wait(b)]
+    return None if None in waits else (a, b, *waits)
+
+
+def _path(start: torch.fx.Node, end: torch.fx.Node) -> list | None:
+    """Nodes on every path from ``start`` down to ``end`` in graph order, or None when one of
+    them is read off the path or is not a move, a slice update or an addition."""
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    below, stack = set(), [start]
+    while stack:  # everything ``start`` reaches before ``end``
+        n = stack.pop()
+        for u in n.users:
+            if u not in below and order[u] <= order[end]:
+                below.add(u)
+                stack.append(u)
+    if end not in below:
+        return None
+    above, stack = {end}, [end]
+    while stack:  # ... that ``end`` depends on
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in below and a not in above:
+                above.add(a)
+                stack.append(a)
+    path = sorted(above, key=order.__getitem__)
+    for n in path:
+        if n.op != "call_function" or n.target not in _MOVES | _UPDATES:
+            return None
+        if n is not end and any(u not in above for u in n.users):
+            return None
+    for u in start.users:
+        if u not in above:
+            return None
+    return path
+
+
+def _one_addition_per_element(start: torch.fx.Node, path: list) -> bool:
+    """Whether every path from ``start`` through ``path`` passes at most one addition."""
+    on_path = set(path) | {start}
+    adds = {start: 0}
+    for n in path:
+        inputs = n.all_input_nodes
+        if n.target is aten.slice.Tensor:
+            inputs = [_untouched_source(n)]  # a slice_scatter elsewhere did not add here
+        counts = [adds[a] for a in inputs if a in adds]
+        if n.target is aten.add.Tensor:
+            if sum(a in on_path for a in n.args[:2]) != 1:  # accumulator + contribution
+                return False
+            counts = [c + 1 for c in counts]
+        adds[n] = max(counts)
+        if adds[n] > 1:
+            return False
+    return True
+
+
+def _untouched_source(node: torch.fx.Node) -> torch.fx.Node:
+    """For ``x[s:e]`` along a dim: the tensor it reads, skipping ``slice_scatter``\ s along that
+    dim that wrote outside [s, e) (the K half updated, then the V half read)."""
+    x, d, s, e = (list(node.args) + [0, None, None])[:4]
+    shape = x.meta["val"].shape
+    d = d % len(shape)
+    s = 0 if s is None else (s + shape[d] if s < 0 else s)
+    e = shape[d] if e is None else min(shape[d], e + shape[d] if e < 0 else e)
+    while x.op == "call_function" and x.target is aten.slice_scatter.default:
+        xd, xs, xe = (list(x.args) + [0, None, None])[2:5]
+        n = x.meta["val"].shape[d]
+        xs = 0 if xs is None else (xs + n if xs < 0 else xs)
+        xe = n if xe is None else min(n, xe + n if xe < 0 else xe)
+        if xd % len(shape) != d or not (xe <= s or e <= xs):
+            break
+        x = x.args[0]
+    return x
+
+
+def _exact_in(node, dtype: torch.dtype, depth: int = 0) -> bool:
+    """Whether ``node``'s values are exactly representable in ``dtype``: that dtype, or an upcast
+    of it moved, padded with zeros or concatenated."""
+    if not isinstance(node, torch.fx.Node) or depth > 32:
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    if val.dtype == dtype:
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target is prims.convert_element_type.default:
+        src = node.args[0].meta.get("val")
+        return src is not None and src.dtype.itemsize <= val.dtype.itemsize and _exact_in(node.args[0], dtype, depth + 1)
+    if node.target is aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] == 0):
+        return _exact_in(node.args[0], dtype, depth + 1)
+    if node.target is aten.cat.default:
+        return all(_exact_in(t, dtype, depth + 1) for t in node.args[0])
+    if node.target in _EXACT_MOVES:
+        return _exact_in(node.args[0], dtype, depth + 1)
+    return False
+
+
+def _contributions(received: torch.fx.Node, path: list) -> list:
+    """The non-accumulator operands of the additions on the path."""
+    on_path = set(path) | {received}
+    return [a for n in path if n.target is aten.add.Tensor for a in n.args[:2] if a not in on_path]
+
+
+def _plan(region: RingMatch):
+    pair = _pair(region)
+    if pair is None:
+        return None, "its dK/dV do not go home by a rotation that sends on one received accumulator"
+    a, b, wait_a, wait_b = pair
+    path = _path(wait_a, b.args[0])
+    if path is None:
+        return None, "what the home rotation sends is not the received accumulator moved, slice-updated and added to"
+    if not _one_addition_per_element(wait_a, path):
+        return None, "an element of the accumulator gets more than one addition on its way home (the sum would change order)"
+    if a.args[0].meta["val"].shape != b.args[0].meta["val"].shape:
+        return None, "the two rotations carry different shapes"
+    return (a, b, wait_a, wait_b, path), None
+
+
+def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
+    if region.direction != "backward":
+        return "a forward region: the rewrite returns dK/dV"
+    if region.cp != 2:
+        return f"cp={region.cp}: only at cp = 2 is the home rotation the peer's only contribution"
+    return _plan(region)[1]
+
+
+def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
+    plan, _ = _plan(region)
+    if plan is None:  # the other backward region of the pair has done it
+        return []
+    a, b, wait_a, wait_b, path = plan
+    acc = a.args[0]
+    step0 = _attention_above(acc)
+    emit = Emitter(graph, b)
+    zeros = emit(aten.full.default, list(wait_a.meta["val"].shape), 0.0, dtype=wait_a.meta["val"].dtype,
+                 device=wait_a.meta["val"].device)
+    copied = {wait_a: zeros}
+    for n in path:  # the peer's contribution alone: the same ops on zeros
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: copied.get(x, x))
+        copied[n] = emit(n.target, *args, **kwargs)
+    sent = copied[b.args[0]]
+    wide = sent.meta["val"].dtype
+    narrow = region.attention.meta["val"][1].dtype if isinstance(region.attention.meta.get("val"), tuple) else wide
+    if narrow != wide and all(_exact_in(c, narrow) for c in _contributions(wait_a, path)):
+        sent = emit(prims.convert_element_type.default, sent, narrow)
+    rot = emit(c10d.all_to_all_single.default, sent, *b.args[1:])
+    received = Emitter(graph, wait_b)(c10d.wait_tensor.default, rot)
+    if received.meta["val"].dtype != wide:
+        received = Emitter(graph, wait_b)(prims.convert_element_type.default, received, wide)
+    home = Emitter(graph, wait_b)(aten.add.Tensor, acc, received)
+    emit.replace(wait_b, home)
+    for n in [wait_b, b, *reversed(path), wait_a, a]:
+        if not n.users:
+            graph.erase_node(n)
+    if step0 is not None:
+        _move_after(step0, rot)
+    return emit.replaced
+
+
+def _attention_above(node: torch.fx.Node):
+    """The last attention backward the owner's accumulator is made from (its step 0), or None."""
+    from ..sdpa_ops import SDPA_BACKWARD
+
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    found, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > 512:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in SDPA_BACKWARD:
+            found.append(n)
+            continue
+        stack.extend(n.all_input_nodes)
+    return max(found, key=order.__getitem__) if found else None
+
+
+def _move_after(step0: torch.fx.Node, rot: torch.fx.Node) -> None:
+    """Move the step-0 attention backward, and what reads it before ``rot``, after ``rot``: the
+    transfer then travels under it. Left in place if ``rot`` depends on any of it."""
+    order = {n: i for i, n in enumerate(rot.graph.nodes)}
+    if order[step0] > order[rot]:
+        return
+    moved, stack = {step0}, [step0]
+    while stack:
+        for u in stack.pop().users:
+            if u not in moved and order[u] < order[rot] and u.op == "call_function":
+                moved.add(u)
+                stack.append(u)
+    ancestors, stack = set(), [rot]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in ancestors:
+                ancestors.add(a)
+                stack.append(a)
+    if moved & ancestors:
+        return
+    anchor = rot
+    for n in sorted(moved, key=order.__getitem__):
+        anchor.append(n)
+        anchor = n
+
+
+def detail(region: RingMatch, cfg) -> str:
+    return "the step-1 contribution sent home once, the step-0 backward after it"
+
+
+REWRITE = Rewrite(NAME, styles=("ring",), why_not=why_not, apply=apply, detail=detail)

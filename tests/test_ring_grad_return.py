@@ -1,0 +1,95 @@
+"""ring_grad_return: at cp = 2 a ring's backward sends the step-1 contribution to the peer's
+dK/dV home once (bf16 where exact) instead of the fp32 accumulator there and back, and runs the
+step-0 attention backward while it travels. Goldens of the backward's rotations and order on both
+ranks (fake process group), the reasons, and on gloo the compiled gradients against the same
+compile with the rewrite off: the same bits."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from expecttest import TestCase
+from torch._dynamo.utils import counters
+
+from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD
+from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import ring_graphs
+from ring_programs import native_options, native_ring, ring_by_hand
+
+c10d = torch.ops._c10d_functional
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_HAND = functools.partial(ring_by_hand, causal=True)
+
+
+def _native(q, k, v):
+    return native_ring(q, k, v, causal=True)
+
+
+def _rewritten(cp, fn, rank=0, **cfg):
+    qkv = [torch.randn(1, 8, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    ctx = contextlib.nullcontext() if fn is _HAND else native_options("alltoall", load_balance=True)
+    with ctx:
+        return ring_graphs(cp, fn, qkv, rank=rank, ce_rotation=False, **cfg)
+
+
+def _backward_order(gm) -> str:
+    """The backward's attention calls and rotations in graph order, rotations by payload dtype."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.target in SDPA_BACKWARD:
+            out.append("attn_bwd")
+        elif n.target is c10d.all_to_all_single.default:
+            out.append(f"rotate({_SHORT[n.args[0].meta['val'].dtype]})")
+    return " ".join(out)
+
+
+class TestGolden(TestCase):
+    def test_native_and_hand_written_cp2_both_ranks(self):
+        lines = []
+        for name, fn in (("native", _native), ("hand", _HAND)):
+            for rank in (0, 1):
+                off = _backward_order(_rewritten(2, fn, rank)[1]["backward"])
+                on = _backward_order(_rewritten(2, fn, rank, ring_grad_return=True)[1]["backward"])
+                lines.append(f"{name} rank {rank}: {off}  ->  {on}")
+        self.assertExpectedInline("\n".join(lines), """\
+native rank 0: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd
+native rank 1: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd
+hand rank 0: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd
+hand rank 1: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd""")
+
+    def test_reasons(self):
+        rows, _ = _rewritten(4, _native, ring_grad_return=True)
+        rows2, _ = _rewritten(2, _native, ring_grad_return=True)
+        text = sorted({f"{r.graph} {r.skipped.get('ring_grad_return', 'applied')}" for r in rows + rows2 if r.style == "ring"})
+        self.assertExpectedInline("\n".join(text), """\
+backward applied
+backward cp=4: only at cp = 2 is the home rotation the peer's only contribution
+backward its dK/dV do not go home by a rotation that sends on one received accumulator
+forward a forward region: the rewrite returns dK/dV""")
+
+
+def _grads(rank, cp, program):
+    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=4, head_dim=8, causal=True, load_balanced=True,
+                         dtype=torch.bfloat16)
+    fn = _HAND if program == "hand" else _native
+    full = full_inputs(case)
+    out, applied = {}, {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="cp_inductor", fullgraph=True,
+                                 options={"cp_inductor.ring_grad_return": on, "cp_inductor.ce_rotation": False})
+        with native_options("alltoall", load_balance=True) if program != "hand" else contextlib.nullcontext():
+            out[on] = run_cp(compiled, case, full, rank, cp)
+        applied[on] = counters["cp_inductor"]["ring_grad_return"]
+    return {"applied": applied, "same": {name: torch.equal(out[False][name], out[True][name]) for name in out[False]}}
+
+
+@pytest.mark.parametrize("program", ["hand", "native"])
+def test_same_bits_on_and_off_gloo(program):
+    for r in run_on_ranks(_grads, 2, program):
+        assert r["applied"][False] == 0 and r["applied"][True] >= 1 and all(r["same"].values()), r
