@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD
 from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import ring_graphs
+from helpers import ring_graphs, rotations
 from ring_programs import native_options, native_ring, ring_by_hand
 
 c10d = torch.ops._c10d_functional
@@ -61,6 +61,20 @@ native rank 1: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(
 hand rank 0: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd
 hand rank 1: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf16) attn_bwd""")
 
+    def test_with_copy_engine_rotations(self):
+        # On GPUs ce_rotation then moves the one rotation to the copy engines: started as soon
+        # as the contribution exists, waited after the step-0 attention backward it hides under
+        # (the transport's availability faked on CPU).
+        from unittest import mock
+
+        from cp_inductor.lowerings import ce_transport
+
+        qkv = [torch.randn(1, 8, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None), \
+                native_options("alltoall", load_balance=True):
+            _, graphs = ring_graphs(2, _native, qkv, ce_rotation=True, ce_rotation_min_bytes=0, ring_grad_return=True)
+        self.assertExpectedInline(rotations(graphs["backward"]), """attn ce#0(to 1, from 1) attn wait#0""")
+
     def test_reasons(self):
         rows, _ = _rewritten(4, _native, ring_grad_return=True)
         rows2, _ = _rewritten(2, _native, ring_grad_return=True)
@@ -68,7 +82,6 @@ hand rank 1: attn_bwd rotate(fp32) attn_bwd rotate(bf16)  ->  attn_bwd rotate(bf
         self.assertExpectedInline("\n".join(text), """\
 backward applied
 backward cp=4: only at cp = 2 is the home rotation the peer's only contribution
-backward its dK/dV do not go home by a rotation that sends on one received accumulator
 forward a forward region: the rewrite returns dK/dV""")
 
 

@@ -58,15 +58,32 @@ _EXACT_MOVES = _MOVES | {aten.cat.default, aten.constant_pad_nd.default, aten.cl
 
 
 def _pair(region: RingMatch):
-    """(A, B, their waits): B the last rotation the region's dK/dV take (home), A the rotation
-    whose received accumulator B sends on; None if there is no such pair."""
-    rots = [r for r in region.moved_by if not r._erased and rotation(r) is not None]
-    if not rots:
-        return None
-    b = rots[-1]
-    found = set()
-    stack, seen = [b.args[0]], set()
-    while stack:  # the rotations whose results B's payload is made from
+    """(A, B, their waits): B a rotation that sends home what is made from A's received
+    accumulator, with A or B among the rotations the region's dK/dV take (the step-0 region
+    reaches A, the step-1 region B: whichever comes first in the graph rewrites the pair, before
+    ce_rotation moves either); None if there is no such pair."""
+    for rot in region.moved_by:
+        if rot._erased or rotation(rot) is None:
+            continue
+        above = _rotations_feeding(rot)
+        if len(above) == 1:
+            a, b = above.pop(), rot
+        else:
+            wait = only_wait(rot)
+            below = _rotations_fed(wait) if wait is not None else set()
+            if len(below) != 1:
+                continue
+            a, b = rot, below.pop()
+        waits = [only_wait(a), only_wait(b)]
+        if None not in waits:
+            return (a, b, *waits)
+    return None
+
+
+def _rotations_feeding(rot: torch.fx.Node) -> set:
+    """The rotations whose received data ``rot``'s payload is made from."""
+    found, stack, seen = set(), [rot.args[0]], set()
+    while stack:
         n = stack.pop()
         if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > 512:
             continue
@@ -75,11 +92,23 @@ def _pair(region: RingMatch):
             found.add(n.args[0])
             continue
         stack.extend(n.all_input_nodes)
-    if len(found) != 1:
-        return None
-    a = found.pop()
-    waits = [only_wait(a), only_wait(b)]
-    return None if None in waits else (a, b, *waits)
+    return found
+
+
+def _rotations_fed(wait: torch.fx.Node) -> set:
+    """The rotations the data received at ``wait`` is sent on by."""
+    found, stack, seen = set(), [wait], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > 512:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if rotation(u) is not None and u.args[0] is n:
+                found.add(u)
+            elif u.op == "call_function":
+                stack.append(u)
+    return found
 
 
 def _path(start: torch.fx.Node, end: torch.fx.Node) -> list | None:
