@@ -350,3 +350,25 @@ def test_native_context_parallel_with_ce_rotation():
     for r in run_on_ranks(_native_context_parallel, 2, "alltoall", CE_ROTATION, pg_backend="nccl"):
         assert max(r["errs"]) < 1e-2, r
         assert sorted(r["applied"]) == ["ce_rotation", "narrow_rotation"], r
+
+
+@needs_gpus
+@pytest.mark.parametrize("ce", [False, True])
+def test_native_context_parallel_ring_grad_return(ce):
+    """Native CP (all-to-all rotation, cp = 2) with ring_grad_return, its one transfer on NCCL or
+    on the copy engines: native eager's answer."""
+    options = {"cp_inductor.ring_grad_return": True, **(CE_ROTATION if ce else {"cp_inductor.ce_rotation": False})}
+    for r in run_on_ranks(_native_context_parallel, 2, "alltoall", options, pg_backend="nccl"):
+        assert max(r["errs"]) < 1e-2, r
+        assert "ring_grad_return" in r["applied"] and "narrow_rotation" not in r["applied"], r
+
+
+@needs_gpus
+def test_ring_grad_return_nccl_bf16():
+    """The ring helper (cuDNN, copy-engine rotations) with ring_grad_return vs fp64."""
+    options = {**CE_ROTATION, "cp_inductor.ring_grad_return": True}
+    for rank_results in run_on_ranks(_ring_bf16, 2, "cudnn", options, pg_backend="nccl"):
+        for r in rank_results:
+            for key in ("eager_vs_ref", "compiled_vs_ref"):
+                assert max(r[key].values()) < TOL, (key, r)
+            assert r["rewritten"].get("ring_grad_return", 0) >= 1, r
