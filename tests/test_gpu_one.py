@@ -49,7 +49,7 @@ def test_checkpointed_attention_same_as_inductor(dropout_p):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _compiled_on_fake_group(fn, *shapes, dtype=torch.bfloat16):
+def _compiled_on_fake_group(fn, *shapes, dtype=torch.bfloat16, options=None):
     """Compile and run ``fn`` fwd+bwd on CUDA with a fake 2-rank process group (its collectives
     move nothing, so only the compile and the launch are checked); the rewrite counters."""
     import torch.distributed as dist
@@ -62,7 +62,8 @@ def _compiled_on_fake_group(fn, *shapes, dtype=torch.bfloat16):
         counters.clear()
         cp_inductor.clear_report()
         ins = [torch.randn(s, device="cuda", dtype=dtype, requires_grad=True) for s in shapes]
-        options = {"cp_inductor.fused_a2a_unpack": "views"}  # whatever the cost model says at this size
+        # views whatever the cost model says at this size
+        options = {"cp_inductor.fused_a2a_unpack": "views", **(options or {})}
         torch.compile(fn, backend="cp_inductor", fullgraph=True, options=options)(*ins).float().sum().backward()
         torch.cuda.synchronize()
         return dict(counters["cp_inductor"]), [(r.graph_kind, r.style) for r in cp_inductor.report().regions]
@@ -86,3 +87,15 @@ def test_canonical_forms_and_casts_compile_on_cuda():
     cast_ahead = lambda q, k, v: ulysses_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)  # noqa: E731
     counts, regions = _compiled_on_fake_group(cast_ahead, shape, shape, shape, dtype=torch.float32)
     assert counts.get("fused_a2a", 0) == 2, (counts, regions)
+
+
+@needs_gpu
+def test_ring_grad_return_compiles_on_cuda():
+    """ring_grad_return's CUDA code path (the contribution rebuilt on zeros, cast to bf16, the
+    step-0 backward moved): the ring helper with cuDNN on a fake 2-rank group."""
+    from cp_inductor.parallel import ring_attention
+
+    shape = (1, 512, 8, 128)
+    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=True, kernel="cudnn")  # noqa: E731
+    counts, regions = _compiled_on_fake_group(fn, shape, shape, shape, options={"cp_inductor.ring_grad_return": True})
+    assert counts.get("ring_grad_return", 0) >= 1 and ("backward", "ring") in regions, (counts, regions)
