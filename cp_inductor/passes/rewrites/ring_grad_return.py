@@ -14,16 +14,17 @@ contribution to the peer (rotation A), the peer adds its contribution and sends 
 After::
 
     ... step-1 attention backward -> c
-    d = wait-later(all_to_all(0 + c))           # only the contribution (in bf16 where exact)
+    d = wait-later(all_to_all(0 + c))           # only the contribution
     ... step-0 attention backward -> acc        # moved after the send: the transfer hides under it
     dK = acc + d
 
 Exact: every element of ``r + c`` holds one accumulator element plus at most one contribution
 (checked: at most one addition on every path from ``r`` to what B sends), so ``acc + (0 + c)``
 is the same fp32 addition as the peer's ``r + c`` with ``r = acc`` (addition commutes; a
-contribution of -0.0 may come home as +0.0). ``0 + c`` travels in the inputs' dtype when every
-contribution is an upcast of that dtype moved, padded or concatenated (exactly representable),
-else in the accumulator's.
+contribution of -0.0 may come home as +0.0). ``0 + c`` travels in the accumulator's dtype: what a
+rank sends must not depend on what only its graph shows (native CP causal without load balance:
+rank 0 has no step-1 attention and sends zeros), and the transfer hides under the step-0
+backward anyway.
 
 Needs cp = 2, a backward region whose dK/dV take two rotations (A, then B home) where what B
 sends depends on A's result only through layout ops, slices, ``slice_scatter``, ``cat`` and one
@@ -43,9 +44,10 @@ from ..detect.ring import RingMatch, rotation
 from ..fx_emit import Emitter
 from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from . import Rewrite
+from .narrow_rotation import _rotations_fed
 from .transport import only_wait
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "ring_grad_return"
 
@@ -53,8 +55,6 @@ NAME = "ring_grad_return"
 # slices (each keeps one accumulator element per output element).
 _MOVES = set(LAYOUT_OPS) | set(SPLIT_OPS) | {operator.getitem, aten.slice.Tensor, aten.select.int}
 _UPDATES = {aten.slice_scatter.default, aten.cat.default, aten.add.Tensor}
-# Ops that keep a tensor's values exactly representable in the dtype it was upcast from.
-_EXACT_MOVES = _MOVES | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default}
 
 
 def _pair(region: RingMatch):
@@ -92,22 +92,6 @@ def _rotations_feeding(rot: torch.fx.Node) -> set:
             found.add(n.args[0])
             continue
         stack.extend(n.all_input_nodes)
-    return found
-
-
-def _rotations_fed(wait: torch.fx.Node) -> set:
-    """The rotations the data received at ``wait`` is sent on by."""
-    found, stack, seen = set(), [wait], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > 512:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if rotation(u) is not None and u.args[0] is n:
-                found.add(u)
-            elif u.op == "call_function":
-                stack.append(u)
     return found
 
 
@@ -181,36 +165,6 @@ def _untouched_source(node: torch.fx.Node) -> torch.fx.Node:
     return x
 
 
-def _exact_in(node, dtype: torch.dtype, depth: int = 0) -> bool:
-    """Whether ``node``'s values are exactly representable in ``dtype``: that dtype, or an upcast
-    of it moved, padded with zeros or concatenated."""
-    if not isinstance(node, torch.fx.Node) or depth > 32:
-        return False
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    if val.dtype == dtype:
-        return True
-    if node.op != "call_function":
-        return False
-    if node.target is prims.convert_element_type.default:
-        src = node.args[0].meta.get("val")
-        return src is not None and src.dtype.itemsize <= val.dtype.itemsize and _exact_in(node.args[0], dtype, depth + 1)
-    if node.target is aten.constant_pad_nd.default and (len(node.args) < 3 or node.args[2] == 0):
-        return _exact_in(node.args[0], dtype, depth + 1)
-    if node.target is aten.cat.default:
-        return all(_exact_in(t, dtype, depth + 1) for t in node.args[0])
-    if node.target in _EXACT_MOVES:
-        return _exact_in(node.args[0], dtype, depth + 1)
-    return False
-
-
-def _contributions(received: torch.fx.Node, path: list) -> list:
-    """The non-accumulator operands of the additions on the path."""
-    on_path = set(path) | {received}
-    return [a for n in path if n.target is aten.add.Tensor for a in n.args[:2] if a not in on_path]
-
-
 def _plan(region: RingMatch):
     pair = _pair(region)
     if pair is None:
@@ -248,15 +202,12 @@ def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
     for n in path:  # the peer's contribution alone: the same ops on zeros
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: copied.get(x, x))
         copied[n] = emit(n.target, *args, **kwargs)
+    # In the accumulator's dtype: what each rank sends must not depend on what only its own
+    # graph shows (a rank with no step-1 attention sends zeros; the peer's contribution may be
+    # an exact bf16 upcast, but a per-rank choice of dtype would split one collective in two).
     sent = copied[b.args[0]]
-    wide = sent.meta["val"].dtype
-    narrow = region.attention.meta["val"][1].dtype if isinstance(region.attention.meta.get("val"), tuple) else wide
-    if narrow != wide and all(_exact_in(c, narrow) for c in _contributions(wait_a, path)):
-        sent = emit(prims.convert_element_type.default, sent, narrow)
     rot = emit(c10d.all_to_all_single.default, sent, *b.args[1:])
     received = Emitter(graph, wait_b)(c10d.wait_tensor.default, rot)
-    if received.meta["val"].dtype != wide:
-        received = Emitter(graph, wait_b)(prims.convert_element_type.default, received, wide)
     home = Emitter(graph, wait_b)(aten.add.Tensor, acc, received)
     emit.replace(wait_b, home)
     for n in [wait_b, b, *reversed(path), wait_a, a]:
