@@ -387,3 +387,10 @@ def ce_all_to_all_wait(token: torch.Tensor, x: torch.Tensor, slot: int, group_na
 @ce_all_to_all_wait.register_fake
 def _(token, x, slot, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# A transfer is a collective: every rank takes part whether or not its own result is read (a rank
+# may receive data it does not use, native CP causal without load balance), so neither FX's nor
+# Inductor's dead-code elimination may drop it (they keep ops registered here).
+for _op in (ce_all_to_all_start, ce_rotate_start, ce_all_to_all_wait):
+    torch.fx.node.has_side_effect(_op._opoverload)

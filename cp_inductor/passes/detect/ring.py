@@ -191,6 +191,83 @@ def _match(node, graph_kind) -> RingMatch | None:
     return _backward_match(node, graph_kind)
 
 
+def chained_rotations(match: RingMatch) -> list:
+    """The rotations ``match`` carries, and the rotations its data goes on through that no
+    region of this rank carries (graph order). A transport or dtype choice must cover those too:
+    a rank whose later ring steps have no attention (native CP causal without load balance: rank
+    0 skips the peer's future block) has no region for them, and the peer, which has one, must
+    not send through that collective differently (another dtype, another transport: a hang)."""
+    order = {n: i for i, n in enumerate(match.attention.graph.nodes)}
+    own = [r for r in match.moved_by if not r._erased and rotation(r) is not None]
+    candidates = []
+    for rot in own:
+        candidates += _fed_by(rot)
+    if not own and match.direction == "forward":  # step 0: the rotations that send its K/V
+        args = bound_args(match.attention)
+        candidates += list(_sending_rotations(args["key"]) | _sending_rotations(args["value"]))
+    found, stack = set(own), candidates
+    while stack:
+        rot = stack.pop()
+        if rot in found or rot._erased or _carried(rot):
+            continue
+        found.add(rot)
+        stack += _fed_by(rot)
+    return sorted(found, key=order.__getitem__)
+
+
+def _fed_by(rot) -> list:
+    waits = [u for u in rot.users if u.target is c10d.wait_tensor.default]
+    return list(rotations_fed(waits[0])) if len(waits) == 1 else []
+
+
+def _carried(rot) -> bool:
+    """Whether a region of this graph carries ``rot``: an attention reads what it delivers
+    (forward) or an attention backward's dK/dV reach what it sends (backward), with no other
+    rotation in between."""
+    from ..sdpa_ops import SDPA_BACKWARD
+
+    attention = set(SDPA_FORWARD) | set(SDPA_BACKWARD)
+    waits = [u for u in rot.users if u.target is c10d.wait_tensor.default]
+    stack, seen = list(waits), set()
+    while stack:  # down from what it delivers
+        n = stack.pop()
+        if n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "call_function" and u.target in attention:
+                return True
+            if rotation(u) is None and u.op == "call_function":
+                stack.append(u)
+    stack, seen = [rot.args[0]], set()
+    while stack:  # up from what it sends
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in SDPA_BACKWARD:
+            return True
+        if _rotation_of_wait(n) is None:
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def rotations_fed(wait: torch.fx.Node) -> set:
+    """The rotations the data received at ``wait`` is sent on by."""
+    found, stack, seen = set(), [wait], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or len(seen) > _MAX_DEPTH:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if rotation(u) is not None and u.args[0] is n:
+                found.add(u)
+            elif u.op == "call_function":
+                stack.append(u)
+    return found
+
+
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[RingMatch]:
     """Every ring attention op in ``graph``; ``log(node, reason)`` hears why an attention op
     that rotated data reaches is not a region (ops no rotation reaches are not this detector's)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..detect.ring import RingMatch, rotation
+from ..detect.ring import RingMatch, chained_rotations
 from ..fx_emit import Emitter
 from . import Rewrite, size_text
 from .transport import Sender, copy_engine_unavailable, only_wait, retire
@@ -35,8 +35,10 @@ NAME = "ce_rotation"
 
 
 def _pending(region: RingMatch) -> list:
-    """The region's rotations still on NCCL, each with its one wait (None: read otherwise)."""
-    return [(rot, only_wait(rot)) for rot in region.moved_by if not rot._erased and rotation(rot) is not None]
+    """The region's rotations still on NCCL, and those that send their data on (every rank must
+    move the same collectives: ``chained_rotations``), each with its one wait (None: read
+    otherwise)."""
+    return [(rot, only_wait(rot)) for rot in chained_rotations(region)]
 
 
 def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
@@ -74,7 +76,9 @@ def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
         while start_at.op == "placeholder":
             start_at = start_at.next
         started = sender.start_rotation(Emitter(graph, start_at), buf, dst, src)
-        emit = Emitter(graph, min(wait.users, key=order.__getitem__))
+        # (A rank may receive data nothing reads, native CP causal without load balance at
+        # cp > 2: it still takes part in the transfer, waited where the old wait was.)
+        emit = Emitter(graph, min(wait.users, key=order.__getitem__) if wait.users else wait)
         replaced += retire(graph, emit, rot, wait, sender.wait(emit, started))
     return replaced
 

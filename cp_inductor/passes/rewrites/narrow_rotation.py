@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx
 
-from ..detect.ring import RingMatch, rotation
+from ..detect.ring import RingMatch, chained_rotations
 from ..fx_emit import Emitter
 from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from . import Rewrite
@@ -67,44 +67,9 @@ def _readers(wait: torch.fx.Node):
     return sorted(moves, key=order.__getitem__), casts, dtype
 
 
-def _chain(region: RingMatch) -> list:
-    """The region's dK/dV rotations and those that send their received data on (graph order).
-    A rank whose last ring step has no attention (native CP causal without load balance: rank 0
-    skips the peer's future block) has no backward region that its home rotation carries; it
-    must narrow that rotation like the rank that has one, or the two would send different
-    dtypes through one collective."""
-    order = {n: i for i, n in enumerate(region.attention.graph.nodes)}
-    found, stack = set(), [r for r in region.moved_by if not r._erased and rotation(r) is not None]
-    while stack:
-        rot = stack.pop()
-        if rot in found:
-            continue
-        found.add(rot)
-        wait = only_wait(rot)
-        if wait is not None:
-            stack.extend(_rotations_fed(wait))
-    return sorted(found, key=order.__getitem__)
-
-
-def _rotations_fed(wait: torch.fx.Node) -> set:
-    """The rotations the data received at ``wait`` is sent on by."""
-    found, stack, seen = set(), [wait], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > 512:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if rotation(u) is not None and u.args[0] is n:
-                found.add(u)
-            elif u.op == "call_function":
-                stack.append(u)
-    return found
-
-
 def _narrowable(region: RingMatch) -> list:
     out = []
-    for rot in _chain(region):
+    for rot in chained_rotations(region):
         wait = only_wait(rot)
         readers = _readers(wait) if wait is not None else None
         if readers is not None:

@@ -40,11 +40,10 @@ import operator
 import torch
 import torch.fx
 
-from ..detect.ring import RingMatch, rotation
+from ..detect.ring import RingMatch, rotation, rotations_fed
 from ..fx_emit import Emitter
 from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from . import Rewrite
-from .narrow_rotation import _rotations_fed
 from .transport import only_wait
 
 aten = torch.ops.aten
@@ -70,7 +69,7 @@ def _pair(region: RingMatch):
             a, b = above.pop(), rot
         else:
             wait = only_wait(rot)
-            below = _rotations_fed(wait) if wait is not None else set()
+            below = rotations_fed(wait) if wait is not None else set()
             if len(below) != 1:
                 continue
             a, b = rot, below.pop()
