@@ -254,18 +254,7 @@ def _carried(rot) -> bool:
 
 def rotations_fed(wait: torch.fx.Node) -> set:
     """The rotations the data received at ``wait`` is sent on by."""
-    found, stack, seen = set(), [wait], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if rotation(u) is not None and u.args[0] is n:
-                found.add(u)
-            elif u.op == "call_function":
-                stack.append(u)
-    return found
+    return reached_below([wait], lambda u: rotation(u) is not None, lambda u: u.op == "call_function", _MAX_DEPTH)
 
 
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[RingMatch]:
