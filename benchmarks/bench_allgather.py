@@ -16,13 +16,11 @@ over the whole sequence, with SDPA's own kernel choice.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
-import torch
-import torch.distributed as dist
 
 from bench_ulysses import NATIVE_ARMS, Bench, parse_args, run
+from common import init_group
 from handwritten import allgather_by_hand
 
 from cp_inductor import parallel
@@ -39,6 +37,7 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
+# "<arm>_perchunk": any helper arm with one prefix + diagonal pair per local chunk (before run 60).
 # "<arm>_hg<G>": any arm above on the helper with head_groups=G. "cp_hp<G>": cp_inductor with
 # head_partition (the attention backward calls split into G head groups); "cp_hpf<G>": forward too.
 # The ring helper (cp_inductor.parallel.ring_attention) on the same shards: eager, default
@@ -95,10 +94,29 @@ class AllGatherBench(Bench):
             options = {"cp_inductor.head_partition": True, "cp_inductor.head_groups": int(split[2]),
                        "cp_inductor.head_partition_forward": bool(split[1])}
             return self.allgather_arm("cp_inductor", options)
+        if name.endswith("_perchunk"):  # the helper as it was before run 60: one stretch per chunk
+            return _per_chunk(*self.arm(name.removesuffix("_perchunk")))
         grouped = re.fullmatch(r"(.+)_hg(\d+)", name)
         if grouped:  # the helper's head_groups=G: K/V gathered per group, again in the backward
             return self.allgather_arm(*ARMS[grouped[1]], head_groups=int(grouped[2]))
         return self.allgather_arm(*ARMS[name])
+
+
+def _per_chunk(step, results):
+    """``step`` run (and so traced) with every local chunk its own stretch: rank cp-1's two
+    consecutive chunks as two prefix + diagonal pairs, not one (``parallel.chunk_runs``)."""
+    from unittest import mock
+
+    from cp_inductor.parallel import allgather
+
+    def per_chunk(chunks, length):
+        return [(c * length, slice(i * length, (i + 1) * length)) for i, c in enumerate(chunks)]
+
+    def patched():
+        with mock.patch.object(allgather, "chunk_runs", per_chunk):
+            step()
+
+    return patched, results
 
 
 def main(argv=None) -> int:
@@ -106,8 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", default="auto")
     extra, rest = p.parse_known_args(argv)
     args = parse_args(rest, arms="eager,inductor,cp_off,cp_inductor,native,floor", profile="inductor,cp_inductor")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    init_group(args.fake_rank)
     bench = AllGatherBench(args)
     bench.kernel = extra.kernel
     run(bench, {"kernel": extra.kernel})

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import alternating_rounds, paired_ratio, peak_composition, teardown
+from common import alternating_rounds, init_group, paired_ratio, peak_composition, teardown
 from handwritten import ulysses_by_hand
 
 from cp_inductor import parallel
@@ -62,6 +62,8 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.rank, self.cp = dist.get_rank(), dist.get_world_size()
+        # who prints the table and writes the JSON: rank 0, or the one process of --fake-rank
+        self.lead = self.rank == 0 or args.fake_rank is not None
         self.dev = torch.device("cuda", torch.cuda.current_device())
         b, s, hq, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
         g = torch.Generator(device=self.dev).manual_seed(0)
@@ -313,6 +315,8 @@ NATIVE_ARMS = {
     "native_cp_nccl_wide": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.narrow_rotation": False}),
     # cp = 2: the step-1 contribution sent home once, the step-0 backward under it
     "native_cp_rgr": ("cp_inductor", {"cp_inductor.ring_grad_return": True}),
+    # ring_grad_return with NCCL rotations (on --fake-rank: what it changes in one rank's compute)
+    "native_cp_nccl_rgr": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_grad_return": True}),
     # the defaults with cat_of_slices (the dK/dV buffer rotated home without its cat copy)
     "native_cp_cat": ("cp_inductor", {"cp_inductor.cat_of_slices": True}),
     # cat_of_slices off (runs 54/55, when it was on by default)
@@ -360,10 +364,14 @@ def parse_args(argv=None, **defaults) -> argparse.Namespace:
     p.add_argument("--profile", default="cp_off,cp_inductor,cp_hp", help="arms to break down by kernel kind")
     p.add_argument("--native-rotate", default="allgather", choices=("allgather", "alltoall"),
                    help="native context_parallel's K/V rotation (set_rotate_method)")
+    p.add_argument("--fake-rank", default=None, metavar="R/CP",
+                   help="one GPU, no torchrun: play rank R of CP on PyTorch's fake group (compute only, no checks)")
     p.add_argument("--memory", default="", help="arms whose peak is broken down by allocation site (rank 0)")
     p.set_defaults(**defaults)
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    if args.fake_rank is not None:
+        args.reference = False  # the fake group's collectives return garbage
     return args
 
 
@@ -381,7 +389,7 @@ def build_arms(bench: Bench, names: list, ref: dict | None) -> tuple[dict, dict,
             step, results = bench.arm(name)
             step()  # compiles
         except Exception as e:  # noqa: BLE001 - reported, the other arms still run
-            if bench.rank == 0:
+            if bench.lead:
                 print(f"arm {name} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             dist.barrier()
             continue
@@ -389,7 +397,7 @@ def build_arms(bench: Bench, names: list, ref: dict | None) -> tuple[dict, dict,
         compile_s[name] = time.perf_counter() - t0
         if results is not None and bench.args.reference:
             got = results()
-            if bench.rank == 0:
+            if bench.lead:
                 checks[name] = {n: _rel(got[n], ref[n]) for n in ref}
             del got
         torch.cuda.synchronize()
@@ -457,7 +465,7 @@ def print_table(bench: Bench, medians: dict, checks: dict, memory: dict, kernels
         best = f"{best:.3f}" if best is not None else "-"
         print(f"{n:16s} {med[n]:10.2f} {vs_floor:>9s} {paired:22.3f} {best:>16s} {memory[n]:9.2f} {err:>12s}")
     if kernels:
-        print("kernel time per iteration, rank 0 (ms): arm, attention, nccl, exposed nccl, other kernels, "
+        print(f"kernel time per iteration, rank {bench.rank} (ms): arm, attention, nccl, exposed nccl, other kernels, "
               "iteration - (attention + exposed nccl + other)")
         for n, k in kernels.items():
             gap = med[n] - k["attention"] - k["exposed_nccl"] - k["other"]
@@ -481,7 +489,7 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
     medians = time_arms(bench, arms, args.rounds)
     host = {n: bench.host_ms(step) for n, step in arms.items()} if args.host else {}
 
-    if bench.rank == 0:
+    if bench.lead:
         vs_default = print_table(bench, medians, checks, memory, kernels)
         if host:
             print("host ms to queue one step (rank 0): " + ", ".join(f"{n} {ms:.2f}" for n, ms in host.items()))
@@ -506,8 +514,7 @@ def run(bench: Bench, extra_json: dict | None = None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    init_group(args.fake_rank)
     run(Bench(args))
     return 0
 

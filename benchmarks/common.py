@@ -39,6 +39,22 @@ def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def init_group(fake_rank: str | None) -> None:
+    """The CP process group: NCCL under torchrun, or with ``fake_rank`` "R/CP" one process on one
+    GPU playing rank R of CP with PyTorch's fake group, whose collectives move nothing: every
+    arm runs rank R's kernels without communication (timings are that rank's compute; outputs
+    are not checked)."""
+    if fake_rank is None:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rank, cp = (int(x) for x in fake_rank.split("/"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+
+
 def write_rows(path: str | None, args, rows: list) -> None:
     """A table script's JSON: its arguments and rows (nothing without a path)."""
     if path:

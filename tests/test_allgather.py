@@ -51,6 +51,21 @@ def test_load_balanced_chunks_cover_the_sequence_once():
         assert held == list(range(2 * cp))
 
 
+def test_consecutive_chunks_are_one_stretch():
+    """Rank cp-1 of the load-balanced layout holds chunks cp-1 and cp: one stretch of the
+    sequence (one prefix call and one square causal call); every other rank two."""
+    from cp_inductor.parallel import load_balanced_chunks
+    from cp_inductor.parallel.sharding import chunk_runs
+
+    length = 4
+    for cp in (2, 4):
+        stretches = [chunk_runs(load_balanced_chunks(r, cp), length) for r in range(cp)]
+        assert [len(s) for s in stretches] == [2] * (cp - 1) + [1]
+        assert stretches[cp - 1] == [((cp - 1) * length, slice(0, 2 * length))]
+        assert stretches[0] == [(0, slice(0, length)), ((2 * cp - 1) * length, slice(length, 2 * length))]
+    assert chunk_runs((3,), length) == [(3 * length, slice(0, length))]  # contiguous shards
+
+
 def test_causal_needs_an_even_local_sequence_when_load_balanced():
     import torch.distributed as dist
     from helpers import fake_pg

@@ -99,3 +99,56 @@ def test_ring_grad_return_compiles_on_cuda():
     fn = lambda q, k, v: ring_attention(q, k, v, is_causal=True, kernel="cudnn")  # noqa: E731
     counts, regions = _compiled_on_fake_group(fn, shape, shape, shape, options={"cp_inductor.ring_grad_return": True})
     assert counts.get("ring_grad_return", 0) >= 1 and ("backward", "ring") in regions, (counts, regions)
+
+
+def _every_rank_causal_allgather(q, k, v, dout, cp, compile_calls):
+    """Every rank's causal calls of ``allgather_attention`` (load balanced: one stretch per run of
+    consecutive chunks), fed the full K/V a gather would give, on one GPU: (out, dq, dk, dv) in
+    full-sequence order, dK/dV summed over the ranks as the reduce-scatter would."""
+    from cp_inductor.parallel.allgather import _stretch_attention
+    from cp_inductor.parallel.sharding import chunk_runs, load_balanced_chunks, shard_sequence, unshard_sequence
+
+    def rank_attention(q_l, k_l, v_l, k_full, v_full, rank):
+        length = q_l.shape[2] // 2
+        return torch.cat([
+            _stretch_attention(q_l[:, :, rows], k_l[:, :, rows], v_l[:, :, rows], k_full, v_full, start, q.shape[-1] ** -0.5, "cudnn")
+            for start, rows in chunk_runs(load_balanced_chunks(rank, cp), length)
+        ], dim=2)
+
+    fn = torch.compile(rank_attention, backend="inductor", fullgraph=True) if compile_calls else rank_attention
+    shard = lambda t, r: shard_sequence(t, 2, r, cp, load_balanced=True)  # noqa: E731
+    outs, dqs, dks_l, dvs_l = [], [], [], []
+    dk = dv = 0
+    for rank in range(cp):
+        q_l, k_l, v_l = (shard(t, rank).requires_grad_() for t in (q, k, v))
+        k_full, v_full = (t.detach().clone().requires_grad_() for t in (k, v))
+        out = fn(q_l, k_l, v_l, k_full, v_full, rank)
+        out.backward(shard(dout, rank))
+        outs.append(out.detach())
+        dqs.append(q_l.grad)
+        dks_l.append(k_l.grad)
+        dvs_l.append(v_l.grad)
+        dk, dv = dk + k_full.grad.float(), dv + v_full.grad.float()
+    full = lambda xs: unshard_sequence(xs, 2, load_balanced=True).float()  # noqa: E731
+    return full(outs), full(dqs), dk + full(dks_l), dv + full(dvs_l)
+
+
+@needs_gpu
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("compile_calls", [False, True])
+def test_allgather_stretches_on_cudnn_match_reference(cp, compile_calls):
+    """The causal calls of every rank of K/V all-gather CP on cuDNN (rank cp-1's two chunks as
+    one prefix call and one square causal call), eager and under Inductor: output and every
+    gradient vs an fp64 reference of the whole sequence (no collectives: one GPU)."""
+    torch.manual_seed(0)
+    b, s, hq, hkv, d = 1, 4096, 8, 2, 128
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    dout = torch.randn_like(q)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    out.backward(dout.double())
+    torch._dynamo.reset()
+    got = _every_rank_causal_allgather(q, k, v, dout, cp, compile_calls)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), got, (out, *(t.grad for t in ref))):
+        err = float((a.double() - r).norm() / r.norm())
+        assert err < 1e-2, (name, err)

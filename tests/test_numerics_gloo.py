@@ -142,7 +142,8 @@ def test_gqa_by_expand(cp):
 
 def _inplace_styles(rank, cp):
     """check_cp_attention on the in-place-collective styles (autograd.Functions around
-    dist.all_to_all_single / all_gather_into_tensor / reduce_scatter_tensor)."""
+    dist.all_to_all_single / all_gather_into_tensor / all_gather into a list /
+    reduce_scatter_tensor)."""
     ulysses = [AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4, seq=32),
                AttentionCase(layout="bhsd", causal=False, heads_q=4, heads_kv=4, seq=32)]
     gather = [AttentionCase(layout="bshd", causal=False, heads_q=4, heads_kv=2, seq=32)]
@@ -151,6 +152,7 @@ def _inplace_styles(rank, cp):
         "inplace_seq_first": check_cp_attention(
             rank, cp, ulysses[1:], functools.partial(variants.inplace_seq_first, is_causal=False)),
         "inplace_allgather": check_cp_attention(rank, cp, gather, variants.inplace_allgather),
+        "list_allgather": check_cp_attention(rank, cp, gather, variants.list_allgather),
     }
 
 
@@ -159,9 +161,9 @@ def test_inplace_collective_styles_cp2():
         assert_cp_results(rank_results["inplace_bshd"], TOL, cp=2, check_layout=True)
         assert_cp_results(rank_results["inplace_seq_first"], TOL, cp=2, check_layout=True)
         # No all-gather rewrite is on by default: found, reported, the same answer.
-        assert_cp_results(rank_results["inplace_allgather"], TOL, applied=())
-        assert [row[:2] for row in rank_results["inplace_allgather"][0]["report"]] == [
-            ("forward", "allgather"), ("backward", "allgather")]
+        for name in ("inplace_allgather", "list_allgather"):
+            assert_cp_results(rank_results[name], TOL, applied=())
+            assert [row[:2] for row in rank_results[name][0]["report"]] == [("forward", "allgather"), ("backward", "allgather")]
 
 
 def _checkpointed(rank, cp):

@@ -254,6 +254,34 @@ def inplace_allgather(q, k, v, group=None):
     return o.transpose(1, 2)
 
 
+class _ListGather(torch.autograd.Function):
+    """``dist.all_gather`` into a list of fresh tensors, concatenated along the sequence (dim 1,
+    BSHD); the backward is ``dist.reduce_scatter_tensor`` (its list form does not trace)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(_cp(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = grad.movedim(1, 0).contiguous()
+        out = whole.new_empty((whole.shape[0] // _cp(ctx.group), *whole.shape[1:]))
+        dist.reduce_scatter_tensor(out, whole, group=ctx.group)
+        return out.movedim(0, 1), None
+
+
+def list_allgather(q, k, v, group=None):
+    """BSHD, not causal: K and V gathered with the list form of ``dist.all_gather`` and
+    concatenated along the sequence, as much hand-written training code does."""
+    group = group or dist.group.WORLD
+    k, v = (_ListGather.apply(x, group).transpose(1, 2) for x in (k, v))
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=q.shape[2] != k.shape[1])
+    return o.transpose(1, 2)
+
+
 def checkpointed(attend):
     """``attend`` under activation checkpointing (recomputed in the backward), as training
     code with gradient checkpointing runs every layer."""

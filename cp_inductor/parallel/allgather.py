@@ -8,14 +8,16 @@ dK/dV; torch 2.11 breaks the graph for other gather dims).
 * Causal: queries must see keys in sequence order up to their own position. With
   ``load_balanced=True`` (the default; shard with ``shard_sequence(..., load_balanced=True)``)
   rank r holds chunks r and 2cp-1-r of 2cp equal chunks, so every rank does the same work. Each
-  local chunk c attends to its causal prefix, bottom-right aligned: the keys before the chunk
-  in full (gathered), its own block causally (the rank's own K/V chunk: a square block, where
-  SDPA's top-left causal mask is the right one, and a call that needs nothing gathered: a
-  scheduler could run it while the gather is in flight, though neither eager nor Inductor's
-  default order does yet). The two calls are merged by their log-sum-exp; chunk
-  0 has no prefix and is one causal call. No S x S mask is built: every call is one the fused
-  kernels take. The diagonal blocks' dK/dV stay local; only the prefixes' go through the
-  reduce-scatter.
+  stretch of consecutive local chunks (one chunk, or both on rank cp-1, which holds chunks cp-1
+  and cp) attends to its causal prefix, bottom-right aligned: the keys before the stretch in
+  full (gathered), its own block causally (the rank's own K/V: a square block, where SDPA's
+  top-left causal mask is the right one, and a call that needs nothing gathered: a scheduler
+  could run it while the gather is in flight, though neither eager nor Inductor's default order
+  does yet). The two calls are merged by their log-sum-exp; a stretch at position 0 has no
+  prefix and is one causal call. No S x S mask is built: every call is one the fused kernels
+  take. The diagonal blocks' dK/dV stay local; only the prefixes' go through the
+  reduce-scatter. Fewer, larger calls run closer to the floor: rank 1 at cp = 2, 2 calls
+  instead of 4 (``benchmarks/bench_allgather_blocks.py``, plan ``runs``).
 
 Layouts as in :mod:`cp_inductor.parallel.ulysses`: ``"bshd"`` ``[B, S/cp, H, D]`` or ``"bhsd"``
 ``[B, H, S/cp, D]``; GQA when k/v have fewer heads than q.
@@ -30,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from .sharding import load_balanced_chunks
+from .sharding import chunk_runs, load_balanced_chunks
 from .ulysses import LAYOUTS
 
 aten = torch.ops.aten
@@ -184,18 +186,17 @@ class _PrefixThenDiagonal(torch.autograd.Function):
         return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d, None, None
 
 
-def _chunk_attention(q, k, v, k_full, v_full, chunk: int, scale: float, kernel: str) -> torch.Tensor:
-    """Local query chunk ``chunk`` over its causal prefix, bottom-right aligned: its own block is
-    the local k, v chunk (no gathered data), the keys before it come from the gathered
-    ``k_full``, ``v_full``."""
-    if chunk == 0:
-        # Chunk 0's block is read from the gathered copy: were it the only chunk of a rank (rank
-        # 0, not load balanced) and read locally, that rank would not use the gather, and a
-        # compiled graph would drop its all-gather and reduce-scatter while the others wait.
+def _stretch_attention(q, k, v, k_full, v_full, start: int, scale: float, kernel: str) -> torch.Tensor:
+    """Local queries at sequence positions ``[start, start + len)`` over their causal prefix,
+    bottom-right aligned: their own block is the local k, v (no gathered data), the keys before
+    it come from the gathered ``k_full``, ``v_full``."""
+    if start == 0:
+        # The first block is read from the gathered copy: were it all a rank holds (rank 0, not
+        # load balanced) and read locally, that rank would not use the gather, and a compiled
+        # graph would drop its all-gather and reduce-scatter while the others wait.
         length = q.shape[2]
         k, v = k_full[:, :, :length], v_full[:, :, :length]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    start = chunk * q.shape[2]
     return _PrefixThenDiagonal.apply(q, k_full[:, :, :start], v_full[:, :, :start], k, v, scale, kernel)
 
 
@@ -244,9 +245,10 @@ def allgather_attention(
     k_full, v_full = _gather_sequence(k, v, cp, group, load_balanced)
     kernel = _kernel(q.device, kernel)
     chunks = load_balanced_chunks(rank, cp) if load_balanced else (rank,)
-    length = q.shape[2] // len(chunks)
-    pieces = [tuple(x[:, :, i * length:(i + 1) * length] for x in (q, k, v)) for i in range(len(chunks))]
-    parts = [_chunk_attention(*qkv, k_full, v_full, c, scale, kernel) for qkv, c in zip(pieces, chunks)]
+    parts = [
+        _stretch_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], k_full, v_full, start, scale, kernel)
+        for start, rows in chunk_runs(chunks, q.shape[2] // len(chunks))
+    ]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2) if layout == "bshd" else out
 

@@ -5,9 +5,9 @@ whole gathered K/V alive from the forward to the backward, and its backward hold
 once and for every head, the full-sequence dK/dV, each call's dK/dV of its prefix and the
 kernel's fp32 dQ workspace. Here every one of those exists for one head group at a time::
 
-    forward,  per group g:  gather K/V heads g -> attention of q heads g per chunk -> out[:, g]
+    forward,  per group g:  gather K/V heads g -> attention of q heads g per stretch of chunks -> out[:, g]
                             (eager: gathered K/V freed; q, k, v, out and log-sum-exp saved)
-    backward, per group g:  gather K/V heads g again -> attention backward per chunk
+    backward, per group g:  gather K/V heads g again -> attention backward per stretch
                             -> dK/dV of the prefixes in sequence order -> reduce-scatter
                             -> + the local diagonal blocks' dK/dV -> dk[:, g], dv[:, g]
 
@@ -22,8 +22,8 @@ forward's (same collective, same inputs) and the gathered K/V are saved instead.
 GQA pairs stay together: group g holds q heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V heads
 ``[g*Hkv/G, (g+1)*Hkv/G)``.
 
-Every call goes to a fused kernel that returns the log-sum-exp (``KERNELS``); a chunk with a
-prefix and a diagonal block merges the two calls by log-sum-exp, and the backward of each call
+Every call goes to a fused kernel that returns the log-sum-exp (``KERNELS``); a stretch of
+consecutive chunks (``chunk_runs``) with a prefix and a diagonal block merges the two calls by log-sum-exp, and the backward of each call
 takes the merged output and log-sum-exp, which makes the gradients exact.
 """
 
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .allgather import KERNELS, sequence_order
+from .sharding import chunk_runs
 
 c10d = torch.ops._c10d_functional
 
@@ -63,15 +64,21 @@ def _gathered_order(dfull: torch.Tensor, cp: int, load_balanced: bool) -> torch.
     return halves.permute(3, 0, 1, 2, 4, 5, 6).reshape(cp * 2, b, h, s // cp, d)
 
 
-def _calls(k_full, v_full, k_c, v_c, chunk: int | None, length: int):
-    """The (key, value, causal) calls of one local query chunk: ``chunk`` None is not causal
-    (every key); chunk 0 is one causal call (read from the gathered copy, which keeps every
-    rank's gather in use); chunk c > 0 is its prefix in full, then its own block causally."""
-    if chunk is None:
+def _stretches(chunks: tuple, length: int) -> list[tuple[int | None, slice]]:
+    """(first sequence position, local rows) of each stretch of consecutive local chunks
+    (``chunk_runs``); chunks ``(None,)``: not causal, one stretch over every row."""
+    return [(None, slice(None))] if chunks == (None,) else chunk_runs(chunks, length)
+
+
+def _calls(k_full, v_full, k_c, v_c, start: int | None, length: int):
+    """The (key, value, causal) calls of one stretch of ``length`` local queries at sequence
+    position ``start``: None is not causal (every key); position 0 is one causal call (read from
+    the gathered copy, which keeps every rank's gather in use); a later stretch is its prefix in
+    full, then its own block causally."""
+    if start is None:
         return [(k_full, v_full, False, "full")]
-    if chunk == 0:
+    if start == 0:
         return [(k_full[:, :, :length], v_full[:, :, :length], True, "full")]
-    start = chunk * length
     return [(k_full[:, :, :start], v_full[:, :, :start], False, "full"), (k_c, v_c, True, "local")]
 
 
@@ -102,11 +109,10 @@ class HeadGroupedAllGather(torch.autograd.Function):
             gathered, pending = _wait_and_prefetch(pending, k, v, g, groups, gkv, cp, group_name)
             k_full, v_full = sequence_order(gathered, cp, load_balanced)
             hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
-            for i, chunk in enumerate(chunks):
-                ls = slice(i * length, (i + 1) * length)
+            for start, ls in _stretches(chunks, length):
                 q_c = q[:, hs_q, ls]
                 results = []
-                for kc, vc, causal, _ in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                for kc, vc, causal, _ in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], start, q_c.shape[2]):
                     out, lse, extra = forward(q_c, kc, vc, causal, scale)
                     extras.append(extra)
                     lse_shapes.append(lse.shape)
@@ -137,14 +143,13 @@ class HeadGroupedAllGather(torch.autograd.Function):
             k_full, v_full = sequence_order(gathered, cp, load_balanced)
             hs_q, hs_kv = slice(g * gq, (g + 1) * gq), slice(g * gkv, (g + 1) * gkv)
             dfull, dlocal = None, []
-            for i, chunk in enumerate(chunks):
-                ls = slice(i * length, (i + 1) * length)
+            for start, ls in _stretches(chunks, length):
                 q_c = q[:, hs_q, ls]
                 # cuDNN's backward needs dO with O's strides: both contiguous.
                 dout_c, out_c = dout[:, hs_q, ls].contiguous(), out[:, hs_q, ls].contiguous()
                 lse = next(lses)
                 dq_c, dk_loc, dv_loc = 0, None, None
-                for kc, vc, causal, source in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], chunk, length):
+                for kc, vc, causal, source in _calls(k_full, v_full, k[:, hs_kv, ls], v[:, hs_kv, ls], start, q_c.shape[2]):
                     dq, dk, dv = backward(
                         dout_c, q_c, kc, vc, out_c, lse.reshape(next(lse_shapes)), next(extras), causal, scale
                     )[:3]
@@ -157,27 +162,28 @@ class HeadGroupedAllGather(torch.autograd.Function):
                     part = F.pad(torch.stack([dk, dv]), (0, 0, 0, seq - dk.shape[2]))
                     dfull = part if dfull is None else dfull + part
                 dq_all[:, hs_q, ls] = dq_c
-                dlocal.append((dk_loc, dv_loc))
+                dlocal.append((dk_loc, dv_loc, q_c.shape[2]))
             rs = c10d.reduce_scatter_tensor(_gathered_order(dfull, cp, load_balanced), "sum", cp, group_name)
             # The previous group's reduce-scatter had this group's compute to travel: wait for
             # it now, so at most two groups' full-sequence dK/dV buffers are alive.
             if previous is not None:
-                dkvs.append(_local_grads(*previous, length))
+                dkvs.append(_local_grads(*previous))
             previous = (rs, dlocal)
-        dkvs.append(_local_grads(*previous, length))
+        dkvs.append(_local_grads(*previous))
         dks, dvs = [d[0] for d in dkvs], [d[1] for d in dkvs]
         cat1 = lambda xs: torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # noqa: E731
         return dq_all, cat1(dks), cat1(dvs), None, None, None, None, None, None, None
 
 
-def _local_grads(rs: torch.Tensor, dlocal: list, length: int) -> torch.Tensor:
+def _local_grads(rs: torch.Tensor, dlocal: list) -> torch.Tensor:
     """This rank's dK/dV of one head group, ``[2, B, H/G, S/cp, D]``: the reduce-scattered
-    prefixes' plus the local diagonal blocks' (None for a chunk without one)."""
+    prefixes' plus the local diagonal blocks' (None for a stretch without one) of ``(dk, dv,
+    rows)`` per stretch."""
     dkv = c10d.wait_tensor(rs)
-    if all(dk is None for dk, _ in dlocal):
+    if all(dk is None for dk, _, _ in dlocal):
         return dkv
     two, b, h, _, d = dkv.shape
     diag = torch.cat([
-        torch.stack([dk, dv]) if dk is not None else dkv.new_zeros(two, b, h, length, d) for dk, dv in dlocal
+        torch.stack([dk, dv]) if dk is not None else dkv.new_zeros(two, b, h, rows, d) for dk, dv, rows in dlocal
     ], dim=3)
     return dkv + diag

@@ -15,6 +15,20 @@ def load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+def chunk_runs(chunks, length: int) -> list[tuple[int, slice]]:
+    """(first sequence position, this rank's rows) of each stretch of consecutive ``chunks`` of
+    ``length`` tokens, in local order: rank cp-1 of the load-balanced layout holds chunks cp-1
+    and cp, one stretch, whose causal attention is one prefix call and one square causal call
+    instead of two of each."""
+    runs: list[list[int]] = []
+    for i, chunk in enumerate(chunks):
+        if runs and chunk == chunks[runs[-1][1] - 1] + 1:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(chunks[a] * length, slice(a * length, b * length)) for a, b in runs]
+
+
 def shard_sequence(
     x: torch.Tensor, seq_dim: int, rank: int, cp: int, *, load_balanced: bool = False
 ) -> torch.Tensor:

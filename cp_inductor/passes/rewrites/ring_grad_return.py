@@ -146,7 +146,7 @@ def _one_addition_per_element(start: torch.fx.Node, path: list) -> bool:
 
 
 def _untouched_source(node: torch.fx.Node) -> torch.fx.Node:
-    """For ``x[s:e]`` along a dim: the tensor it reads, skipping ``slice_scatter``\ s along that
+    """For ``x[s:e]`` along a dim: the tensor it reads, skipping ``slice_scatter`` ops along that
     dim that wrote outside [s, e) (the K half updated, then the V half read)."""
     x, d, s, e = (list(node.args) + [0, None, None])[:4]
     shape = x.meta["val"].shape
