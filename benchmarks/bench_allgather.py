@@ -33,6 +33,10 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
     "cp_inductor": ("cp_inductor",),
     # the backward's reduce-scatters returned by copy-engine pulls + rank-order sum
     "cp_ogr": ("cp_inductor", {"cp_inductor.owner_grad_return": True}),
+    # attention on the rank's own K/V run under the gather / after the reduce-scatter's start
+    "cp_go": ("cp_inductor", {"cp_inductor.gather_overlap": True}),
+    # the same, the reduce-scatter's work done by the copy engines under that attention
+    "cp_go_ogr": ("cp_inductor", {"cp_inductor.gather_overlap": True, "cp_inductor.owner_grad_return": True}),
 }
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.

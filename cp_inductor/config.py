@@ -21,6 +21,10 @@ first_grad_reuse: bool = True
 head_partition: bool = False
 uniform_thd: bool = False
 owner_grad_return: bool = False
+# K/V all-gather: attention that reads nothing gathered (a causal chunk's own block) moved under
+# the gather in the forward and after the reduce-scatter's start in the backward
+# (passes/rewrites/gather_overlap.py). Off: not measured on GPUs yet.
+gather_overlap: bool = False
 # On where the copy engines can run and a rotation is at least ce_rotation_min_bytes (measured on
 # 2xH200, native CP fwd+bwd: 0.88x / 0.94x of the NCCL rotations at S32K (all-to-all / all-gather
 # rotation), 0.93x at S64K; README).

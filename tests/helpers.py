@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 
 import torch
 import torch.distributed as dist
@@ -248,3 +249,14 @@ def assert_cp_results(results, tol: float, applied=("fused_a2a",), cp: int | Non
             rows = [row if check_layout else row[:3] for row in r["report"]]
             tail = (r["case"].layout,) if check_layout else ()
             assert rows == [("forward", "a2a", cp) + tail, ("backward", "a2a", cp) + tail], rows
+
+
+def gather_schedule_in_code(codes) -> list[str]:
+    """All-gather / reduce-scatter / wait / attention calls in the order Inductor's wrapper code
+    makes them, one string per generated module."""
+    names = {"all_gather_into_tensor": "gather", "reduce_scatter_tensor": "rs", "wait_tensor": "wait"}
+    return [
+        " ".join(names.get(c, "attn") for c in re.findall(
+            r"(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor|_scaled_dot_product\w+)\.default\(", code))
+        for code in codes
+    ]

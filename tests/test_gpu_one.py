@@ -152,3 +152,28 @@ def test_allgather_stretches_on_cudnn_match_reference(cp, compile_calls):
     for name, a, r in zip(("out", "dq", "dk", "dv"), got, (out, *(t.grad for t in ref))):
         err = float((a.double() - r).norm() / r.norm())
         assert err < 1e-2, (name, err)
+
+
+@needs_gpu
+def test_gather_overlap_order_in_cuda_code():
+    """gather_overlap on CUDA (cuDNN calls, fake 2-rank group, rank 1): Inductor's generated code
+    runs the local attention while the gather / reduce-scatter is in flight, as on CPU."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_inductor.parallel import allgather_attention
+    from helpers import gather_schedule_in_code
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        torch._dynamo.reset()
+        q, k, v = (torch.randn(1, 1024, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+        fn = torch.compile(lambda q, k, v: allgather_attention(q, k, v, is_causal=True, kernel="cudnn"),
+                           backend="cp_inductor", fullgraph=True, options={"cp_inductor.gather_overlap": True})
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            _, codes = run_and_get_code(lambda: fn(q, k, v).float().sum().backward())
+        assert gather_schedule_in_code(codes) == ["gather attn wait attn", "attn rs attn wait"], gather_schedule_in_code(codes)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()

@@ -40,6 +40,7 @@ from .rewrites import (
     accumulators,
     ce_rotation,
     fused_a2a,
+    gather_overlap,
     head_partition,
     narrow_rotation,
     owner_grad_return,
@@ -58,6 +59,7 @@ REWRITES: tuple[Rewrite, ...] = (
     accumulators.FIRST_GRAD_REUSE,
     head_partition.REWRITE,
     planned.UNIFORM_THD,
+    gather_overlap.REWRITE,  # before owner_grad_return: it gives the pulls attention to hide under
     owner_grad_return.REWRITE,
     ring_grad_return.REWRITE,  # before narrow_rotation and ce_rotation: they see its rotation
     narrow_rotation.REWRITE,  # before ce_rotation: it moves the narrowed rotation
