@@ -55,6 +55,20 @@ def init_group(fake_rank: str | None) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
 
 
+def fill_free_memory(fraction: float = 0.8) -> float:
+    """Fill most of the GPU's free memory with N(0, 1) bf16 values and give it back to the caching
+    allocator, which hands it out again: tensors nothing writes (what the fake group's collectives
+    return) then hold random values, not the zeros of fresh device memory, on which cuDNN attention
+    runs 14-16% faster (one H200, S32K H16: 24.6 ms with zero K/V, 28.5-29.1 ms random, run 66).
+    Returns the GiB filled."""
+    free, _ = torch.cuda.mem_get_info()
+    n = int(free * fraction) // 2
+    block = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    block.normal_()
+    del block
+    return 2 * n / 2**30
+
+
 def write_rows(path: str | None, args, rows: list) -> None:
     """A table script's JSON: its arguments and rows (nothing without a path)."""
     if path:
