@@ -14,26 +14,24 @@ from collections.abc import Callable, Iterable
 import torch.fx
 
 
-def ancestors(nodes: Iterable[torch.fx.Node]) -> set:
-    """Every node ``nodes`` depend on (not the nodes themselves)."""
+def _reach(nodes: Iterable[torch.fx.Node], edges: Callable) -> set:
     found, stack = set(), list(nodes)
     while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in found:
-                found.add(a)
-                stack.append(a)
+        for n in edges(stack.pop()):
+            if n not in found:
+                found.add(n)
+                stack.append(n)
     return found
+
+
+def ancestors(nodes: Iterable[torch.fx.Node]) -> set:
+    """Every node ``nodes`` depend on (not the nodes themselves)."""
+    return _reach(nodes, lambda n: n.all_input_nodes)
 
 
 def descendants(nodes: Iterable[torch.fx.Node]) -> set:
     """Every node that depends on ``nodes`` (not the nodes themselves)."""
-    found, stack = set(), list(nodes)
-    while stack:
-        for u in stack.pop().users:
-            if u not in found:
-                found.add(u)
-                stack.append(u)
-    return found
+    return _reach(nodes, lambda n: n.users)
 
 
 def resort(graph: torch.fx.Graph, start: torch.fx.Node, priority: Callable[[torch.fx.Node], int]) -> bool:

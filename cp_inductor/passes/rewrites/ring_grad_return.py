@@ -43,6 +43,7 @@ import torch.fx
 from ..detect.ring import RingMatch, rotation, rotations_fed
 from ..fx_emit import Emitter
 from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
+from ..schedule import ancestors, descendants
 from . import Rewrite
 from .transport import only_wait
 
@@ -241,19 +242,8 @@ def _move_after(step0: torch.fx.Node, rot: torch.fx.Node) -> None:
     order = {n: i for i, n in enumerate(rot.graph.nodes)}
     if order[step0] > order[rot]:
         return
-    moved, stack = {step0}, [step0]
-    while stack:
-        for u in stack.pop().users:
-            if u not in moved and order[u] < order[rot] and u.op == "call_function":
-                moved.add(u)
-                stack.append(u)
-    ancestors, stack = set(), [rot]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in ancestors:
-                ancestors.add(a)
-                stack.append(a)
-    if moved & ancestors:
+    moved = {step0} | {u for u in descendants([step0]) if order[u] < order[rot] and u.op == "call_function"}
+    if moved & ancestors([rot]):
         return
     anchor = rot
     for n in sorted(moved, key=order.__getitem__):
