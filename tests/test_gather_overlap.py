@@ -174,3 +174,24 @@ def test_numerics_gloo(cp):
     for r in run_on_ranks(_same_bits, cp, CASES[cp]):
         assert max(r["errors"].values()) < 1e-5 and r["same_bits"], r
         assert r["applied"] == ["gather_overlap"], r
+
+
+def test_inductor_keeps_the_pulls_under_the_attention():
+    """With owner_grad_return (copy engines faked available; on CPU the ops fall back to
+    torch.distributed), Inductor's backward code starts the pulls before the moved attention and
+    waits after it."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from cp_inductor.passes.rewrites import owner_grad_return
+
+    with fake_pg(2, 1), torch._inductor.config.patch(fx_graph_cache=False), \
+            mock.patch.object(owner_grad_return, "copy_engine_unavailable", lambda region: None):
+        torch._dynamo.reset()
+        f = torch.compile(causal_allgather, backend="cp_inductor", fullgraph=True,
+                          options={"cp_inductor.gather_overlap": True, "cp_inductor.owner_grad_return": True})
+        _, codes = run_and_get_code(lambda: f(*allgather_qkv()).sum().backward())
+    calls = re.findall(r"(ce_all_to_all_start|ce_all_to_all_wait|_scaled_dot_product\w+)\.default\(", codes[-1])
+    assert [c if c.startswith("ce_") else "attn" for c in calls] == [
+        "attn", "ce_all_to_all_start", "attn", "ce_all_to_all_wait"], calls

@@ -96,4 +96,8 @@ def detail(region: AllGatherMatch, cfg) -> str:
     return f"{len(_reduce_scatters(region))} reduce-scatter(s) -> copy-engine pulls + rank-order fp32 sum"
 
 
-REWRITE = Rewrite(NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail)
+# Inductor's peak-memory reordering would sink each start back next to its wait.
+REWRITE = Rewrite(
+    NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
+    inductor_patches={"reorder_for_peak_memory": False},
+)
