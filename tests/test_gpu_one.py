@@ -1,7 +1,9 @@
-"""One GPU, no CP: code without context parallelism compiled with backend="cp_inductor" must give
-default Inductor's answer. Here: activation checkpointing, whose recomputed attention (and
-dropout) AOTAutograd wraps in graphsafe_run_with_rng_state on CUDA, which canonicalize unwraps
-for the detectors and wraps again for Inductor (skipped without a GPU)."""
+"""One GPU (skipped without one). Code without context parallelism compiled with
+backend="cp_inductor" gives default Inductor's answer (activation checkpointing: the recomputed
+attention's RNG wrappers unwrapped for the detectors and wrapped again for Inductor); CP programs
+on a fake 2-rank group compile and launch on CUDA with their rewrites (canonical forms, casts,
+ring_grad_return, gather_overlap's order in the generated code); every rank's causal all-gather
+calls on cuDNN, fed what a gather would give, match an fp64 reference."""
 
 import pytest
 import torch

@@ -11,9 +11,9 @@ dK/dV; torch 2.11 breaks the graph for other gather dims).
   stretch of consecutive local chunks (one chunk, or both on rank cp-1, which holds chunks cp-1
   and cp) attends to its causal prefix, bottom-right aligned: the keys before the stretch in
   full (gathered), its own block causally (the rank's own K/V: a square block, where SDPA's
-  top-left causal mask is the right one, and a call that needs nothing gathered: a scheduler
-  could run it while the gather is in flight, though neither eager nor Inductor's default order
-  does yet). The two calls are merged by their log-sum-exp; a stretch at position 0 has no
+  top-left causal mask is the right one, and a call that needs nothing gathered: the
+  ``gather_overlap`` rewrite runs it while the gather is in flight, and its backward while the
+  reduce-scatter is; eager runs it after the wait). The two calls are merged by their log-sum-exp; a stretch at position 0 has no
   prefix and is one causal call. No S x S mask is built: every call is one the fused kernels
   take. The diagonal blocks' dK/dV stay local; only the prefixes' go through the
   reduce-scatter. Fewer, larger calls run closer to the floor: rank 1 at cp = 2, 2 calls

@@ -5,7 +5,7 @@ whole gathered K/V alive from the forward to the backward, and its backward hold
 once and for every head, the full-sequence dK/dV, each call's dK/dV of its prefix and the
 kernel's fp32 dQ workspace. Here every one of those exists for one head group at a time::
 
-    forward,  per group g:  gather K/V heads g -> attention of q heads g per stretch of chunks -> out[:, g]
+    forward,  per group g:  gather K/V heads g -> attention of q heads g per stretch -> out[:, g]
                             (eager: gathered K/V freed; q, k, v, out and log-sum-exp saved)
     backward, per group g:  gather K/V heads g again -> attention backward per stretch
                             -> dK/dV of the prefixes in sequence order -> reduce-scatter
@@ -23,8 +23,9 @@ GQA pairs stay together: group g holds q heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V 
 ``[g*Hkv/G, (g+1)*Hkv/G)``.
 
 Every call goes to a fused kernel that returns the log-sum-exp (``KERNELS``); a stretch of
-consecutive chunks (``chunk_runs``) with a prefix and a diagonal block merges the two calls by log-sum-exp, and the backward of each call
-takes the merged output and log-sum-exp, which makes the gradients exact.
+consecutive chunks (``chunk_runs``) with a prefix and a diagonal block merges the two calls by
+log-sum-exp, and the backward of each call takes the merged output and log-sum-exp, which makes
+the gradients exact.
 """
 
 from __future__ import annotations
