@@ -49,6 +49,21 @@ def rotated_query(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def p2p_ring(q, k, v):
+    """ring-flash-attention's way: K/V passed on with ``batch_isend_irecv`` while attention runs
+    on the current block (BHSD here, two steps, merge omitted: detection is what is checked)."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    nk, nv = torch.empty_like(k), torch.empty_like(v)
+    reqs = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, k, (rank + 1) % cp), dist.P2POp(dist.irecv, nk, (rank - 1) % cp),
+        dist.P2POp(dist.isend, v, (rank + 1) % cp), dist.P2POp(dist.irecv, nv, (rank - 1) % cp),
+    ])
+    out = F.scaled_dot_product_attention(q, k, v)
+    for r in reqs:
+        r.wait()
+    return out + F.scaled_dot_product_attention(q, nk, nv)
+
+
 def rotated_activation(x, w):
     """A rotation feeding a matmul, not attention: no region."""
     return _next_rank(x.flatten()).view_as(x) @ w
@@ -130,6 +145,14 @@ inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2
 inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=1
 inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=2
 inference: ring cp=4 bshd _scaled_dot_product_flash_attention_for_cpu Hq=2 Hkv=2 step=3""")
+
+    def test_point_to_point_ring_is_reported(self):
+        # Traced only with Dynamo's P2P compilation (TORCHDYNAMO_ENABLE_P2P_COMPILATION=1).
+        with fake_pg(2), torch.no_grad(), torch._dynamo.config.patch(enable_p2p_compilation=True):
+            text = describe_matches(aot_graphs(p2p_ring, *(torch.randn(1, 2, 8, 8) for _ in range(3))))
+        self.assertExpectedInline(text, """\
+inference: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+inference: not a region: _scaled_dot_product_flash_attention_for_cpu: K/V arrive by point-to-point send/recv (batch_isend_irecv, traced with TORCHDYNAMO_ENABLE_P2P_COMPILATION=1): ring detection follows all_to_all rotations only; reported, not rewritten""")
 
     def test_not_ring_attention(self):
         with fake_pg(2):

@@ -181,7 +181,7 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     if rejected is not None:
         for node in sorted(reasons, key=order.__getitem__):
             if order[node] not in matched:
-                rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node])))
+                rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
     return [row for _, row in sorted(rows, key=lambda r: r[0])]
 
 
@@ -193,13 +193,21 @@ def _reasons_into(reasons: dict, style: str):
 
 
 NO_COLLECTIVE = "no all_to_all or all_gather feeds q, k or v (attention on local data)"
+P2P = (
+    "K/V arrive by point-to-point send/recv (batch_isend_irecv, traced with "
+    "TORCHDYNAMO_ENABLE_P2P_COMPILATION=1): ring detection follows all_to_all rotations only; "
+    "reported, not rewritten"
+)
 
 
-def _why_no_region(by_style: dict) -> str:
-    """One reason from each detector's: the ones that saw their collective, else that none feeds
-    it (an op no all-gather feeds gets no reason from that detector)."""
+def _why_no_region(by_style: dict, node) -> str:
+    """One reason from each detector's: the ones that saw their collective, else what feeds it
+    (point-to-point receives, or nothing: an op no all-gather feeds gets no reason from that
+    detector)."""
     specific = [r for style, r in by_style.items() if not (style == a2a.STYLE and r == a2a.NO_ALL_TO_ALL)]
-    return "; ".join(specific) if specific else NO_COLLECTIVE
+    if specific:
+        return "; ".join(specific)
+    return P2P if ring.received_point_to_point(node) else NO_COLLECTIVE
 
 
 def inductor_patches(rows: list[Region]) -> dict:

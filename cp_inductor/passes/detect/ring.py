@@ -26,6 +26,7 @@ The rewrites of ring regions: ``ce_rotation`` (rotations by the copy engines).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -35,7 +36,7 @@ import torch.fx
 from ..layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
 from ..match import CPMatch, attention_facts
 from ..sdpa_ops import SDPA_FORWARD, bound_args
-from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, query_layout, reached_below
+from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 from .allgather import ACCUMULATE_OPS
 
 aten = torch.ops.aten
@@ -265,3 +266,18 @@ def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[RingMatc
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> RingMatch | None:
     return match_or_none(_match, node, graph_kind, cfg)
+
+
+def received_point_to_point(node: torch.fx.Node) -> bool:
+    """Whether attention ``node``'s key or value is (a relabelling of) what a ``batch_p2p_ops``
+    received: a ring written with ``batch_isend_irecv`` (ring-flash-attention's way), which
+    Dynamo traces only with TORCHDYNAMO_ENABLE_P2P_COMPILATION=1."""
+    args = bound_args(node)
+    for name in ("key", "value"):
+        for end in moved_from(args[name])[0]:
+            src = end.args[0] if end.target is c10d.wait_tensor.default else end
+            if src.target is operator.getitem:
+                src = src.args[0]
+            if "batch_p2p_ops" in str(getattr(src, "target", "")):
+                return True
+    return False
