@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import re
 
-
 from bench_ulysses import NATIVE_ARMS, Bench, parse_args, run
 from common import init_group
 from handwritten import allgather_by_hand
