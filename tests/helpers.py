@@ -260,3 +260,20 @@ def gather_schedule_in_code(codes) -> list[str]:
             r"(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor|_scaled_dot_product\w+)\.default\(", code))
         for code in codes
     ]
+
+
+def tally_detection(stats, misses: list, spec, regions: int, found: dict, rejected: list) -> None:
+    """One generated program of a recall/precision survey: ``regions`` > 0 for CP attention (it
+    counts as found when the forward and the backward graph have that many regions each), 0 for
+    a program that is not (any region is a false positive); misses keep what was found and why not."""
+    if regions:
+        stats["valid"] += 1
+        if found.get("forward", 0) >= regions and found.get("backward", 0) >= regions:
+            stats["found"] += 1
+        else:
+            misses.append((spec, found, [r.reason for r in rejected]))
+    else:
+        stats["not_cp"] += 1
+        if any(found.values()):
+            stats["false_positive"] += 1
+            misses.append((spec, found))

@@ -113,3 +113,32 @@ def usp_by_hand(q, k, v, *, ulysses_group, ring_group):
     q, k, v = (_heads_to_sequence(t, ulysses_group) for t in (q, k, v))
     out = ring_by_hand(q, k, v, causal=False, group=ring_group)
     return _sequence_to_heads(out, ulysses_group)
+
+
+def causal_native_ring(q, k, v):
+    return native_ring(q, k, v, causal=True)
+
+
+def same_bits_on_and_off(rank: int, cp: int, program: str, rewrite: str, heads_kv: int) -> dict:
+    """On a gloo rank: a causal load-balanced bf16 ring (``program`` "hand": ``ring_by_hand``,
+    else native CP's all-to-all rotation) compiled with ``rewrite`` off and on (copy-engine
+    rotations off): how often the passes applied it in each compile, and per output / gradient
+    whether the two compiles agree bit for bit."""
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
+
+    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=heads_kv, head_dim=8, causal=True,
+                         load_balanced=True, dtype=torch.bfloat16)
+    fn = (lambda q, k, v: ring_by_hand(q, k, v, causal=True)) if program == "hand" else causal_native_ring
+    full = full_inputs(case)
+    out, applied = {}, {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="cp_inductor", fullgraph=True,
+                                 options={f"cp_inductor.{rewrite}": on, "cp_inductor.ce_rotation": False})
+        with native_options("alltoall", load_balance=True) if program != "hand" else contextlib.nullcontext():
+            out[on] = run_cp(compiled, case, full, rank, cp)
+        applied[on] = counters["cp_inductor"][rewrite]
+    return {"applied": applied, "same": {name: torch.equal(out[False][name], out[True][name]) for name in out[False]}}

@@ -11,12 +11,10 @@ import functools
 import pytest
 import torch
 from expecttest import TestCase
-from torch._dynamo.utils import counters
 
-from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import ring_graphs
-from ring_programs import native_options, native_ring, ring_by_hand
+from ring_programs import causal_native_ring, native_options, native_ring, ring_by_hand, same_bits_on_and_off
 
 c10d = torch.ops._c10d_functional
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -40,8 +38,7 @@ def _payloads(graphs) -> str:
 _HAND = functools.partial(ring_by_hand, causal=True)
 
 
-def _native(q, k, v):
-    return native_ring(q, k, v, causal=True)
+_native = causal_native_ring
 
 
 class TestGolden(TestCase):
@@ -103,24 +100,7 @@ def test_every_rank_decides_alike(cp, program):
     assert "bf16" in payloads[0].split("backward:")[1], payloads[0]
 
 
-def _grads(rank, cp, program):
-    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=2, head_dim=8, causal=True, load_balanced=True,
-                         dtype=torch.bfloat16)
-    fn = _HAND if program == "hand" else _native
-    full = full_inputs(case)
-    out, applied = {}, {}
-    for on in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(fn, backend="cp_inductor", fullgraph=True,
-                                 options={"cp_inductor.narrow_rotation": on, "cp_inductor.ce_rotation": False})
-        with native_options("alltoall", load_balance=True) if program != "hand" else contextlib.nullcontext():
-            out[on] = run_cp(compiled, case, full, rank, cp)
-        applied[on] = counters["cp_inductor"]["narrow_rotation"]
-    return {"applied": applied, "same": {name: torch.equal(out[False][name], out[True][name]) for name in out[False]}}
-
-
 @pytest.mark.parametrize("program", ["hand", "native"])
 def test_same_bits_on_and_off(program):
-    for r in run_on_ranks(_grads, 2, program):
+    for r in run_on_ranks(same_bits_on_and_off, 2, program, "narrow_rotation", 2):
         assert r["applied"] == {False: 0, True: 1} and all(r["same"].values()), r

@@ -12,7 +12,7 @@ import cp_inductor
 import ulysses_programs as up
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import pipeline
-from helpers import aot_graphs, fake_pg, fused_a2a_pass
+from helpers import aot_graphs, fake_pg, fused_a2a_pass, tally_detection
 
 SEEDS = range(90)
 
@@ -30,17 +30,7 @@ def survey(cp: int) -> tuple[collections.Counter, list]:
             found = {kind: len(pipeline.analyze(gm.graph, kind, rejected)) for kind, gm in graphs.items()}
             for gm in graphs.values():
                 fused_a2a_pass(gm.graph)  # strict: a bug raises here
-            if spec.kind == "ulysses":
-                stats["valid"] += 1
-                if found.get("forward", 0) >= spec.regions() and found.get("backward", 0) >= spec.regions():
-                    stats["found"] += 1
-                else:
-                    misses.append((spec, found, [r.reason for r in rejected]))
-            else:
-                stats["not_cp"] += 1
-                if any(found.values()):
-                    stats["false_positive"] += 1
-                    misses.append((spec, found))
+            tally_detection(stats, misses, spec, spec.regions(), found, rejected)
     return stats, misses
 
 

@@ -14,7 +14,7 @@ import cp_inductor
 from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
 from cp_inductor.testing.launch import run_on_ranks
-from helpers import aot_graphs, fake_pg
+from helpers import aot_graphs, fake_pg, tally_detection
 
 SEEDS = range(40)
 # Every all-gather rewrite on (head groups forced to 2: every generated program has 2 | Hkv).
@@ -38,17 +38,7 @@ def survey(cp: int) -> tuple[collections.Counter, list]:
                 applied.update(a for r in rows for a in r.applied)
                 pipeline.rewrite_graph(gm.graph)  # strict: a failing rewrite raises here
             stats.update(f"applied:{a}" for a in applied)
-            if spec.kind == "allgather":
-                stats["valid"] += 1
-                if found.get("forward", 0) >= spec.regions() and found.get("backward", 0) >= spec.regions():
-                    stats["found"] += 1
-                else:
-                    misses.append((spec, found, [r.reason for r in rejected]))
-            else:
-                stats["not_cp"] += 1
-                if any(found.values()):
-                    stats["false_positive"] += 1
-                    misses.append((spec, found))
+            tally_detection(stats, misses, spec, spec.regions(), found, rejected)
     return stats, misses
 
 

@@ -12,21 +12,19 @@ import functools
 import pytest
 import torch
 from expecttest import TestCase
-from torch._dynamo.utils import counters
 
 from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD
-from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
+from cp_inductor.testing.checks import AttentionCase
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import ring_graphs, rotations
-from ring_programs import native_options, native_ring, ring_by_hand
+from ring_programs import causal_native_ring, native_options, native_ring, ring_by_hand, same_bits_on_and_off
 
 c10d = torch.ops._c10d_functional
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _HAND = functools.partial(ring_by_hand, causal=True)
 
 
-def _native(q, k, v):
-    return native_ring(q, k, v, causal=True)
+_native = causal_native_ring
 
 
 def _rewritten(cp, fn, rank=0, **cfg):
@@ -85,26 +83,9 @@ backward cp=4: only at cp = 2 is the home rotation the peer's only contribution
 forward a forward region: the rewrite returns dK/dV""")
 
 
-def _grads(rank, cp, program):
-    case = AttentionCase(batch=1, seq=32, heads_q=4, heads_kv=4, head_dim=8, causal=True, load_balanced=True,
-                         dtype=torch.bfloat16)
-    fn = _HAND if program == "hand" else _native
-    full = full_inputs(case)
-    out, applied = {}, {}
-    for on in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(fn, backend="cp_inductor", fullgraph=True,
-                                 options={"cp_inductor.ring_grad_return": on, "cp_inductor.ce_rotation": False})
-        with native_options("alltoall", load_balance=True) if program != "hand" else contextlib.nullcontext():
-            out[on] = run_cp(compiled, case, full, rank, cp)
-        applied[on] = counters["cp_inductor"]["ring_grad_return"]
-    return {"applied": applied, "same": {name: torch.equal(out[False][name], out[True][name]) for name in out[False]}}
-
-
 @pytest.mark.parametrize("program", ["hand", "native"])
 def test_same_bits_on_and_off_gloo(program):
-    for r in run_on_ranks(_grads, 2, program):
+    for r in run_on_ranks(same_bits_on_and_off, 2, program, "ring_grad_return", 4):
         assert r["applied"][False] == 0 and r["applied"][True] >= 1 and all(r["same"].values()), r
 
 

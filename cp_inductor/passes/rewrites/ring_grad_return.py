@@ -99,22 +99,10 @@ def _path(start: torch.fx.Node, end: torch.fx.Node) -> list | None:
     """Nodes on every path from ``start`` down to ``end`` in graph order, or None when one of
     them is read off the path or is not a move, a slice update or an addition."""
     order = {n: i for i, n in enumerate(start.graph.nodes)}
-    below, stack = set(), [start]
-    while stack:  # everything ``start`` reaches before ``end``
-        n = stack.pop()
-        for u in n.users:
-            if u not in below and order[u] <= order[end]:
-                below.add(u)
-                stack.append(u)
+    below = {u for u in descendants([start]) if order[u] <= order[end]}  # what start reaches first
     if end not in below:
         return None
-    above, stack = {end}, [end]
-    while stack:  # ... that ``end`` depends on
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a in below and a not in above:
-                above.add(a)
-                stack.append(a)
+    above = (ancestors([end]) & below) | {end}  # ... that end depends on
     path = sorted(above, key=order.__getitem__)
     for n in path:
         if n.op != "call_function" or n.target not in _MOVES | _UPDATES:
