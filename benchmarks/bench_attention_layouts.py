@@ -13,14 +13,16 @@ Layouts (fwd+bwd, same values in each):
   own [S, B, Hq, D] buffer (fused_a2a reading the buffer in place);
 * ``seq_major``: q, k, v, dO views of one [S, B, H, D] buffer each (for reference);
 * ``mismatched_do``: q, k, v contiguous, dO a seq-major view: dO's strides differ from the
-  output's. On H200 with torch 2.11 / cuDNN 9.19 cuDNN's backward returns WRONG gradients here
-  (``mismatched_do_max_diff``): a rewrite must hand attention's backward a dO laid out like O.
+  output's. It shares q, k, v's layout with ``cp_off``, and aten's cuDNN backward (torch < 2.14)
+  caches its plan by q/k/v layout only, ignoring dO's: in one process the second of the two runs
+  the first one's plan and is wrong. So it runs in a process of its own (the script re-runs
+  itself), where it is right (``mismatched_do_max_diff``).
 
 fused_a2a's ``copy`` choice hands attention exactly ``cp_off``'s inputs (one unpack copy), so its
 attention time is the ``cp_off`` column. ``unpack_ms``: that copy, from the fused receive buffer
 ``[cp, S/cp, B, Hq + 2 Hkv, D]`` into contiguous q, k, v, compiled by Inductor, timed over
 back-to-back calls (host launch overhead hidden); ``unpack_gbps`` its bandwidth (read + write).
-Every layout's results are compared with ``cp_off``'s.
+Every layout's results are compared with ``cp_off``'s (``<layout>_max_diff``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ import argparse
 import contextlib
 import itertools
 import json
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
 from common import device_ms
 
 LAYOUTS = ("cp_off", "views", "seq_major", "mismatched_do")
+OWN_PROCESS = ("mismatched_do",)  # shares cp_off's q/k/v layout: aten's cache would mix the two
 
 
 def grid() -> list[dict]:
@@ -106,7 +111,7 @@ def compiled_backend(q, k, v, causal: bool, gqa: bool):
         return None
 
 
-def measure(p: dict, iters: int, cp: int = 2) -> dict:
+def measure(p: dict, iters: int, layouts=LAYOUTS, cp: int = 2) -> dict:
     from torch.nn.attention import sdpa_kernel
 
     cuda = torch.cuda.is_available()
@@ -115,21 +120,39 @@ def measure(p: dict, iters: int, cp: int = 2) -> dict:
     gqa = p["kv_heads"] != p["heads"]
     backend = compiled_backend(*inputs["cp_off"][0], p["causal"], gqa)
     row = dict(p, backend=str(backend))
+    # The reference: cp_off's results, from its own q/k/v layout (seq_major's where cp_off's
+    # layout is the one measured: the same values, a plan cache entry of its own).
+    ref = "cp_off" if "cp_off" in layouts else "seq_major"
     with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-        want = step(*inputs["cp_off"][0], inputs["cp_off"][1], p["causal"], gqa)
-        for name in LAYOUTS:
+        if ref == "cp_off":
+            want = step(*inputs[ref][0], inputs[ref][1], p["causal"], gqa)
+        for name in layouts:
             (q, k, v), dout = inputs[name]
             got = step(q, k, v, dout, p["causal"], gqa)
-            row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
             row[f"{name}_ms"] = device_ms(lambda: step(q, k, v, dout, p["causal"], gqa), iters)
-    s, b, htot, d = inputs["fused"].shape
-    buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
-    unpack = unpack_fn(cp, p["heads"], p["kv_heads"])
-    row["unpack_ms"] = device_ms(lambda: unpack(buf), max(iters, 10), calls=20, warmup=3)
-    row["unpack_gbps"] = 2 * buf.numel() * buf.element_size() / row["unpack_ms"] / 1e6
+            if ref == "seq_major":
+                want = step(*inputs[ref][0], inputs[ref][1], p["causal"], gqa)
+            row[f"{name}_max_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+    if "cp_off" in layouts:
+        s, b, htot, d = inputs["fused"].shape
+        buf = inputs["fused"].reshape(cp, s // cp, b, htot, d)
+        unpack = unpack_fn(cp, p["heads"], p["kv_heads"])
+        row["unpack_ms"] = device_ms(lambda: unpack(buf), max(iters, 10), calls=20, warmup=3)
+        row["unpack_gbps"] = 2 * buf.numel() * buf.element_size() / row["unpack_ms"] / 1e6
     del inputs, want
     if cuda:
         torch.cuda.empty_cache()
+    return row
+
+
+def measure_cache_safe(p: dict, iters: int) -> dict:
+    """Every layout of ``p``, those in OWN_PROCESS each in a fresh process."""
+    row = measure(p, iters, [n for n in LAYOUTS if n not in OWN_PROCESS])
+    for name in OWN_PROCESS:
+        child = subprocess.run([sys.executable, __file__, "--child", json.dumps([p, name]), "--iters", str(iters)],
+                               capture_output=True, text=True, check=True)
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        row.update({k: got[k] for k in (f"{name}_max_diff", f"{name}_ms")})
     return row
 
 
@@ -145,10 +168,16 @@ def main() -> int:
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sample", type=int, default=1, help="with --grid: every n-th point of the part")
+    ap.add_argument("--child", default=None, help="internal: one (point, layout) in this process")
     a = ap.parse_args()
+    if a.child is not None:
+        p, name = json.loads(a.child)
+        print(json.dumps(measure(p, a.iters, [name])))
+        return 0
     if a.grid:
         i, n = (int(x) for x in a.part.split("/"))
-        points = grid()[i::n]
+        points = grid()[i::n][::a.sample]
     else:
         points = [dict(batch=a.batch, seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, causal=a.causal)]
     rows = []
@@ -162,7 +191,7 @@ def main() -> int:
     print(f"{'B':>2} {'S':>6} {'Hq':>3} {'Hkv':>3} {'D':>4} {'causal':>6} " + " ".join(f"{n:>10}" for n in LAYOUTS)
           + f" {'unpack':>8} {'GB/s':>6} {'views/off':>10}")
     for p in points:
-        r = measure(p, a.iters)
+        r = measure_cache_safe(p, a.iters)
         rows.append(r)
         print(f"{p['batch']:>2} {p['seq']:>6} {p['heads']:>3} {p['kv_heads']:>3} {p['head_dim']:>4} {str(p['causal']):>6} "
               + " ".join(f"{r[n + '_ms']:10.3f}" for n in LAYOUTS)

@@ -96,8 +96,8 @@ def build_steps(arms: list, cfg, x, y, device, dtype) -> tuple[dict, dict, dict,
         # What the passes did to the step graph (from the report, which a warm FX cache also
         # fills): an arm without rewrites measures nothing of ours.
         rewritten[name] = dict(Counter(a for r in cp_inductor.report().regions for a in r.applied))
-        if counters["cp_inductor"]["grad_out_layout"]:  # the guard's dO copies (cold cache only)
-            rewritten[name]["grad_out_layout"] = counters["cp_inductor"]["grad_out_layout"]
+        if counters["cp_inductor"]["cudnn_frontend_backward"]:  # calls moved (cold cache only)
+            rewritten[name]["cudnn_frontend_backward"] = counters["cp_inductor"]["cudnn_frontend_backward"]
         counters.clear()
         if cuda:
             memory[name] = torch.cuda.max_memory_allocated() / 2**30

@@ -20,7 +20,7 @@ from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
 from .passes.canonicalize import canonicalize
 from .passes.hook_pass import CPGraphPass
-from .reporting import clear_report, record, record_rejected
+from .reporting import clear_report, record, record_backward_route, record_rejected
 
 OPTION_PREFIX = "cp_inductor."
 
@@ -54,6 +54,8 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record(row)
     for r in rejected:
         record_rejected(r)
+    for r in pipeline.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
+        record_backward_route(r)
     with inductor_config.patch(pipeline.inductor_patches(rows)):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 

@@ -43,6 +43,12 @@ ring_grad_return: bool = False
 # own (0.18 ms at S32K), but the pass had not applied there yet.
 cat_of_slices: bool = False
 
+# cuDNN attention backward (every call in a compiled graph, CP or not) through the cuDNN
+# frontend's op on torch < 2.14, whose aten op caches plans by q/k/v layout only and returns
+# wrong gradients when one process passes two dO layouts (passes/cudnn_frontend_backward.py).
+# Needs the [cudnn] extra; without it, or off, aten's op gets the program's own dO.
+cudnn_frontend_backward: bool = True
+
 # --- knobs ---
 # fused_a2a: how attention reads what the one all-to-all received. "views": strided views of the
 # buffer (no copy, cuDNN slower on the interleaved rows); "copy": one copy into the layout attention

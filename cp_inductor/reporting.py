@@ -59,6 +59,17 @@ class Rejected:
 
 
 @dataclass
+class BackwardRoute:
+    """Which op runs one cuDNN attention backward of a compiled graph, CP region or not, and why
+    (``passes/cudnn_frontend_backward.py``)."""
+
+    graph_kind: str
+    attention: str  # the node's name in the graph Inductor was handed
+    path: str  # "cudnn_frontend" | "aten"
+    reason: str
+
+
+@dataclass
 class RewriteUndone:
     """A rewrite that failed its check (or raised) and was not kept: the graph stays as it was."""
 
@@ -72,6 +83,7 @@ class Report:
     regions: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
     undone: list = field(default_factory=list)
+    backward_routes: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -86,6 +98,8 @@ class Report:
             lines.append(f"not a CP region ({r.graph_kind}): {r.attention}: {r.reason}")
         for u in self.undone:
             lines.append(f"rewrite undone: {u.rewrite} at {u.attention}: {u.reason}")
+        for b in self.backward_routes:
+            lines.append(f"cuDNN attention backward ({b.graph_kind}) {b.attention}: {b.path}: {b.reason}")
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -96,6 +110,13 @@ _lock = threading.Lock()
 _regions: list[Region] = []
 _rejected: list[Rejected] = []
 _undone: list[RewriteUndone] = []
+_backward_routes: list[BackwardRoute] = []
+
+
+def record_backward_route(route: BackwardRoute) -> None:
+    with _lock:
+        _backward_routes.append(route)
+    log.info("cp_inductor %s: cuDNN attention backward %s runs on %s: %s", route.graph_kind, route.attention, route.path, route.reason)
 
 
 def record_undone(undone: RewriteUndone) -> None:
@@ -122,7 +143,7 @@ def record(region: Region) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions), list(_rejected), list(_undone))
+        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes))
 
 
 def clear_report() -> None:
@@ -130,3 +151,4 @@ def clear_report() -> None:
         _regions.clear()
         _rejected.clear()
         _undone.clear()
+        _backward_routes.clear()

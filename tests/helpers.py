@@ -224,8 +224,8 @@ def rotations(gm, heads: bool = False) -> str:
 
 
 # Whole-graph passes, not region rewrites in the report: collective_cse (ring graphs),
-# cat_of_slices and the grad_out_layout guard (it counts the dO copies cuDNN's backward gets on GPUs).
-WHOLE_GRAPH_PASSES = ("collective_cse", "cat_of_slices", "grad_out_layout")
+# cat_of_slices and cudnn_frontend_backward (it counts the cuDNN backward calls it moves on GPUs).
+WHOLE_GRAPH_PASSES = ("collective_cse", "cat_of_slices", "cudnn_frontend_backward")
 
 
 def region_rewrites(result: dict) -> dict:

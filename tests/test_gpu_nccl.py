@@ -86,8 +86,8 @@ def test_head_partition_copy_engine_nccl_bf16():
 @needs_gpus
 def test_do_laid_out_like_o_when_only_the_backward_reads_views():
     """q passes a pointwise op after its all-to-all, so the forward keeps q's old layout (and O's)
-    while the backward reads dO as a view: the rewrite must hand cuDNN's backward a dO laid out like
-    O (it returns wrong gradients otherwise, bench_attention_layouts.py ``mismatched_do``)."""
+    while the backward reads dO as a view: the backward gets a dO it reads right (laid out like O
+    on the cuDNN frontend, the program's own on aten's op)."""
     case = AttentionCase(batch=2, seq=1024, heads_q=8, heads_kv=8, head_dim=128, dtype=torch.bfloat16)
     options = {"cp_inductor.fused_a2a_unpack": "views"}
     results = run_on_ranks(check_cp_attention, 2, [case], variants.scaled_query, "cp_inductor", "cuda", options, pg_backend="nccl")
@@ -149,9 +149,8 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition, transport):
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
-        # Both attention regions of the one step graph (forward and backward ops) were rewritten;
-        # head groups' backward attention gets dO laid out like O from the always-on guard.
-        grouped = {"fused_a2a": 2, "head_partition": 2, "grad_out_layout": 2}
+        # Both attention regions of the one step graph (forward and backward ops) were rewritten.
+        grouped = {"fused_a2a": 2, "head_partition": 2}
         assert region_rewrites(r) == (grouped if head_partition else {"fused_a2a": 2}), r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= tol * abs(e), (r["eager"], r["compiled"])

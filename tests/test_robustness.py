@@ -1,5 +1,5 @@
 """What real user code brings: `-1` in views, chained layers, third-party collectives, a rewrite
-that goes wrong, the dO/O layout guard, and the cost model's choices."""
+that goes wrong, and the cost model's choices."""
 
 import torch
 import torch.fx
@@ -12,7 +12,6 @@ import variants
 from cp_inductor.parallel import ulysses_attention
 from cp_inductor.passes import cost_model
 from cp_inductor.passes.rewrites import fused_a2a
-from cp_inductor.passes.grad_out_layout import grad_out_layout_pass
 from cp_inductor.reporting import clear_report, report
 from cp_inductor.passes.canonicalize import canonicalize, rewrap_rng_attention
 from helpers import aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
@@ -292,42 +291,6 @@ backward: a2a cp=2 bhsd _scaled_dot_product_flash_attention_for_cpu_backward Hq=
 inplace_allgather:
 forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2
 backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2""")
-
-
-class TestGradOutLayoutGuard(TestCase):
-    def _graph(self, d_out_seq_major: bool):
-        mode = FakeTensorMode()
-        g = torch.fx.Graph()
-        with mode:
-            bhsd = torch.empty(1, 4, 16, 8)
-            seq_major = torch.empty(16, 1, 4, 8).permute(1, 2, 0, 3)
-            vals = {"grad_out": seq_major if d_out_seq_major else bhsd, "query": bhsd, "key": bhsd,
-                    "value": bhsd, "out": bhsd, "logsumexp": torch.empty(1, 4, 16)}
-            scalars = [torch.empty(()) for _ in range(5)]
-        nodes = []
-        for name, val in list(vals.items()) + [(f"t{i}", v) for i, v in enumerate(scalars)]:
-            n = g.placeholder(name)
-            n.meta["val"] = val
-            nodes.append(n)
-        op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
-        call = g.call_function(op, (*nodes, 16, 16, 0.0, True))
-        g.output(call)
-        return g
-
-    def test_mismatched_grad_out_is_copied_like_out(self):
-        g = self._graph(d_out_seq_major=True)
-        grad_out_layout_pass(g)
-        ops = [n.target.__name__ for n in g.nodes if n.op == "call_function"]
-        self.assertExpectedInline(" ".join(ops), """permute.default clone.default permute.default _scaled_dot_product_cudnn_attention_backward.default""")
-        d_out = next(n for n in g.nodes if n.op == "call_function" and "cudnn" in n.target.__name__).args[0]
-        assert d_out.meta["val"].stride() == (512, 128, 8, 1)
-
-    def test_matching_grad_out_is_left_alone(self):
-        g = self._graph(d_out_seq_major=False)
-        grad_out_layout_pass(g)
-        assert [n.target.__name__ for n in g.nodes if n.op == "call_function"] == [
-            "_scaled_dot_product_cudnn_attention_backward.default"
-        ]
 
 
 class TestCostModel(TestCase):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from ..lowerings import cudnn_backward
 from .sharding import chunk_runs, load_balanced_chunks
 from .ulysses import LAYOUTS
 
@@ -117,6 +118,11 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, extra, causal, scale):
+    # Run eagerly, the call goes where cuDNN's plan cache keys on dO's layout (aten's, before
+    # torch 2.14, keys on q/k/v only). Traced, it stays aten's op, which the detectors know; the
+    # compiled graph's cudnn_frontend_backward pass moves it the same way.
+    if not torch.compiler.is_compiling() and cudnn_backward.runs_eagerly_on_frontend(q):
+        return torch.ops.cp_inductor.cudnn_attention_backward(dout, q, k, v, out, lse, scale, causal)
     cum_q, cum_k, max_q, max_k, seed, offset = extra
     return aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale
@@ -177,9 +183,9 @@ class _PrefixThenDiagonal(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
         _, backward = KERNELS[ctx.kernel]
-        # cuDNN's backward returns wrong gradients when dO's strides differ from O's: both are
-        # made contiguous here. (Making O contiguous in the forward instead gave wrong compiled
-        # gradients on H200 even with aot_eager: benchmarks/results/gpu_debug_allgather_run17.log.)
+        # O and dO contiguous: every call of a q/k/v signature then passes one dO layout (aten's
+        # cuDNN plan cache, before torch 2.14, ignores dO's layout and would mix two), the one
+        # the frontend's backward reads without a copy of its own.
         dout, out, lse = dout.contiguous(), out.contiguous(), lse.reshape(ctx.lse_shape)
         dq_p, dk_p, dv_p = backward(dout, q, k_prefix, v_prefix, out, lse, ctx.extra_p, False, ctx.scale)
         dq_d, dk_d, dv_d = backward(dout, q, k_diag, v_diag, out, lse, ctx.extra_d, True, ctx.scale)

@@ -146,7 +146,7 @@ class HeadGroupedAllGather(torch.autograd.Function):
             dfull, dlocal = None, []
             for start, ls in _stretches(chunks, length):
                 q_c = q[:, hs_q, ls]
-                # cuDNN's backward needs dO with O's strides: both contiguous.
+                # O and dO contiguous: one dO layout per q/k/v signature (allgather.py says why).
                 dout_c, out_c = dout[:, hs_q, ls].contiguous(), out[:, hs_q, ls].contiguous()
                 lse = next(lses)
                 dq_c, dk_loc, dv_loc = 0, None, None

@@ -95,9 +95,9 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, rank, cp, group_name, scale, kernel = ctx.args
         _, backward = KERNELS[kernel]
-        # The fused backward kernels return wrong gradients when dO's strides differ from O's
-        # (the merges leave O in whatever layout they computed): both contiguous, as the
-        # all-gather helper does. (H200, run 37: flash wrong eager, cuDNN wrong compiled.)
+        # O and dO contiguous (the merges leave O in whatever layout they computed): one dO
+        # layout per q/k/v signature, as in the all-gather helper (aten's cuDNN plan cache
+        # before torch 2.14 ignores dO's layout).
         dout, out = dout.contiguous(), out.contiguous()
         kv = torch.cat([k.flatten(), v.flatten()])
         dq = dkv = None
@@ -107,7 +107,8 @@ class _Ring(torch.autograd.Function):
                 dkv = _rotate(dkv, rank, cp, group_name)  # the accumulator travels with its block
             k_s, v_s = (t.view_as(k) for t in kv.split(k.numel()))
             rows, cols, is_causal = _blocks(q.shape[2], (rank - step) % cp, rank, causal)
-            # A half of the rows is a strided slice: the kernels take contiguous O, dO and lse.
+            # A half of the rows is a strided slice: the kernels index the log-sum-exp as a dense
+            # [B, H, L], and O and dO stay in one layout.
             step_lse = lse[:, :, rows].contiguous()
             step_lse = step_lse.reshape(*step_lse.shape, *ctx.lse_tail)
             dout_s, out_s = (t[:, :, rows].contiguous() for t in (dout, out))

@@ -49,5 +49,8 @@ class CPGraphPass(CustomGraphPass):
             if user is None:
                 # A pass without a uuid makes the graph uncacheable; keep Inductor's behaviour.
                 return None  # type: ignore[return-value]
-        parts = [self.hook, source_hash(), self.cfg.digest(), repr(user)]
+        from ..lowerings.cudnn_backward import unavailable
+
+        # Whether the cuDNN frontend can run changes the backward graph (cudnn_frontend_backward).
+        parts = [self.hook, source_hash(), self.cfg.digest(), repr(user), repr(unavailable() is None)]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -28,8 +28,8 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
-from ..reporting import Region, Rejected
-from . import canonicalize, cat_of_slices, collective_cse, grad_out_layout
+from ..reporting import BackwardRoute, Region, Rejected
+from . import canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
@@ -77,8 +77,12 @@ def _ring_joint_graph(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     collective_cse.pin_collectives(graph)
 
 
-def _grad_out_layout(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
-    grad_out_layout.grad_out_layout_pass(graph)
+def _cudnn_frontend_backward(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    try:
+        cudnn_frontend_backward.cudnn_frontend_backward_pass(graph, cfg)
+    except Exception:  # noqa: BLE001 - a bug here leaves aten's op, never fails the compile
+        if cfg.strict:
+            raise
 
 
 def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
@@ -103,7 +107,7 @@ def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 # graph; a cat that reassembles slices of one tensor is that tensor; cuDNN's attention backward
 # must get a dO laid out like O, whatever the rewrites did; a CUDA generator input canonicalize
 # unwrapped is read by one RNG wrapper again, as Inductor needs.
-GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _grad_out_layout, _rewrap_rng)}
+GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
@@ -172,6 +176,8 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
             for rewrite in REWRITES:
                 if rewrite.name in decision.applied and rewrite.detail is not None:
                     detail += " " + rewrite.detail(match, cfg)
+            if cudnn_frontend_backward.is_cudnn_backward(match.attention):
+                detail += f" backward={cudnn_frontend_backward.route(match.attention, cfg).path}"
             rows.append((order[match.attention], Region(
                 style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
                 applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
@@ -183,6 +189,17 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
             if order[node] not in matched:
                 rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
     return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:
+    """Each cuDNN attention backward of ``graph`` and the op it will run on (the report's
+    lines; the post-grad pass asks the same :func:`cudnn_frontend_backward.route`)."""
+    cfg = cfg if cfg is not None else snapshot()
+    return [
+        BackwardRoute(graph_kind, n.name, r.path, r.reason)
+        for n in graph.nodes if cudnn_frontend_backward.is_cudnn_backward(n)
+        for r in (cudnn_frontend_backward.route(n, cfg),)
+    ]
 
 
 def _reasons_into(reasons: dict, style: str):

@@ -44,6 +44,7 @@ from ..detect.a2a import A2AMatch
 from ..fx_emit import Emitter, stride_order
 from ..layout_algebra import LayoutError, plan_relayout
 from ..sdpa_ops import bound_args
+from .. import cudnn_frontend_backward
 from . import Rewrite
 from .transport import all_to_all
 from .ulysses_buffers import (
@@ -135,7 +136,7 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
             user.meta["val"] = node.meta["val"][user.args[1]]
 
 
-def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args: list, unpack: str) -> list:
+def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args: list, unpack: str, cfg) -> list:
     cp, group = region.cp, region.group_name
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
@@ -167,15 +168,15 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args
             part = recv if len(crossings) == 1 else emit(aten.slice.Tensor, recv, 3, offset, offset + heads)
             offset += heads
         if reads_as_view(lay, c, cp, attn_arg):
-            like = _layout_required(region, attn_arg)
+            like = _layout_required(region, attn_arg, cfg)
             view = None if grouped else heads_view(emit, part)
             if unpack == "views" and (like is None or stride_order(view.meta["val"]) == stride_order(like)):
                 emit.replace(attn_arg, view, strides=False)
                 strided = True
             else:
-                # One copy straight into the layout attention had (or, for dO, the layout of O).
+                # One copy straight into the layout attention had (or the one dO must keep).
                 target = like if like is not None else attn_arg.meta["val"]
-                emit.replace(attn_arg, _copy_heads(emit, part, target), strides=like is None)
+                emit.replace(attn_arg, _copy_heads(emit, part, target), strides=target is attn_arg.meta["val"])
             dead.extend(reversed(c.after))  # the old unpack chain
         else:
             emit.replace(c.wait, as_delivered(emit, part, lay, c, cp))
@@ -200,21 +201,25 @@ def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
     return emit(aten.view.default, emit(aten.permute.default, dense, inverse5), list(like.shape))
 
 
-def _layout_required(region: A2AMatch, attn_arg) -> torch.Tensor | None:
-    """The layout an attention input must keep whatever we hand it, or None. cuDNN's backward
-    (torch 2.11, cuDNN 9.19, H200) returns wrong gradients when dO's strides differ from O's
-    (benchmarks/bench_attention_layouts.py, ``mismatched_do``): dO must be laid out like O."""
+def _layout_required(region: A2AMatch, attn_arg, cfg) -> torch.Tensor | None:
+    """The layout an attention input must keep whatever we hand it, or None. dO: laid out like
+    O, which every backward kernel reads without a copy of its own; but where cuDNN's backward
+    stays on aten's op (``cudnn_frontend_backward.route``), whose plan cache ignores dO's layout,
+    dO keeps the layout the program gave it, as eager and default Inductor pass it."""
     args = bound_args(region.attention)
-    if "grad_out" in args and args["grad_out"] is attn_arg and isinstance(args.get("out"), torch.fx.Node):
-        return args["out"].meta["val"]
-    return None
+    if "grad_out" not in args or args["grad_out"] is not attn_arg or not isinstance(args.get("out"), torch.fx.Node):
+        return None
+    node = region.attention
+    if cudnn_frontend_backward.is_cudnn_backward(node) and cudnn_frontend_backward.route(node, cfg).path == cudnn_frontend_backward.ATEN:
+        return attn_arg.meta["val"]
+    return args["out"].meta["val"]
 
 
 def apply(graph: torch.fx.Graph, region: A2AMatch, cfg) -> list:
     unpack = unpack_choice(region, cfg).choice
     return [
         r for crossings, attn_args in crossing_groups(region, unpack)
-        for r in _rewrite(graph, region, crossings, attn_args, unpack)
+        for r in _rewrite(graph, region, crossings, attn_args, unpack, cfg)
     ]
 
 

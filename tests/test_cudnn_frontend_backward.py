@@ -1,0 +1,102 @@
+"""cudnn_frontend_backward: cuDNN attention backward calls move to the cuDNN frontend's op (plan
+cache keyed on every layout) where they can, and keep aten's op and the program's dO where they
+cannot, with the reason in the report. The graphs are built by hand (CI has no cuDNN); the GPU
+tier runs the calls (tests/test_gpu_one.py)."""
+
+import torch
+import torch.fx
+from expecttest import TestCase
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cp_inductor.config_snapshot import snapshot
+from cp_inductor.lowerings.cudnn_backward import aten_cache_key_complete
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.cudnn_frontend_backward import cudnn_frontend_backward_pass, route
+
+AVAILABLE = ""  # the frontend's state: importable
+MISSING = "nvidia-cudnn-frontend is not importable (ModuleNotFoundError: No module named 'cudnn')"
+
+
+def backward_graph(dtype=torch.bfloat16, dropout_p=0.0, scale=None):
+    """dq, dk, dv = cuDNN attention backward of [1, 4, 16, 8] q, k, v; dO read as [B, S, H, D]."""
+    g = torch.fx.Graph()
+    with FakeTensorMode():
+        bhsd = torch.empty(1, 4, 16, 8, dtype=dtype)
+        vals = {
+            "grad_out": torch.empty(1, 16, 4, 8, dtype=dtype).transpose(1, 2), "query": bhsd, "key": bhsd,
+            "value": bhsd, "out": bhsd, "logsumexp": torch.empty(1, 4, 16, 1),
+            "philox_seed": torch.empty((), dtype=torch.int64), "philox_offset": torch.empty((), dtype=torch.int64),
+        }
+    nodes = []
+    for name, val in vals.items():
+        nodes.append(g.placeholder(name))
+        nodes[-1].meta["val"] = val
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    call = g.call_function(op, (*nodes, None, None, None, 16, 16, dropout_p, True), {"scale": scale} if scale else {})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        call.meta["val"] = op(*(n.meta["val"] for n in nodes), None, None, None, 16, 16, dropout_p, True)
+    g.output(tuple(g.call_function(__import__("operator").getitem, (call, i)) for i in range(3)))
+    return g, call
+
+
+def calls(g) -> str:
+    out = []
+    for n in g.nodes:
+        if n.op == "call_function" and n.target.__name__ != "getitem":
+            args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
+            out.append(f"{n.target}({args})")
+    return "\n".join(out)
+
+
+class TestRoute(TestCase):
+    def test_moved_to_the_frontend(self):
+        g, _ = backward_graph()
+        assert cudnn_frontend_backward_pass(g, snapshot(), AVAILABLE) == 1
+        g.lint()
+        # scale: 1/sqrt(head_dim) made explicit; O, its log-sum-exp and the program's dO as they were.
+        self.assertExpectedInline(calls(g), """cp_inductor.cudnn_attention_backward.default(grad_out, query, key, value, out, logsumexp, 0.3535533905932738, True)""")
+
+    def test_explicit_scale_kept(self):
+        g, _ = backward_graph(scale=0.25)
+        cudnn_frontend_backward_pass(g, snapshot(), AVAILABLE)
+        self.assertExpectedInline(calls(g), """cp_inductor.cudnn_attention_backward.default(grad_out, query, key, value, out, logsumexp, 0.25, True)""")
+
+    def test_gradients_keep_their_layouts(self):
+        g, call = backward_graph()
+        before = [tuple(t.stride()) for t in call.meta["val"]]
+        cudnn_frontend_backward_pass(g, snapshot(), AVAILABLE)
+        new = next(n for n in g.nodes if n.op == "call_function" and "cp_inductor" in str(n.target))
+        assert [tuple(t.stride()) for t in new.meta["val"]] == before
+
+    def test_stays_on_aten_with_the_reason(self):
+        cases = {
+            "no frontend": (backward_graph(), snapshot(), MISSING),
+            "dropout": (backward_graph(dropout_p=0.1), snapshot(), AVAILABLE),
+            "fp32": (backward_graph(dtype=torch.float32), snapshot(), AVAILABLE),
+            "off": (backward_graph(), snapshot({"cudnn_frontend_backward": False}), AVAILABLE),
+        }
+        reasons = []
+        for name, ((g, call), cfg, state) in cases.items():
+            reasons.append(f"{name}: {route(call, cfg, state).path}: {route(call, cfg, state).reason}")
+            assert cudnn_frontend_backward_pass(g, cfg, state) == 0
+            assert call in g.nodes  # untouched: aten's op with the program's dO
+            assert call.args[0].name == "grad_out"
+        self.assertExpectedInline("\n".join(reasons), """\
+no frontend: aten: nvidia-cudnn-frontend is not importable (ModuleNotFoundError: No module named 'cudnn'): aten's op, dO as the program made it (its plan cache is keyed on q/k/v layouts only)
+dropout: aten: the cuDNN frontend's backward takes no dropout: aten's op, dO as the program made it
+fp32: aten: the cuDNN frontend's backward takes no 4-d torch.float32 inputs: aten's op, dO as the program made it
+off: aten: disabled by config: aten's plan cache is keyed on q/k/v layouts only, dO as the program made it""")
+
+    def test_report_lists_every_call(self):
+        from cp_inductor.lowerings.cudnn_backward import unavailable
+
+        g, call = backward_graph()
+        rows = pipeline.backward_routes(g, "backward")
+        # In CI (no CUDA) the call stays on aten's op; with a GPU and the [cudnn] extra it moves.
+        path = "aten" if unavailable() else "cudnn_frontend"
+        assert [(r.graph_kind, r.attention, r.path) for r in rows] == [("backward", call.name, path)]
+        assert rows[0].reason == route(call, snapshot()).reason
+
+    def test_this_torch_needs_it(self):
+        # Supported torch versions (pyproject: < 2.14) all key aten's plan cache on q/k/v only.
+        assert not aten_cache_key_complete()
