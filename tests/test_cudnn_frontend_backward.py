@@ -4,6 +4,7 @@ cannot, with the reason in the report. The graphs are built by hand (CI has no c
 tier runs the calls (tests/test_gpu_one.py)."""
 
 import torch
+import torch._inductor.config
 import torch.fx
 from expecttest import TestCase
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -74,18 +75,21 @@ class TestRoute(TestCase):
             "dropout": (backward_graph(dropout_p=0.1), snapshot(), AVAILABLE),
             "fp32": (backward_graph(dtype=torch.float32), snapshot(), AVAILABLE),
             "off": (backward_graph(), snapshot({"cudnn_frontend_backward": False}), AVAILABLE),
+            "cudagraphs": (backward_graph(), snapshot(), AVAILABLE),
         }
         reasons = []
         for name, ((g, call), cfg, state) in cases.items():
-            reasons.append(f"{name}: {route(call, cfg, state).path}: {route(call, cfg, state).reason}")
-            assert cudnn_frontend_backward_pass(g, cfg, state) == 0
+            with torch._inductor.config.patch({"triton.cudagraphs": name == "cudagraphs"}):
+                reasons.append(f"{name}: {route(call, cfg, state).path}: {route(call, cfg, state).reason}")
+                assert cudnn_frontend_backward_pass(g, cfg, state) == 0
             assert call in g.nodes  # untouched: aten's op with the program's dO
             assert call.args[0].name == "grad_out"
         self.assertExpectedInline("\n".join(reasons), """\
 no frontend: aten: nvidia-cudnn-frontend is not importable (ModuleNotFoundError: No module named 'cudnn'): aten's op, dO as the program made it (its plan cache is keyed on q/k/v layouts only)
 dropout: aten: the cuDNN frontend's backward takes no dropout: aten's op, dO as the program made it
 fp32: aten: the cuDNN frontend's backward takes no 4-d torch.float32 inputs: aten's op, dO as the program made it
-off: aten: disabled by config: aten's plan cache is keyed on q/k/v layouts only, dO as the program made it""")
+off: aten: disabled by config: aten's plan cache is keyed on q/k/v layouts only, dO as the program made it
+cudagraphs: aten: CUDA graphs (reduce-overhead): aten's op, dO as the program made it (its plan cache is keyed on q/k/v layouts only)""")
 
     def test_report_lists_every_call(self):
         from cp_inductor.lowerings.cudnn_backward import unavailable

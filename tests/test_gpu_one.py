@@ -268,3 +268,32 @@ def test_cudnn_backward_right_in_any_order(case):
         for arm in ("eager", "inductor"):
             if baseline[arm] < _TOL:
                 assert errors[arm] < _TOL, (order, arm, errors, baseline)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["inductor", "cp_inductor"])
+def test_cuda_graph_replays_keep_aten_backward(backend):
+    """mode="reduce-overhead": cuDNN's backward stays on aten's op with the program's dO (the
+    frontend's gradients once escaped cudagraph trees' pool after other compiled code had run in
+    the process), replays with new values match eager's fp32 math reference."""
+    import cudnn_orders
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cp_inductor.testing.train_step import _cudagraphs_recorded
+
+    torch._dynamo.reset()
+    counters.clear()
+    cp_inductor.clear_report()
+    fn = torch.compile(cudnn_orders._bhsd, backend=backend, mode="reduce-overhead", fullgraph=True)
+    q, *rest = cudnn_orders._inputs("hf_epilogue", 512)
+    for step in range(4):
+        tensors = [q + 0.1 * step, *rest]
+        with sdpa_kernel(SDPBackend.MATH):
+            want = cudnn_orders._grads(cudnn_orders._bhsd, tensors, None, dtype=torch.float32)
+        ins = [t.detach().clone().requires_grad_() for t in tensors[:4]]
+        got = torch.autograd.grad(fn(*ins, tensors[4]), ins)
+        assert cudnn_orders._error(got, want) < _TOL, step
+    assert [r.path for r in cp_inductor.report().backward_routes] == (["aten"] if backend == "cp_inductor" else [])
+    assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
+    torch._dynamo.reset()

@@ -11,11 +11,15 @@ from cp_inductor.parallel import ulysses_attention
 from cp_inductor.testing.mirror_group import mirrored_world
 
 
-def test_all_to_all_delivers_what_every_rank_sent():
+def test_collectives_give_what_every_rank_sent():
     with mirrored_world(4, rank=1):
-        x = torch.arange(8.0)
+        x, group = torch.arange(8.0), dist.group.WORLD
         # every rank sent its chunk 1 (= ours) to rank 1
-        assert funcol.all_to_all_single(x, None, None, dist.group.WORLD).tolist() == [2.0, 3.0] * 4
+        assert funcol.all_to_all_single(x, None, None, group).tolist() == [2.0, 3.0] * 4
+        assert funcol.all_gather_tensor(x[:2], 0, group).tolist() == [0.0, 1.0] * 4
+        assert funcol.reduce_scatter_tensor(x, "sum", 0, group).tolist() == [8.0, 12.0]
+    with mirrored_world(2):  # the kernels are given back at exit and taken again
+        assert funcol.all_gather_tensor(torch.arange(2.0), 0, dist.group.WORLD).tolist() == [0.0, 1.0] * 2
 
 
 def _grads(backend):
