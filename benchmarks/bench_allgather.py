@@ -24,7 +24,7 @@ from handwritten import allgather_by_hand
 
 from cp_inductor import parallel
 
-OFF = {f"cp_inductor.{n}": False for n in ("zero_init", "first_grad_reuse", "head_partition")}
+OFF = {f"cp_inductor.{n}": False for n in ("head_split",)}
 ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-gather rewrite off
     "eager": (None,),
     "inductor": ("inductor",),
@@ -42,7 +42,7 @@ HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_i
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
 # "<arm>_perchunk": any helper arm with one prefix + diagonal pair per local chunk (before run 60).
 # "<arm>_hg<G>": any arm above on the helper with head_groups=G. "cp_hp<G>": cp_inductor with
-# head_partition (the attention backward calls split into G head groups); "cp_hpf<G>": forward too.
+# head_split (the attention backward calls split into G head groups); "cp_hpf<G>": forward too.
 # The ring helper (cp_inductor.parallel.ring_attention) on the same shards: eager, default
 # Inductor, cp_inductor's defaults (ce_rotation where rotations are large enough), ce_rotation off.
 RING_ARMS = {
@@ -50,11 +50,11 @@ RING_ARMS = {
     "ring_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
     "ring_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)
-    "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_aot_cse": True}),
+    "ring_cp_nccl_aotcse": ("cp_inductor", {"cp_inductor.ce_rotation": False, "cp_inductor.ring_cse": "aot"}),
     # the defaults with each backward step's attention call split in 4 head groups (memory)
     # cp = 2: the step-1 contribution sent home once, the step-0 backward under it
     "ring_cp_rgr": ("cp_inductor", {"cp_inductor.ring_grad_return": True}),
-    "ring_cp_hp4": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": 4}),
+    "ring_cp_hp4": ("cp_inductor", {"cp_inductor.head_split": True, "cp_inductor.head_split_groups": 4}),
 }
 # Inductor's own compute/communication reordering (sinks waits, raises collectives).
 ARMS["inductor_reorder"] = ("inductor", {"reorder_for_compute_comm_overlap": True})
@@ -94,8 +94,8 @@ class AllGatherBench(Bench):
             return self.allgather_arm(*HAND_ARMS[name], code="hand")
         split = re.fullmatch(r"cp_hp(f?)(\d+)", name)
         if split:
-            options = {"cp_inductor.head_partition": True, "cp_inductor.head_groups": int(split[2]),
-                       "cp_inductor.head_partition_forward": bool(split[1])}
+            options = {"cp_inductor.head_split": True, "cp_inductor.head_split_groups": int(split[2]),
+                       "cp_inductor.head_split_forward": bool(split[1])}
             return self.allgather_arm("cp_inductor", options)
         if name.endswith("_perchunk"):  # the helper as it was before run 60: one stretch per chunk
             return _per_chunk(*self.arm(name.removesuffix("_perchunk")))

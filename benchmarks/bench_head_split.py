@@ -5,7 +5,7 @@
 The largest call of a K/V all-gather rank (a later chunk's prefix over the gathered keys, the
 rank's local q heads over all K/V heads) is run forward + backward as one call and as G calls
 over head groups (group g: q heads [g*Hq/G, ...), K/V heads [g*Hkv/G, ...): GQA pairs stay
-together), the groups' gradients concatenated back on the head dim, as ``head_partition``
+together), the groups' gradients concatenated back on the head dim, as ``head_split``
 emits for all-gather regions. Tensors are BSHD in memory (the groups read strided views).
 Per kernel and G: median ms of the backward alone, and the peak the backward allocates above
 what was alive before it (its outputs, its workspace, the concatenation). Prints a table and

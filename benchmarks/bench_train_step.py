@@ -29,7 +29,7 @@ import cp_inductor
 from torch._dynamo.utils import counters
 from cp_inductor.testing.train_step import StepConfig, TransformerBlock, compile_step, make_step, step_inputs
 
-HP = {"cp_inductor.head_partition": True}
+HP = {"cp_inductor.head_overlap": True}
 ARMS = {  # name -> (backend, mode, options); backend None = eager
     "eager": (None, None, None),
     "inductor": ("inductor", None, None),

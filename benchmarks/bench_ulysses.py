@@ -279,24 +279,24 @@ ARMS = {
     "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "copy"}),  # fused, one unpack copy
     "cp_views": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "views"}),  # fused, attention reads views
     "cp_inductor": ("cp_inductor",),
-    # head_partition with G head groups (0: the rewrite's choice); backward regions only, the default
+    # head_overlap with G head groups (0: the rewrite's choice); backward regions only, the default
     **{
-        f"cp_hp{g or ''}": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": g})
+        f"cp_hp{g or ''}": ("cp_inductor", {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": g})
         for g in (0, 2, 4, 8)
     },
     # ... and forward regions too
     **{
         f"cp_hpf{g}": ("cp_inductor", {
-            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": True,
+            "cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": g, "cp_inductor.head_overlap_forward": True,
         })
         for g in (2, 4)
     },
-    # head_partition on fused_a2a's views (what it needs: the cost model may copy instead), per
+    # head_overlap on fused_a2a's views (what it needs: the cost model may copy instead), per
     # transport: hp{G}_nccl / hp{G}_ce backward regions only, hpf{G}_* forward regions too.
     **{
         f"hp{'f' if fwd else ''}{g}_{short}": ("cp_inductor", {
-            "cp_inductor.head_partition": True, "cp_inductor.head_groups": g, "cp_inductor.head_partition_forward": fwd,
-            "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.transport": transport,
+            "cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": g, "cp_inductor.head_overlap_forward": fwd,
+            "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.head_overlap_transport": transport,
         })
         for g in (2, 4) for fwd in (False, True) for short, transport in (("nccl", "nccl"), ("ce", "copy_engine"))
     },
@@ -322,7 +322,7 @@ NATIVE_ARMS = {
     # cat_of_slices off (runs 54/55, when it was on by default)
     "native_cp_nocat": ("cp_inductor", {"cp_inductor.cat_of_slices": False}),
     # the defaults with each backward step's attention call split in 4 head groups (memory)
-    "native_cp_hp4": ("cp_inductor", {"cp_inductor.head_partition": True, "cp_inductor.head_groups": 4}),
+    "native_cp_hp4": ("cp_inductor", {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": 4}),
 }
 
 

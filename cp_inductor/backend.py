@@ -89,7 +89,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.
     functorch_patches = {"enable_autograd_cache": False}
-    if not cfg.ring_aot_cse and _rotates(gm):
+    if cfg.ring_cse != "aot" and _rotates(gm):
         functorch_patches["cse"] = False
     with torch._functorch.config.patch(functorch_patches):
         return compile_fx(

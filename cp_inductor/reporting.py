@@ -27,6 +27,7 @@ class Region:
     skipped: dict = field(default_factory=dict)  # rewrite name -> reason
     attention: str = ""  # the ATen attention op
     detail: str = ""  # heads, causal, ...
+    notes: list = field(default_factory=list)  # analysis facts that are not rewrites (accumulators)
 
     @property
     def graph(self) -> str:
@@ -94,6 +95,8 @@ class Report:
             lines.insert(1, "  ".join("-" * w for w in widths))
         else:
             lines.append("cp_inductor: no CP attention regions found")
+        for r in self.regions:
+            lines += [f"note ({r.graph_kind} {r.style} {r.attention}): {n}" for n in r.notes]
         for r in self.rejected:
             lines.append(f"not a CP region ({r.graph_kind}): {r.attention}: {r.reason}")
         for u in self.undone:

@@ -1,6 +1,6 @@
-"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather regions: the report says why they
-have nothing to do (Inductor folds the zero-filled dK/dV accumulator), the generated backward
-code shows it, and an accumulator an unfusable op reads is reported as not implemented yet."""
+"""The report's note on K/V all-gather regions' dK/dV accumulators: Inductor folds the
+zero-filled accumulator (the generated backward code shows it), and an accumulator an unfusable
+op reads is named."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cp_inductor.passes.rewrites.accumulators import materialized_at
+from cp_inductor.passes.accumulators import materialized_at
 from cp_inductor.passes import pipeline
 from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
 
@@ -20,22 +20,15 @@ aten = torch.ops.aten
 
 
 class TestAccumulatorReasons(TestCase):
-    def test_backward_region_reasons(self):
+    def test_backward_region_note(self):
         with fake_pg(2):
             rows = [row for kind, gm in aot_graphs(causal_allgather, *allgather_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
-        reasons = sorted({
-            f"{row.graph}: {name}: {why}"
-            for row in rows for name, why in row.skipped.items() if name in ("zero_init", "first_grad_reuse")
-        })
-        self.assertExpectedInline("\n".join(reasons), """\
-backward: first_grad_reuse: Inductor reads each dK/dV contribution once in the kernel that writes the reduce-scatter input (no add-into-zero): reusing one as the accumulator would add a pass
-backward: zero_init: Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the reduce-scatter input (no fill in the generated code): nothing to remove
-forward: first_grad_reuse: forward region: no gradient accumulator
-forward: zero_init: forward region: no gradient accumulator""")
+        notes = sorted({f"{row.graph}: {note}" for row in rows for note in row.notes})
+        self.assertExpectedInline("\n".join(notes), """\
+backward: dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
 
     def test_accumulator_read_by_an_unfusable_op_is_found(self):
-        """A partial dK accumulator that a matmul reads must be materialized: that is where the
-        rewrites would act, and the check names the op."""
+        """A partial dK accumulator that a matmul reads must be materialized: the note names the op."""
 
         def backward_with_matmul(dout, q, k, v, out, lse, w):
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False)

@@ -41,19 +41,19 @@ def test_the_compiler_imports_neither_testing_nor_parallel():
 def test_a_config_snapshot_is_read_only():
     from cp_inductor.config_snapshot import snapshot
 
-    cfg = snapshot({"head_groups": 4})
-    assert cfg.head_groups == 4 and cfg["fused_a2a"] is cp_inductor.config.fused_a2a
+    cfg = snapshot({"head_overlap_groups": 4})
+    assert cfg.head_overlap_groups == 4 and cfg["fused_a2a"] is cp_inductor.config.fused_a2a
     with pytest.raises(AttributeError):
-        cfg.head_groups = 2
-    with cp_inductor.config.patch(head_groups=8):
-        assert cfg.head_groups == 4  # frozen when taken
+        cfg.head_overlap_groups = 2
+    with cp_inductor.config.patch(head_overlap_groups=8):
+        assert cfg.head_overlap_groups == 4  # frozen when taken
 
 
 def test_uuid_follows_config_and_source():
     cfg = cp_inductor.config.get_config_copy()
     base = graph_passes(cfg, {})["post_grad_custom_pre_pass"].uuid()
     assert base == graph_passes(dict(cfg), {})["post_grad_custom_pre_pass"].uuid()
-    for key, value in (("fused_a2a", False), ("head_groups", 4)):
+    for key, value in (("fused_a2a", False), ("head_overlap_groups", 4)):
         changed = graph_passes({**cfg, key: value}, {})["post_grad_custom_pre_pass"].uuid()
         assert changed != base, key
     with cp_inductor.config.patch(fused_a2a=False):
@@ -123,15 +123,15 @@ def test_options_reach_our_config():
         cp_inductor.clear_report()
         f = torch.compile(
             _ulysses, backend="cp_inductor", fullgraph=True,
-            options={"cp_inductor.fused_a2a": False, "cp_inductor.head_partition": True},
+            options={"cp_inductor.fused_a2a": False, "cp_inductor.head_overlap": True},
         )
         f(*_qkv()).sum().backward()
         rows = cp_inductor.report().regions
         assert [r.graph for r in rows] == ["forward", "backward"]
         for r in rows:
             assert r.skipped["fused_a2a"] == "disabled by config"
-            assert r.skipped["head_partition"] == "needs fused_a2a (disabled by config)"
-        assert "head_partition: needs fused_a2a (disabled by config)" in str(cp_inductor.report())
+            assert r.skipped["head_overlap"] == "needs fused_a2a (disabled by config)"
+        assert "head_overlap: needs fused_a2a (disabled by config)" in str(cp_inductor.report())
         torch._dynamo.reset()  # calls the backend's reset, which clears the report
         assert len(cp_inductor.report()) == 0
 

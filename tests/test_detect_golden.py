@@ -82,8 +82,8 @@ inference: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=4
         with fake_pg(2):
             text = report_text(aot_graphs(ulysses(), *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}""")
 
 
 class TestHandWrittenVariants(TestCase):

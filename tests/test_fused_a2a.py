@@ -145,8 +145,8 @@ rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: no all_t
         with fake_pg(2):
             text = report_text(aot_graphs(compressed_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) have different dtypes', 'head_overlap': 'disabled by config'}""")
 
     def test_expanded_kv_heads_still_fuse(self):
         # The replication happens after the collectives: the forward keeps it (unpack copies);
@@ -154,8 +154,8 @@ backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradien
         with fake_pg(2):
             text = report_text(aot_graphs(variants.expanded_kv_heads, *qkv((1, 8, 4, 16), (1, 8, 2, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}""")
 
     def test_self_attention_on_one_tensor_is_skipped(self):
         # q = k = v: AOTAutograd's CSE leaves one all-to-all feeding all three inputs.
@@ -163,8 +163,8 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
         with fake_pg(2):
             text = report_text(aot_graphs(lambda x: ulysses_attention(x, x, x), x))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) already share one all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'q/k/v (or their gradients) already share one all_to_all', 'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}""")
 
     def test_cast_after_the_collective_is_skipped_before_it_packed(self):
         # All three cross in bf16 and are upcast before attention: letting attention read the
@@ -177,8 +177,8 @@ backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemen
         with fake_pg(2):
             text = report_text(aot_graphs(bf16_wire, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the all_to_all and attention', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'dtype cast between the all_to_all and attention', 'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=['fused_a2a'] skipped={'head_overlap': 'disabled by config'}""")
 
 
 def _generated_code(fused: bool, unpack: str = "views") -> list[str]:

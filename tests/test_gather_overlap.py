@@ -108,7 +108,7 @@ rank 3: attn(gathered) rs attn(local) wait""")
         text = "\n".join([
             "# default config", *reasons(_graphs(2, 1)),
             "# not causal: one call over the gathered keys", *reasons(_graphs(2, 1, fn=not_causal, **ON)),
-            "# head_partition", *reasons(_graphs(2, 1, head_partition=True, head_groups=2, **ON)),
+            "# head_split", *reasons(_graphs(2, 1, head_split=True, head_split_groups=2, **ON)),
         ])
         self.assertExpectedInline(text, """\
 # default config
@@ -116,9 +116,9 @@ disabled by config
 # not causal: one call over the gathered keys
 no attention call of this region's queries that the gather does not concern is ordered where it would wait for it (one call per chunk, or already ahead)
 no attention call of this region's queries that the reduce-scatter does not concern is ordered where it would wait for it (one call per chunk, or already ahead)
-# head_partition
+# head_split
 applied
-head_partition splits this region's attention calls (one or the other)""")
+head_split splits this region's attention calls (one or the other)""")
 
     def test_owner_grad_return_pulls_travel_under_the_moved_attention(self):
         with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):

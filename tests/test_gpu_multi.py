@@ -24,12 +24,12 @@ def cases():
 
 
 @pytest.mark.parametrize("cp", [on(4), on(8)])
-@pytest.mark.parametrize("head_partition", [False, True])
-def test_ulysses_nccl_bf16(cp, head_partition):
-    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition,
+@pytest.mark.parametrize("head_overlap", [False, True])
+def test_ulysses_nccl_bf16(cp, head_overlap):
+    options = {"cp_inductor.head_overlap": head_overlap, "cp_inductor.head_overlap_forward": head_overlap,
                "cp_inductor.fused_a2a_unpack": "views"}
     results = run_on_ranks(check_cp_attention, cp, cases(), None, "cp_inductor", "cuda", options, pg_backend="nccl")
-    applied = ("fused_a2a", "head_partition") if head_partition else ("fused_a2a",)
+    applied = ("fused_a2a", "head_overlap") if head_overlap else ("fused_a2a",)
     for rank_results in results:
         assert_cp_results(rank_results, TOL, applied, cp=cp)
 
@@ -39,14 +39,14 @@ def test_cuda_graph_training_step(cp):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=2048, dim=512, heads=16, kv_heads=8, lr=0.01)
-    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
+    options = {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
     results = run_on_ranks(
         compare_with_eager, cp, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16,
         pg_backend="nccl",
     )
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
-        assert region_rewrites(r) == {"fused_a2a": 2, "head_partition": 2}, r
+        assert region_rewrites(r) == {"fused_a2a": 2, "head_overlap": 2}, r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= TOL * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < TOL, r["max_param_diff"]

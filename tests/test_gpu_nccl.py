@@ -45,7 +45,7 @@ def test_auto_fuses_small_regions_nccl_bf16():
 
 @needs_gpus
 @pytest.mark.parametrize("groups", [0, 2])
-def test_head_partition_nccl_bf16(groups):
+def test_head_overlap_nccl_bf16(groups):
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bshd", dtype=bf16),
@@ -53,17 +53,17 @@ def test_head_partition_nccl_bf16(groups):
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=4, head_dim=128, layout="bhsd", causal=False, dtype=bf16),
     ]
     options = {
-        "cp_inductor.head_partition": True, "cp_inductor.head_groups": groups, "cp_inductor.head_partition_forward": True,
+        "cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": groups, "cp_inductor.head_overlap_forward": True,
         "cp_inductor.fused_a2a_unpack": "views",
     }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
-        assert_cp_results(rank_results, TOL, ("fused_a2a", "head_partition"), cp=2)
+        assert_cp_results(rank_results, TOL, ("fused_a2a", "head_overlap"), cp=2)
 
 
 @needs_gpus
-def test_head_partition_copy_engine_nccl_bf16():
-    """head_partition over the copy-engine transport, forward and backward, against the fp64
+def test_head_overlap_copy_engine_nccl_bf16():
+    """head_overlap over the copy-engine transport, forward and backward, against the fp64
     reference; the report says the copy engines carried every partitioned region."""
     bf16 = torch.bfloat16
     cases = [
@@ -71,15 +71,15 @@ def test_head_partition_copy_engine_nccl_bf16():
         AttentionCase(batch=2, seq=512, heads_q=8, heads_kv=8, head_dim=64, layout="bhsd", causal=False, dtype=bf16),
     ]
     options = {
-        "cp_inductor.head_partition": True, "cp_inductor.head_groups": 2, "cp_inductor.head_partition_forward": True,
-        "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.transport": "copy_engine",
+        "cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": 2, "cp_inductor.head_overlap_forward": True,
+        "cp_inductor.fused_a2a_unpack": "views", "cp_inductor.head_overlap_transport": "copy_engine",
     }
     results = run_on_ranks(check_cp_attention, 2, cases, None, "cp_inductor", "cuda", options, pg_backend="nccl")
     for rank_results in results:
         for r in rank_results:
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (key, r)
-            assert r["applied"] == ["fused_a2a", "head_partition"] and r["rewritten"]["head_partition"] == 2, r
+            assert r["applied"] == ["fused_a2a", "head_overlap"] and r["rewritten"]["head_overlap"] == 2, r
             assert all("transport=copy_engine" in d for d in r["details"]), r["details"]
 
 
@@ -125,7 +125,7 @@ def test_hand_written_nccl_bf16():
 
 @needs_gpus
 @pytest.mark.parametrize(
-    "dtype, kv_heads, head_partition, transport",
+    "dtype, kv_heads, head_overlap, transport",
     [
         # fp32 needs MHA here: CUDA's fp32 fused attention (memory-efficient) has no GQA, and
         # SDPA's math fallback leaves no attention op for the passes to find.
@@ -134,15 +134,15 @@ def test_hand_written_nccl_bf16():
         (torch.bfloat16, 4, True, "copy_engine"),  # the copy-engine ops captured and replayed
     ],
 )
-def test_cuda_graph_training_step(dtype, kv_heads, head_partition, transport):
+def test_cuda_graph_training_step(dtype, kv_heads, head_overlap, transport):
     """reduce-overhead: every partition captured (no cudagraph skips), replays match eager,
     and the process group tears down (run_on_ranks resets dynamo, hence cudagraph trees, first)."""
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(batch=2, seq=1024, dim=256, heads=8, kv_heads=kv_heads, lr=0.01)
-    options = {"cp_inductor.head_partition": head_partition, "cp_inductor.head_partition_forward": head_partition,
+    options = {"cp_inductor.head_overlap": head_overlap, "cp_inductor.head_overlap_forward": head_overlap,
                "cp_inductor.fused_a2a_unpack": "views",  # rewritten whatever the cost model says
-               "cp_inductor.transport": transport}
+               "cp_inductor.head_overlap_transport": transport}
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, dtype, pg_backend="nccl"
     )
@@ -150,8 +150,8 @@ def test_cuda_graph_training_step(dtype, kv_heads, head_partition, transport):
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
         # Both attention regions of the one step graph (forward and backward ops) were rewritten.
-        grouped = {"fused_a2a": 2, "head_partition": 2}
-        assert region_rewrites(r) == (grouped if head_partition else {"fused_a2a": 2}), r
+        grouped = {"fused_a2a": 2, "head_overlap": 2}
+        assert region_rewrites(r) == (grouped if head_overlap else {"fused_a2a": 2}), r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= tol * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < tol, r["max_param_diff"]
@@ -179,13 +179,13 @@ def test_allgather_nccl_bf16(kernel, head_groups):
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", 2), ("backward", "allgather", 2)}, r
 
 
-# head_partition on all-gather (and ring) regions: every attention call split in 2 or 4
+# head_split on all-gather (and ring) regions: every attention call split in 2 or 4
 # head groups, forward and backward.
-HEAD_SPLIT = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True}
+HEAD_SPLIT = {"cp_inductor.head_split": True, "cp_inductor.head_split_forward": True}
 
 
 def _allgather_split_bf16(rank, cp, kernel, groups):
-    options = {**HEAD_SPLIT, "cp_inductor.head_groups": groups}
+    options = {**HEAD_SPLIT, "cp_inductor.head_split_groups": groups}
     bf16 = torch.bfloat16
     cases = [
         AttentionCase(batch=1, seq=2048, heads_q=16, heads_kv=4, head_dim=128, dtype=bf16, load_balanced=True),
@@ -197,14 +197,14 @@ def _allgather_split_bf16(rank, cp, kernel, groups):
 
 @needs_gpus
 @pytest.mark.parametrize("kernel,groups", [("flash", 2), ("cudnn", 4)])
-def test_allgather_head_partition_nccl_bf16(kernel, groups):
+def test_allgather_head_split_nccl_bf16(kernel, groups):
     for rank_results in run_on_ranks(_allgather_split_bf16, 2, kernel, groups, pg_backend="nccl"):
         for r in rank_results:
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (r["case"], key, r[key])
-            assert r["applied"] == ["head_partition"], r
+            assert r["applied"] == ["head_split"], r
             # every region split (cuDNN's backward calls also get dO laid out like O)
-            assert r["rewritten"]["head_partition"] == len(r["report"]), r
+            assert r["rewritten"]["head_split"] == len(r["report"]), r
 
 
 @needs_gpus
@@ -213,14 +213,14 @@ def test_allgather_cuda_graph_training_step(head_groups, split):
     from cp_inductor.testing.train_step import StepConfig, compare_with_eager
 
     cfg = StepConfig(style="allgather", batch=2, seq=1024, dim=256, heads=8, kv_heads=4, lr=0.01, head_groups=head_groups)
-    options = {**HEAD_SPLIT, "cp_inductor.head_groups": 4} if split else None
+    options = {**HEAD_SPLIT, "cp_inductor.head_split_groups": 4} if split else None
     results = run_on_ranks(
         compare_with_eager, 2, cfg, 6, "cuda", "cp_inductor", "reduce-overhead", options, torch.bfloat16, pg_backend="nccl"
     )
     for r in results:
         assert r["cudagraph_skips"] == 0 and r["cudagraphs_recorded"] > 0, r
         if split:
-            assert r["rewritten"].get("head_partition", 0) > 0, r
+            assert r["rewritten"].get("head_split", 0) > 0, r
         for e, c in zip(r["eager"], r["compiled"]):
             assert abs(e - c) <= 2e-2 * abs(e), (r["eager"], r["compiled"])
         assert r["max_param_diff"] < 2e-2, r["max_param_diff"]
@@ -265,16 +265,16 @@ def test_ring_nccl_bf16(kernel, ce):
 
 @needs_gpus
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
-def test_ring_head_partition_nccl_bf16(kernel):
+def test_ring_head_split_nccl_bf16(kernel):
     """Every ring region's calls split in head groups, forward and backward, with the rotations
-    on the copy engines and the last one narrowed: the rewrites after head_partition still apply."""
-    options = {**HEAD_SPLIT, **CE_ROTATION, "cp_inductor.head_groups": 2}
+    on the copy engines and the last one narrowed: the rewrites after head_split still apply."""
+    options = {**HEAD_SPLIT, **CE_ROTATION, "cp_inductor.head_split_groups": 2}
     for rank_results in run_on_ranks(_ring_bf16, 2, kernel, options, pg_backend="nccl"):
         for r in rank_results:
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (key, r)
-            assert sorted(r["applied"]) == ["ce_rotation", "head_partition", "narrow_rotation"], r
-            assert r["rewritten"]["head_partition"] == len(r["report"]) and r["rewritten"]["ce_rotation"] >= 2, r
+            assert sorted(r["applied"]) == ["ce_rotation", "head_split", "narrow_rotation"], r
+            assert r["rewritten"]["head_split"] == len(r["report"]) and r["rewritten"]["ce_rotation"] >= 2, r
 
 
 @needs_gpus

@@ -119,17 +119,17 @@ def test_demo_main_job():
     assert re.search(r"^backward\s+a2a\s+2\s+bshd", proc.stdout, re.M), proc.stdout
 
 
-def test_cp8_fused_and_head_partition():
+def test_cp8_fused_and_head_overlap():
     """cp = 8 on 8 gloo processes (the GPU machines with 8 GPUs are not always lent): GQA with one
-    KV head per rank (fused_a2a only; head_partition says why not) and MHA in two head groups."""
+    KV head per rank (fused_a2a only; head_overlap says why not) and MHA in two head groups."""
     cases = [
         AttentionCase(layout="bshd", causal=True, heads_q=16, heads_kv=8),
         AttentionCase(layout="bhsd", causal=False, heads_q=16, heads_kv=16),
     ]
-    options = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
+    options = {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_forward": True, "cp_inductor.fused_a2a_unpack": "views"}
     gqa, mha = run_on_ranks(check_cp_attention, 8, cases, None, "cp_inductor", "cpu", options)[0]
     assert_cp_results([gqa], TOL)
-    assert_cp_results([mha], TOL, ("fused_a2a", "head_partition"))
+    assert_cp_results([mha], TOL, ("fused_a2a", "head_overlap"))
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -18,7 +18,7 @@ from helpers import aot_graphs, fake_pg, tally_detection
 
 SEEDS = range(40)
 # Every all-gather rewrite on (head groups forced to 2: every generated program has 2 | Hkv).
-FORCED = dict(head_partition=True, head_groups=2, gather_overlap=True, owner_grad_return=True)
+FORCED = dict(head_split=True, head_split_groups=2, gather_overlap=True, owner_grad_return=True)
 
 
 def survey(cp: int) -> tuple[collections.Counter, list]:
@@ -49,7 +49,7 @@ def test_recall_precision_and_no_errors(cp):
     # The sample covers every gather form and masking the generator knows.
     assert {k.split("/")[0] for k in stats if "/" in k} == set(ap.GATHERS), stats
     assert {k.split("/")[1] for k in stats if "/" in k} == {"none", "causal", "balanced", "helper"}, stats
-    assert stats["not_cp"] > 0 and stats["applied:head_partition"] > 0 and stats["applied:gather_overlap"] > 0, stats
+    assert stats["not_cp"] > 0 and stats["applied:head_split"] > 0 and stats["applied:gather_overlap"] > 0, stats
     assert stats["found"] == stats["valid"], misses
     assert stats["false_positive"] == 0, misses
 
@@ -94,4 +94,4 @@ def test_same_answer_compiled_on_gloo():
     for rank_results in results:
         for r in rank_results:
             assert r["max_rel_err"] < 1e-4, r
-    assert any("head_partition" in r["applied"] for r in results[0]), [r["applied"] for r in results[0]]
+    assert any("head_split" in r["applied"] for r in results[0]), [r["applied"] for r in results[0]]

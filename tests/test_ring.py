@@ -51,7 +51,7 @@ def _check_native(rank, cp, rotate):
 def test_native_context_parallel_ring_matches_single_device(cp, rotate):
     """Native CP's own ring code (CPU kernel) eager and compiled with cp_inductor: the answer
     is unchanged and its regions are found (all-gather forward regions with that rotation). The
-    all-to-all rotation at cp=4 hangs with AOTAutograd's CSE on (config.ring_aot_cse)."""
+    all-to-all rotation at cp=4 hangs with AOTAutograd's CSE on (config.ring_cse="aot")."""
     forward = "ring" if rotate == "alltoall" else "allgather"
     for rank_results in run_on_ranks(_check_native, cp, rotate):
         assert_cp_results(rank_results, TOL, applied=())

@@ -154,8 +154,8 @@ class TestKnownCollectives(TestCase):
         with fake_pg(2):
             text = report_text(aot_graphs(deepspeed_style, *qkv((1, 8, 4, 16), (1, 8, 4, 16))))
         self.assertExpectedInline(text, """\
-forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}
-backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'zero_init': 'not implemented yet', 'head_partition': 'disabled by config', 'uniform_thd': 'disabled by config'}""")
+forward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'head_overlap': 'disabled by config'}
+backward a2a cp=2 bshd applied=[] skipped={'fused_a2a': 'the all_to_all is the opaque custom op deepspeed::dim_zero_all_to_all', 'head_overlap': 'disabled by config'}""")
 
 
 class TestCanonicalForms(TestCase):

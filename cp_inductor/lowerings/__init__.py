@@ -1,7 +1,7 @@
 """Custom ops, their Inductor lowerings and Triton kernels used by the passes.
 
 Each rewrite in ``cp_inductor/passes`` that needs code Inductor cannot generate from ATen gets
-its op and kernel here, apart from the pass that inserts it. fused_a2a and head_partition need
+its op and kernel here, apart from the pass that inserts it. fused_a2a and head_overlap need
 none: their pack is an ``aten.cat`` of relaid views and their unpack a view or a ``clone`` of a
 slice, which Inductor lowers into one copy kernel each (``test_generated_code_collectives_and_copy_kernels``).
 

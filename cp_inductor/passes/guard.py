@@ -12,8 +12,8 @@ def internal_error(e: Exception, cfg) -> str:
     return f"internal error, left to Inductor: {type(e).__name__}: {e}"
 
 
-def why_not(ineligible, *args, cfg) -> str | None:
-    """``ineligible(*args)``, with an unexpected error turned into the reason."""
+def reason_or_error(ineligible, *args, cfg) -> str | None:
+    """``ineligible(*args)`` (a reason or None), with an unexpected error turned into the reason."""
     try:
         return ineligible(*args)
     except Exception as e:  # noqa: BLE001 - any bug here must not fail the compile

@@ -1,10 +1,11 @@
 """Every cp_inductor pass, in the order it runs: the one place to read the pipeline.
 
     canonicalize  forms the detectors rely on, made first (in-place collectives' copies)
-    DETECTORS  one module per CP style; each finds its regions and returns match records
-    REWRITES   the rewrite catalogue in decision order; each record says which styles it
-               concerns, why it cannot apply, how it applies, on which Inductor hook
-    GUARDS     whole-graph passes that always run on a hook after the rewrites
+    DETECTORS     one module per CP style; each finds its regions and returns match records
+    REWRITES      the rewrites in decision order; each record says which styles it concerns,
+                  why it cannot apply, how it applies, on which Inductor hook, and which
+                  rewrites it reads the verdict of, performs or steps aside for (checked here)
+    GRAPH_PASSES  whole-graph passes that always run on a hook after the rewrites
 
 Two places in Inductor run this code, both with the compile's config snapshot:
 
@@ -29,50 +30,50 @@ from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import BackwardRoute, Region, Rejected
-from . import canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward
+from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
-from .guard import why_not
+from .guard import reason_or_error
 from .rewrites import (
     POST_GRAD,
     Rewrite,
-    accumulators,
+    Verdicts,
+    check_order,
     ce_rotation,
     fused_a2a,
     gather_overlap,
-    head_partition,
+    head_overlap,
+    head_split,
     narrow_rotation,
     owner_grad_return,
-    planned,
     ring_grad_return,
 )
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
 # Decision order: a rewrite's why_not sees the verdicts of those before it on the same region
-# (head_partition builds on fused_a2a's buffers). The report lists each region's rewrites in
+# (head_overlap builds on fused_a2a's buffers). The report lists each region's rewrites in
 # this order.
 REWRITES: tuple[Rewrite, ...] = (
     fused_a2a.REWRITE,
-    accumulators.ZERO_INIT,
-    accumulators.FIRST_GRAD_REUSE,
-    head_partition.REWRITE,
-    planned.UNIFORM_THD,
+    head_overlap.REWRITE,
+    head_split.REWRITE,
     gather_overlap.REWRITE,  # before owner_grad_return: it gives the pulls attention to hide under
     owner_grad_return.REWRITE,
     ring_grad_return.REWRITE,  # before narrow_rotation and ce_rotation: they see its rotation
     narrow_rotation.REWRITE,  # before ce_rotation: it moves the narrowed rotation
     ce_rotation.REWRITE,
 )
+check_order(REWRITES)
 
 JOINT = "joint_custom_pre_pass"  # the joint forward+backward graph, before the partitioner
 
 
 def _ring_joint_graph(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
-    if cfg.ring_aot_cse or not any(ring.rotation(n) is not None for n in graph.nodes):
+    if cfg.ring_cse == "aot" or not any(ring.rotation(n) is not None for n in graph.nodes):
         return  # graphs compiled with AOTAutograd's CSE (the backend's choice): left to it
-    if cfg.collective_cse:
+    if cfg.ring_cse == "collective":
         collective_cse.merge_repeated(graph)
     collective_cse.pin_collectives(graph)
 
@@ -102,12 +103,12 @@ def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     canonicalize.rewrap_rng_attention(graph)
 
 
-# Whole-graph passes, ``guard(graph, cfg)``: the joint graph of a ring program (compiled without
+# Whole-graph passes, ``graph_pass(graph, cfg)``: the joint graph of a ring program (compiled without
 # AOTAutograd's CSE) gets the merges every rank makes alike and its collectives pinned to their
 # graph; a cat that reassembles slices of one tensor is that tensor; cuDNN's attention backward
 # must get a dO laid out like O, whatever the rewrites did; a CUDA generator input canonicalize
 # unwrapped is read by one RNG wrapper again, as Inductor needs.
-GUARDS = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
+GRAPH_PASSES = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
@@ -129,20 +130,15 @@ class Decision:
 def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
     """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
     (the others are left out, not skipped)."""
-    decision, decided = Decision(), {}
+    decision, verdicts = Decision(), Verdicts()
     for rewrite in REWRITES:
         if match.style not in rewrite.styles or (only is not None and rewrite.name not in only):
             continue
         if not cfg[rewrite.name]:
             reason = "disabled by config"
-        elif rewrite.why_not is None and not rewrite.implemented:
-            reason = "not implemented yet"
         else:
-            # A rewrite not written yet may still say why it has nothing to do on this region.
-            reason = why_not(rewrite.why_not, match, cfg, decided, cfg=cfg)
-            if reason is None and not rewrite.implemented:
-                reason = "not implemented yet"
-        decided[rewrite.name] = reason
+            reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
+        verdicts.record(rewrite.name, reason)
         if reason is None:
             decision.applied.append(rewrite.name)
         else:
@@ -178,10 +174,11 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
                     detail += " " + rewrite.detail(match, cfg)
             if cudnn_frontend_backward.is_cudnn_backward(match.attention):
                 detail += f" backward={cudnn_frontend_backward.route(match.attention, cfg).path}"
+            note = accumulators.note(match)
             rows.append((order[match.attention], Region(
                 style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
                 applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
-                detail=detail,
+                detail=detail, notes=[note] if note else [],
             )))
     matched = {i for i, _ in rows}
     if rejected is not None:
@@ -239,13 +236,13 @@ def inductor_patches(rows: list[Region]) -> dict:
 
 def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
     """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
-    graph order) decide and apply, then the hook's guards. ``only``: just these rewrites, no
-    guards (tests run one rewrite alone)."""
-    if any(r.hook == hook and r.implemented for r in REWRITES):
+    graph order) decide and apply, then the hook's whole-graph passes. ``only``: just these
+    rewrites, no whole-graph passes (tests run one rewrite alone)."""
+    if any(r.hook == hook for r in REWRITES):
         _rewrite_regions(hook, graph, cfg, only)
     if only is None:
-        for guard in GUARDS.get(hook, ()):
-            guard(graph, cfg)
+        for graph_pass in GRAPH_PASSES.get(hook, ()):
+            graph_pass(graph, cfg)
 
 
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:

@@ -107,7 +107,7 @@ def check_cp_attention(
     """For each case: relative errors of eager and compiled CP attention vs the fp64 reference,
     and compiled vs eager, plus the report rows seen on this rank. ``fn(q, k, v)`` defaults to
     :func:`parallel.ulysses_attention` in the case's layout; ``options`` go to torch.compile
-    (``{"cp_inductor.head_partition": True}``, say)."""
+    (``{"cp_inductor.head_overlap": True}``, say)."""
     import cp_inductor
 
     out = []

@@ -41,7 +41,7 @@ def _pending(region: RingMatch) -> list:
     return [(rot, only_wait(rot)) for rot in chained_rotations(region)]
 
 
-def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
+def why_not(region: RingMatch, cfg, verdicts) -> str | None:
     pending = _pending(region)
     if not pending:
         return "no rotation moves this op's K/V (step 0: the next step's region carries it)"
@@ -90,5 +90,6 @@ def detail(region: RingMatch, cfg) -> str:
 # The emitted order is the overlap; Inductor's peak-memory reordering would move the ops.
 REWRITE = Rewrite(
     NAME, styles=("ring",), why_not=why_not, apply=apply, detail=detail,
+    after=("narrow_rotation",),  # it moves the rotation narrow_rotation narrowed
     inductor_patches={"reorder_for_peak_memory": False},
 )

@@ -61,7 +61,7 @@ c10d = torch.ops._c10d_functional
 NAME = "fused_a2a"
 
 
-def why_not(region: A2AMatch, cfg, decided=None) -> str | None:
+def why_not(region: A2AMatch, cfg, verdicts=None) -> str | None:
     """Why fused_a2a cannot rewrite this region, or None."""
     unpack = unpack_choice(region, cfg)
     if unpack.choice == "skip":

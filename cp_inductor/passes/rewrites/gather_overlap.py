@@ -94,9 +94,9 @@ def _plan(region: AllGatherMatch):
     return min(early_calls, key=order.__getitem__), blocked, waiting
 
 
-def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
-    if decided.get("head_partition", "") is None:
-        return "head_partition splits this region's attention calls (one or the other)"
+def why_not(region: AllGatherMatch, cfg, verdicts) -> str | None:
+    if verdicts.applies("head_split"):
+        return "head_split splits this region's attention calls (one or the other)"
     if _plan(region) is None:
         what = "gather" if region.direction == "forward" else "reduce-scatter"
         return (f"no attention call of this region's queries that the {what} does not concern is "
@@ -119,6 +119,6 @@ def detail(region: AllGatherMatch, cfg) -> str:
 
 
 REWRITE = Rewrite(
-    NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
+    NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail, excludes=("head_split",),
     inductor_patches={"reorder_for_peak_memory": False},
 )

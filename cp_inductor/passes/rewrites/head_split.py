@@ -1,6 +1,5 @@
-"""head_partition's split of one attention call into G calls over head groups, on K/V all-gather
-and ring regions (the Ulysses form, which also splits the all-to-alls, is ``head_partition.py``;
-both build the group calls here)::
+"""head_split: on K/V all-gather and ring regions, each attention call becomes G calls over head
+groups, to bound the fused kernels' memory::
 
     dq, dk, dv = attention_backward(dO, q, k, v, O, lse)            # all heads: one workspace
     ->  dq_g, dk_g, dv_g = attention_backward(dO[:, g], q[:, g], k[:, g], ...)   for g < G
@@ -8,11 +7,18 @@ both build the group calls here)::
 
 Group g takes query heads ``[g*Hq/G, (g+1)*Hq/G)`` and K/V heads ``[g*Hkv/G, ...)``, so GQA pairs
 stay together; masks broadcast over heads pass to every group. The collectives around the call
-are untouched: the split is the same on every rank (it depends on the head counts only). The
-group calls carry ``meta[REPLACES]``, the old op's name: the pipeline finds the region again by
-the first of them, so the rewrites after head_partition (ce_rotation, narrow_rotation) still
-apply. A head slice of the log-sum-exp is copied dense where it is not (batch > 1): flash's
-backward indexes it as a dense ``[B, H, S]``.
+are untouched: the split is the same on every rank (it depends on the head counts only). On an
+all-gather region the call on the rank's own K/V that reads the same queries (a causal chunk's
+diagonal block) is split too. The group calls carry ``meta[REPLACES]``, the old op's name: the
+pipeline finds the region again by the first of them, so the rewrites after it (ce_rotation,
+narrow_rotation) still apply. A head slice of the log-sum-exp is copied dense where it is not
+(batch > 1): flash's backward indexes it as a dense ``[B, H, S]``.
+
+A fused backward kernel's allocations (dQ accumulated in fp32, dK/dV of every query head under
+GQA) scale with the heads of the call; with ``head_split_groups=0`` only calls allocating at
+least ``head_split_min_gib`` are split (smaller ones pay 2-3% time for little memory). Ulysses'
+head groups, which also split the all-to-alls, are ``head_overlap.py``; both build the group
+calls here.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from ..detect import moved_from
 from ..detect.allgather import REORDER_OPS
 from ..fx_emit import REPLACES, Emitter, stride_order
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
-from . import size_text
+from . import Rewrite, size_text
 
 aten = torch.ops.aten
 
@@ -79,18 +85,44 @@ def group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs:
     return emit(node.target, *args, **kwargs)
 
 
-def why_not(region, cfg) -> str | None:
-    """Why ``region``'s attention call cannot be split by head groups (the number of groups
-    aside), or None."""
-    if region.direction == "forward" and not cfg.head_partition_forward:
-        return "forward region (head_partition_forward=False; its kernel's workspace is small)"
+NAME = "head_split"
+# Most groups the automatic choice takes: four took a cuDNN backward's allocations to what its
+# outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
+AUTO_MAX_GROUPS = 4
+
+
+def common_groups(hq: int, hkv: int, want: int, auto_max: int, knob: str, label: str, names) -> tuple[int, str | None]:
+    """Head groups for ``hq`` query and ``hkv`` key/value heads: (``want``, None) if it divides
+    both, (the largest common divisor up to ``auto_max``, None) for ``want`` = 0, else (1, why)."""
+    common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
+    if want == 1:
+        return 1, f"{knob}=1"
+    shown = f"{names[0]}={hq}, {names[1]}={hkv}"
+    if want > 1:
+        if want in common:
+            return want, None
+        return 1, f"{knob}={want} does not divide the {label} ({shown})"
+    fitting = [g for g in common if g <= auto_max]
+    if not fitting:
+        return 1, f"{label} {shown} have no common divisor in 2..{auto_max}"
+    return fitting[-1], None
+
+
+def choose_groups(region, cfg) -> tuple[int, str | None]:
+    return common_groups(region.heads_q, region.heads_kv, cfg.head_split_groups, AUTO_MAX_GROUPS, "head_split_groups", "heads", ("Hq", "Hkv"))
+
+
+def why_not(region, cfg, verdicts=None) -> str | None:
+    """Why ``region``'s attention call cannot be split by head groups, or None."""
+    if region.direction == "forward" and not cfg.head_split_forward:
+        return "forward region (head_split_forward=False; its kernel's workspace is small)"
     reason = _call_why_not(region.attention)
-    if reason is None and cfg.head_groups == 0:
+    if reason is None and cfg.head_split_groups == 0:
         nbytes = backward_allocation(region.attention)
-        if nbytes < cfg.head_partition_min_gib * 2**30:
-            reason = (f"its backward allocates ~{size_text(nbytes)} beyond its gradients (< head_partition_min_gib "
-                      f"{cfg.head_partition_min_gib:g}: smaller calls pay 2-3% time for the split); head_groups=G forces it")
-    return reason
+        if nbytes < cfg.head_split_min_gib * 2**30:
+            reason = (f"its backward allocates ~{size_text(nbytes)} beyond its gradients (< head_split_min_gib "
+                      f"{cfg.head_split_min_gib:g}: smaller calls pay 2-3% time for the split); head_split_groups=G forces it")
+    return reason or choose_groups(region, cfg)[1]
 
 
 def backward_allocation(node: torch.fx.Node) -> int:
@@ -180,9 +212,10 @@ def _split_call(emit: Emitter, node: torch.fx.Node, p: Partition, backward: bool
             emit.graph.erase_node(n)
 
 
-def apply(graph: torch.fx.Graph, region, groups: int) -> list:
+def apply(graph: torch.fx.Graph, region, cfg) -> list:
     """The region's attention op (and, on an all-gather region, its local siblings), each split
-    into ``groups`` calls."""
+    into head groups."""
+    groups, _ = choose_groups(region, cfg)
     p = Partition(groups, region.heads_q // groups, region.heads_kv // groups)
     replaced = []
     for node in [region.attention, *siblings(region)]:
@@ -190,3 +223,13 @@ def apply(graph: torch.fx.Graph, region, groups: int) -> list:
         _split_call(emit, node, p, region.direction == "backward")
         replaced += emit.replaced
     return replaced
+
+
+def detail(region, cfg) -> str:
+    count = len(siblings(region))
+    also = f" and {count} call(s) on local K/V reading its queries" if count else ""
+    whole = "gathers, reduce-scatters" if region.style == "allgather" else "rotations"
+    return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups ({whole} whole)"
+
+
+REWRITE = Rewrite(NAME, styles=("allgather", "ring"), why_not=why_not, apply=apply, detail=detail)

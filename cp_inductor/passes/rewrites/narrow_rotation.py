@@ -77,10 +77,10 @@ def _narrowable(region: RingMatch) -> list:
     return out
 
 
-def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
+def why_not(region: RingMatch, cfg, verdicts) -> str | None:
     if region.direction != "backward":
         return "a forward region: attention reads its rotated K/V as they are"
-    if decided.get("ring_grad_return", "") is None:
+    if verdicts.applies("ring_grad_return"):
         return "ring_grad_return sends the home contribution itself (narrowed where exact)"
     if not _narrowable(region):
         return "no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)"
@@ -110,4 +110,4 @@ def detail(region: RingMatch, cfg) -> str:
     return f"{len(_narrowable(region))} rotation(s) sent cast down"
 
 
-REWRITE = Rewrite(NAME, styles=("ring",), why_not=why_not, apply=apply, detail=detail)
+REWRITE = Rewrite(NAME, styles=("ring",), why_not=why_not, apply=apply, detail=detail, after=("ring_grad_return",))

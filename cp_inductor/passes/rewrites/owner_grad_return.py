@@ -45,13 +45,13 @@ def _reduce_scatters(region: AllGatherMatch) -> list:
     return sorted(nodes, key=order.__getitem__)
 
 
-def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
+def why_not(region: AllGatherMatch, cfg, verdicts) -> str | None:
     if region.direction != "backward":
         return "forward region (the rewrite returns the backward's dK/dV)"
-    if "head_partition" in decided and decided["head_partition"] is None:
+    if verdicts.applies("head_split"):
         # The backward's regions are found through the reduce-scatters this rewrite replaces:
-        # the graph's other regions, found again after it, would lose their head_partition.
-        return "head_partition splits this region's attention calls (one or the other)"
+        # the graph's other regions, found again after it, would lose their head_split.
+        return "head_split splits this region's attention calls (one or the other)"
     scatters = _reduce_scatters(region)
     for rs in scatters:
         if rs.args[1] != "sum":
@@ -61,7 +61,7 @@ def why_not(region: AllGatherMatch, cfg, decided: dict) -> str | None:
     graph = region.attention.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(order[rs] for rs in scatters)
-    overlapped = decided.get("gather_overlap", "") is None  # it moves attention after the reduce-scatter
+    overlapped = verdicts.applies("gather_overlap")  # it moves attention after the reduce-scatter
     if not overlapped and not any(
         order[n] > first for target in SDPA_BACKWARD for n in graph.find_nodes(op="call_function", target=target)
     ):
@@ -99,5 +99,6 @@ def detail(region: AllGatherMatch, cfg) -> str:
 # Inductor's peak-memory reordering would sink each start back next to its wait.
 REWRITE = Rewrite(
     NAME, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
+    after=("gather_overlap",), excludes=("head_split",),
     inductor_patches={"reorder_for_peak_memory": False},
 )

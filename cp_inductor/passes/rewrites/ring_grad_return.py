@@ -168,7 +168,7 @@ def _plan(region: RingMatch):
     return (a, b, wait_a, wait_b, path), None
 
 
-def why_not(region: RingMatch, cfg, decided: dict) -> str | None:
+def why_not(region: RingMatch, cfg, verdicts) -> str | None:
     if region.direction != "backward":
         return "a forward region: the rewrite returns dK/dV"
     if region.cp != 2:

@@ -22,20 +22,22 @@ def copy_engine_unavailable(region) -> str | None:
 
 
 def transport_choice(region, cfg) -> tuple[str, str]:
-    """(transport, why) for the all-to-alls head_partition emits: ``cfg.transport``, or "nccl"
-    where the copy engines cannot run (the reason says why); "auto": the copy engines where the
-    region's attention is long enough to hide their host-side work (``transport_min_tflop``)."""
-    if cfg.transport not in ("copy_engine", "nccl", "auto"):
-        return "nccl", f"unknown transport {cfg.transport!r}"
-    if cfg.transport == "nccl":
+    """(transport, why) for the all-to-alls head_overlap emits: ``cfg.head_overlap_transport``, or
+    "nccl" where the copy engines cannot run (the reason says why); "auto": the copy engines where
+    the region's attention is long enough to hide their host-side work
+    (``head_overlap_transport_min_tflop``)."""
+    transport, min_tflop = cfg.head_overlap_transport, cfg.head_overlap_transport_min_tflop
+    if transport not in ("copy_engine", "nccl", "auto"):
+        return "nccl", f"unknown transport {transport!r}"
+    if transport == "nccl":
         return "nccl", "config"
     reason = copy_engine_unavailable(region)
     if reason:
         return "nccl", reason
-    if cfg.transport == "auto":
+    if transport == "auto":
         work = attention_tflop(region)
-        verdict = ">=" if work >= cfg.transport_min_tflop else "<"
-        why = f"attention {work:.2g} TFLOP {verdict} transport_min_tflop {cfg.transport_min_tflop:g}"
+        verdict = ">=" if work >= min_tflop else "<"
+        why = f"attention {work:.2g} TFLOP {verdict} head_overlap_transport_min_tflop {min_tflop:g}"
         return ("copy_engine" if verdict == ">=" else "nccl"), why
     return "copy_engine", "copy engines and symmetric memory available"
 

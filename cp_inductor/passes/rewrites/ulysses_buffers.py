@@ -1,4 +1,4 @@
-"""What fused_a2a and head_partition share: how a Ulysses region's tensors are laid out in the
+"""What fused_a2a and head_overlap share: how a Ulysses region's tensors are laid out in the
 one buffer an all-to-all sends, and how attention reads what arrives.
 
 The send buffer of one tensor is ``[cp, S/cp, B, H, D]`` (destination rank, local position,

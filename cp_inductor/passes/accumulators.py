@@ -1,5 +1,6 @@
-"""``zero_init`` and ``first_grad_reuse`` on K/V all-gather and ring regions: what Inductor
-already does.
+"""What becomes of a backward region's dK/dV accumulators: an analysis note of the report, not a
+rewrite (dropping the zero fill, or reusing the first contribution as the accumulator, would
+remove what Inductor already removes).
 
 A backward region's dK/dV contributions (one per attention call that read gathered keys) reach
 the reduce-scatter through scatters into a zero full-sequence gradient, adds and the reorder
@@ -11,15 +12,14 @@ back to the gathered layout::
 Inductor inlines the zero ``full`` into its consumers and fuses the scatters, adds and reorder
 into the kernel that writes the reduce-scatter's input: the generated code has no fill and no
 add-into-zero, and reads each contribution once (``tests/test_accumulators.py`` checks the
-generated code). Both rewrites then have nothing to remove, and the report says so.
+generated code). Nothing is left to remove, and the report's note says so.
 
 A ring's backward is the same at each step: the step's dK/dV are added into the accumulator
 that arrived with the K/V block (native CP starts it from ``zeros_like``), concatenated and
 rotated on; Inductor writes each rotation's input with one kernel, the zeros inlined.
 
-They would act where a partial accumulator is materialized: read by an op Inductor cannot fuse
-into that kernel. That case is reported as not implemented yet, with the op that materializes
-it.
+Where a partial accumulator is materialized (read by an op Inductor cannot fuse into that
+kernel) the note names the op: that fill and that add stay.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..layout_algebra import is_layout_op
-from ..sdpa_ops import tuple_outputs
-from . import Rewrite
+from .layout_algebra import is_layout_op
+from .sdpa_ops import tuple_outputs
 
 aten = torch.ops.aten
 # Where a dK/dV accumulator leaves: the all-gather's reduce-scatter, a ring's rotation.
@@ -42,14 +41,6 @@ _SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
 _FUSED = _SCATTERS + (
     aten.cat.default, aten.sum.dim_IntList, aten.flip.default, torch.ops.prims.rev.default, aten.constant_pad_nd.default,
 )
-
-FOLDED = {
-    "zero_init": "Inductor inlines the zero-filled dK/dV accumulator into the kernel that writes the "
-                 "{into} input (no fill in the generated code): nothing to remove",
-    "first_grad_reuse": "Inductor reads each dK/dV contribution once in the kernel that writes the "
-                        "{into} input (no add-into-zero): reusing one as the accumulator would add a pass",
-}
-
 
 def _fused(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
@@ -83,23 +74,13 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
     return min(blockers, key=order.__getitem__)
 
 
-def _why_not(name: str):
-    def why_not(match, cfg, decided) -> str | None:
-        # A forward has no gradient to accumulate; a ring's forward may still zero-fill its
-        # output accumulator (not written yet), an all-gather forward has none.
-        if match.direction == "forward":
-            if name == "first_grad_reuse" or match.style == "allgather":
-                return "forward region: no gradient accumulator"
-            return None  # not implemented yet
-        if match.style not in ("allgather", "ring"):
-            return None  # not implemented yet for this style
-        blocker = materialized_at(match.attention)
-        if blocker is None:
-            return FOLDED[name].format(into="reduce-scatter" if match.style == "allgather" else "rotation")
-        return f"a partial dK/dV accumulator is materialized before {blocker.target}: not implemented yet"
-
-    return why_not
-
-
-ZERO_INIT = Rewrite("zero_init", ("a2a", "allgather", "ring"), why_not=_why_not("zero_init"))
-FIRST_GRAD_REUSE = Rewrite("first_grad_reuse", ("allgather", "ring"), why_not=_why_not("first_grad_reuse"))
+def note(match) -> str | None:
+    """The report's note on a K/V all-gather or ring backward region's dK/dV accumulators."""
+    if match.direction != "backward" or match.style not in ("allgather", "ring"):
+        return None
+    into = "reduce-scatter" if match.style == "allgather" else "rotation"
+    blocker = materialized_at(match.attention)
+    if blocker is None:
+        return (f"dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the "
+                f"kernel that writes the {into} input (no fill, no add-into-zero)")
+    return f"dK/dV accumulators: a partial one is materialized before {blocker.target}: its zero fill and add stay"

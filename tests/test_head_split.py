@@ -1,4 +1,4 @@
-"""head_partition on K/V all-gather regions: each attention call of a region becomes G calls over
+"""head_split on K/V all-gather regions: each attention call of a region becomes G calls over
 head groups (the gathers and reduce-scatters stay whole). Golden schedules at cp = 2, 4, 8,
 eligibility reasons, numerics on gloo against the fp64 reference."""
 
@@ -20,8 +20,8 @@ from helpers import aot_graphs, causal_allgather, fake_pg, region_rewrites
 from test_detect_allgather import head_stride_loop, llama3_style_masked
 
 c10d = torch.ops._c10d_functional
-# The test shapes are tiny: the automatic choice splits any call (head_partition_min_gib).
-ANY_SIZE = {"head_partition_min_gib": 0.0}
+# The test shapes are tiny: the automatic choice splits any call (head_split_min_gib).
+ANY_SIZE = {"head_split_min_gib": 0.0}
 
 
 def qkv(hq: int, hkv: int, seq: int = 16):
@@ -50,7 +50,7 @@ def calls(gm) -> str:
 
 
 def split(cp, fn, *inputs, **cfg) -> str:
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **{**ANY_SIZE, **cfg}):
+    with fake_pg(cp), cp_inductor.config.patch(head_split=True, strict=True, **{**ANY_SIZE, **cfg}):
         lines = []
         for kind, gm in aot_graphs(fn, *inputs).items():
             pipeline.rewrite_graph(gm.graph)
@@ -70,7 +70,7 @@ backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_sca
 
     def test_forward_too_cp4_four_groups(self):
         self.assertExpectedInline(
-            split(4, causal_allgather, *qkv(8, 4, seq=8), head_groups=4, head_partition_forward=True), """\
+            split(4, causal_allgather, *qkv(8, 4, seq=8), head_split_groups=4, head_split_forward=True), """\
 forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2)
 backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
@@ -86,7 +86,7 @@ forward: gather attn(h=4) attn(h=4) attn(h=4) gather attn(h=4) attn(h=4) attn(h=
 backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
     def test_not_causal_cp8(self):
-        self.assertExpectedInline(split(8, noncausal_allgather, *qkv(8, 8, seq=4), head_partition_forward=True), """\
+        self.assertExpectedInline(split(8, noncausal_allgather, *qkv(8, 8, seq=4), head_split_forward=True), """\
 forward: gather attn(h=2) attn(h=2) attn(h=2) attn(h=2)
 backward: attn(h=2) attn(h=2) attn(h=2) attn(h=2) reduce_scatter""")
 
@@ -99,9 +99,9 @@ backward: attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) attn(h=1) 
 
 
 def reasons(cp, fn, *inputs, **cfg) -> str:
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, strict=True, **{**ANY_SIZE, **cfg}):
+    with fake_pg(cp), cp_inductor.config.patch(head_split=True, strict=True, **{**ANY_SIZE, **cfg}):
         return "\n".join(sorted({
-            f"{kind}: {row.skipped.get('head_partition', 'applied: ' + row.detail.split(' G=')[-1])}"
+            f"{kind}: {row.skipped.get('head_split', 'applied: ' + row.detail.split(' G=')[-1])}"
             for kind, gm in aot_graphs(fn, *inputs).items() for row in pipeline.analyze(gm.graph, kind)
         }))
 
@@ -119,17 +119,17 @@ class TestEligibility(TestCase):
     def test_reasons(self):
         cases = {
             "default": reasons(2, causal_allgather, *qkv(4, 2)),
-            "head_groups=3": reasons(2, noncausal_allgather, *qkv(6, 2), head_groups=3),
+            "head_split_groups=3": reasons(2, noncausal_allgather, *qkv(6, 2), head_split_groups=3),
             "one K/V head": reasons(2, noncausal_allgather, *qkv(4, 1)),
-            "a mask per head": reasons(2, head_masked, *qkv(2, 2), head_partition_forward=True),
+            "a mask per head": reasons(2, head_masked, *qkv(2, 2), head_split_forward=True),
             "K/V heads gathered one at a time": reasons(2, head_stride_loop, *qkv(2, 2)),
-            "auto, calls of the default size": reasons(2, causal_allgather, *qkv(4, 2), head_partition_min_gib=1.0),
+            "auto, calls of the default size": reasons(2, causal_allgather, *qkv(4, 2), head_split_min_gib=1.0),
         }
-        with fake_pg(2), cp_inductor.config.patch(head_partition=True, owner_grad_return=True, **ANY_SIZE):
+        with fake_pg(2), cp_inductor.config.patch(head_split=True, owner_grad_return=True, **ANY_SIZE):
             rows = [row for kind, gm in aot_graphs(causal_allgather, *qkv(4, 2)).items()
                     for row in pipeline.analyze(gm.graph, kind) if kind == "backward"]
         cases["owner_grad_return on too"] = "\n".join(sorted({
-            f"{r.skipped.get('head_partition', 'head_partition applied')}; "
+            f"{r.skipped.get('head_split', 'head_split applied')}; "
             f"owner_grad_return: {r.skipped.get('owner_grad_return', 'applied')}" for r in rows
         }))
         text = "\n".join(f"# {name}\n{why}" for name, why in cases.items())
@@ -137,28 +137,28 @@ class TestEligibility(TestCase):
 # default
 backward: applied: 2: attention call and 1 call(s) on local K/V reading its queries split by head groups (gathers, reduce-scatters whole)
 backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)
-# head_groups=3
-backward: head_groups=3 does not divide the heads (Hq=6, Hkv=2)
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+forward: forward region (head_split_forward=False; its kernel's workspace is small)
+# head_split_groups=3
+backward: head_split_groups=3 does not divide the heads (Hq=6, Hkv=2)
+forward: forward region (head_split_forward=False; its kernel's workspace is small)
 # one K/V head
 backward: heads Hq=4, Hkv=1 have no common divisor in 2..4
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+forward: forward region (head_split_forward=False; its kernel's workspace is small)
 # a mask per head
 backward: attn_mask has a head dim (not split by heads)
 forward: attn_mask has a head dim (not split by heads)
 # K/V heads gathered one at a time
 backward: applied: 2: attention call split by head groups (gathers, reduce-scatters whole)
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+forward: forward region (head_split_forward=False; its kernel's workspace is small)
 # auto, calls of the default size
-backward: its backward allocates ~3 KiB beyond its gradients (< head_partition_min_gib 1: smaller calls pay 2-3% time for the split); head_groups=G forces it
-backward: its backward allocates ~7 KiB beyond its gradients (< head_partition_min_gib 1: smaller calls pay 2-3% time for the split); head_groups=G forces it
-forward: forward region (head_partition_forward=False; its kernel's workspace is small)
+backward: its backward allocates ~3 KiB beyond its gradients (< head_split_min_gib 1: smaller calls pay 2-3% time for the split); head_split_groups=G forces it
+backward: its backward allocates ~7 KiB beyond its gradients (< head_split_min_gib 1: smaller calls pay 2-3% time for the split); head_split_groups=G forces it
+forward: forward region (head_split_forward=False; its kernel's workspace is small)
 # owner_grad_return on too
-head_partition applied; owner_grad_return: head_partition splits this region's attention calls (one or the other)""")
+head_split applied; owner_grad_return: head_split splits this region's attention calls (one or the other)""")
 
 
-HP = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True,
+HP = {"cp_inductor.head_split": True, "cp_inductor.head_split_forward": True,
       **{f"cp_inductor.{k}": v for k, v in ANY_SIZE.items()}}
 TOL = 1e-5  # fp32 vs fp64, relative L2
 
@@ -192,7 +192,7 @@ def test_numerics_gloo(cp):
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (r["case"], key, r[key])
             # Every region (several per graph: one per attention call over gathered keys) split.
-            assert r["applied"] == ["head_partition"] and region_rewrites(r) == {"head_partition": len(r["report"])}, r
+            assert r["applied"] == ["head_split"] and region_rewrites(r) == {"head_split": len(r["report"])}, r
             assert {row[:3] for row in r["report"]} == {("forward", "allgather", cp), ("backward", "allgather", cp)}, r
 
 
@@ -206,7 +206,7 @@ def ring_split(cp, fn, copy_engines=False, **cfg) -> str:
     from cp_inductor.lowerings import ce_transport
     from helpers import ring_graphs, rotations
 
-    cfg = {"head_partition": True, "strict": True, "ce_rotation_min_bytes": 0, **ANY_SIZE, **cfg}
+    cfg = {"head_split": True, "strict": True, "ce_rotation_min_bytes": 0, **ANY_SIZE, **cfg}
     available = mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None)
     with available if copy_engines else contextlib.nullcontext():
         rows, graphs = ring_graphs(cp, fn, qkv(4, 2, seq=8), **cfg)
@@ -225,12 +225,12 @@ class TestRing(TestCase):
     def test_hand_written_ring_cp2_with_copy_engine_rotations(self):
         # Every step's call in two groups; ce_rotation still moves the rotations (it finds each
         # split region again through its first call). One line per region kind in the report.
-        self.assertExpectedInline(ring_split(2, hand_ring, copy_engines=True, head_partition_forward=True), """\
+        self.assertExpectedInline(ring_split(2, hand_ring, copy_engines=True, head_split_forward=True), """\
 forward: ce#0(to 1, from 1) attn(h=2) attn(h=2) wait#0 attn(h=2) attn(h=2)
 backward: attn(h=2) attn(h=2) ce#0(to 1, from 1) attn(h=2) attn(h=2) wait#0 ce#1(to 1, from 1) wait#1
-backward: head_partition ce_rotation
-forward: head_partition
-forward: head_partition ce_rotation""")
+backward: head_split ce_rotation
+forward: head_split
+forward: head_split ce_rotation""")
 
     def test_native_context_parallel_cp4(self):
         from ring_programs import native_options, native_ring
@@ -241,7 +241,7 @@ forward: head_partition ce_rotation""")
         self.assertExpectedInline(text, """\
 forward: nccl#0 wait#0 attn(h=4) nccl#1 wait#1 attn(h=4) nccl#2 wait#2 attn(h=4) attn(h=4)
 backward: attn(h=2) attn(h=2) nccl#0 wait#0 nccl#1 wait#1 attn(h=2) attn(h=2) nccl#2 wait#2 nccl#3 wait#3 attn(h=2) attn(h=2) nccl#4 wait#4 attn(h=2) attn(h=2) nccl#5 wait#5
-backward: head_partition
+backward: head_split
 forward: """)
 
 
@@ -264,5 +264,5 @@ def test_ring_numerics_gloo(cp):
         for r in rank_results:
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (r["case"], key, r[key])
-            assert r["applied"] == ["head_partition"], r
-            assert region_rewrites(r) == {"head_partition": len(r["report"])}, r
+            assert r["applied"] == ["head_split"], r
+            assert region_rewrites(r) == {"head_split": len(r["report"])}, r

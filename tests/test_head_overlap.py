@@ -1,4 +1,4 @@
-"""head_partition: golden schedules (collectives, waits and attention calls in order), the order
+"""head_overlap: golden schedules (collectives, waits and attention calls in order), the order
 Inductor keeps in its generated code, eligibility reasons, numerics on gloo."""
 
 import functools
@@ -16,12 +16,12 @@ from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.rewrites import head_partition
+from cp_inductor.passes.rewrites import head_overlap
 from helpers import aot_graphs, assert_cp_results, fake_pg, region_rewrites, schedule
 from test_fused_a2a import qkv, ulysses
 
 
-# head_partition builds on fused_a2a's views; at these tiny shapes the cost model would copy.
+# head_overlap builds on fused_a2a's views; at these tiny shapes the cost model would copy.
 VIEWS = {"cp_inductor.fused_a2a_unpack": "views"}
 
 
@@ -30,9 +30,9 @@ def run_passes(graph):
 
 
 def partitioned(cp, fn, *inputs, **cfg) -> str:
-    """Each graph's schedule after the post-grad passes, with head_partition on."""
+    """Each graph's schedule after the post-grad passes, with head_overlap on."""
     cfg = {"fused_a2a_unpack": "views", **cfg}
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, **cfg):
+    with fake_pg(cp), cp_inductor.config.patch(head_overlap=True, **cfg):
         graphs = aot_graphs(fn, *inputs)
         lines = []
         for kind, gm in graphs.items():
@@ -52,7 +52,7 @@ backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
 
     def test_forward_too_cp4_four_groups(self):
         text = partitioned(
-            4, ulysses(is_causal=True), *qkv((1, 8, 16, 8), (1, 8, 16, 8)), head_groups=4, head_partition_forward=True
+            4, ulysses(is_causal=True), *qkv((1, 8, 16, 8), (1, 8, 16, 8)), head_overlap_groups=4, head_overlap_forward=True
         )
         self.assertExpectedInline(text, """\
 forward: a2a#0[4, 8, 1, 3, 8] a2a#1[4, 8, 1, 3, 8] a2a#2[4, 8, 1, 3, 8] a2a#3[4, 8, 1, 3, 8] wait#0 attn(h=1) a2a#4[4, 8, 1, 1, 8] wait#1 attn(h=1) a2a#5[4, 8, 1, 1, 8] wait#2 attn(h=1) a2a#6[4, 8, 1, 1, 8] wait#3 attn(h=1) a2a#7[4, 8, 1, 1, 8] wait#4 wait#5 wait#6 wait#7
@@ -64,7 +64,7 @@ backward: a2a#0[4, 8, 1, 1, 8] a2a#1[4, 8, 1, 1, 8] a2a#2[4, 8, 1, 1, 8] a2a#3[4
         with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
             text = partitioned(
                 2, ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)),
-                transport="copy_engine", head_partition_forward=True,
+                head_overlap_transport="copy_engine", head_overlap_forward=True,
             )
         self.assertExpectedInline(text, """\
 forward: ce#0[2, 8, 2, 4, 16] ce#1[2, 8, 2, 4, 16] wait#0 attn(h=2) ce#2[2, 8, 2, 2, 16] wait#1 attn(h=2) ce#3[2, 8, 2, 2, 16] wait#2 wait#3
@@ -85,7 +85,7 @@ backward: a2a#0[2, 4, 2, 2, 16] a2a#1[2, 4, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
     def test_memory_efficient_attention(self):
         # Traced on meta tensors: the CPU has no kernel for the memory-efficient op.
         inputs = [torch.randn(2, 8, 8, 16, device="meta", requires_grad=True) for _ in range(3)]
-        text = partitioned(2, efficient_ulysses, *inputs, head_partition_forward=True)
+        text = partitioned(2, efficient_ulysses, *inputs, head_overlap_forward=True)
         self.assertExpectedInline(text, """\
 forward: a2a#0[2, 8, 2, 6, 16] a2a#1[2, 8, 2, 6, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 2, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 2, 16] wait#2 wait#3
 backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 8, 2, 6, 16] wait#1 attn(h=2) a2a#3[2, 8, 2, 6, 16] wait#2 wait#3""")
@@ -109,12 +109,12 @@ masked_ulysses = variants.around(
 
 def skip_reasons(cp, fn, *inputs, **cfg) -> str:
     cfg = {"fused_a2a_unpack": "views", **cfg}
-    with fake_pg(cp), cp_inductor.config.patch(head_partition=True, **cfg):
+    with fake_pg(cp), cp_inductor.config.patch(head_overlap=True, **cfg):
         graphs = aot_graphs(fn, *inputs)
         lines = []
         for kind, gm in graphs.items():
             for r in pipeline.analyze(gm.graph, kind):
-                lines.append(f"{kind}: {r.skipped.get('head_partition', 'applied')}")
+                lines.append(f"{kind}: {r.skipped.get('head_overlap', 'applied')}")
     return "\n".join(lines)
 
 
@@ -123,35 +123,35 @@ class TestEligibility(TestCase):
         gqa = qkv((2, 8, 8, 16), (2, 8, 4, 16))
         cases = {
             "default (forward off)": skip_reasons(2, ulysses(is_causal=True), *gqa),
-            "head_groups=3": skip_reasons(2, ulysses(is_causal=True), *gqa, head_groups=3),
+            "head_overlap_groups=3": skip_reasons(2, ulysses(is_causal=True), *gqa, head_overlap_groups=3),
             "one kv head per rank": skip_reasons(4, ulysses(), *qkv((1, 8, 8, 16), (1, 8, 4, 16))),
             "fused_a2a off": skip_reasons(2, ulysses(), *gqa, fused_a2a=False),
             "unpack copies": skip_reasons(2, ulysses(), *gqa, fused_a2a_unpack="copy"),
-            "mask": skip_reasons(2, masked_ulysses, *qkv((1, 8, 4, 16), (1, 8, 4, 16)), head_partition_forward=True),
+            "mask": skip_reasons(2, masked_ulysses, *qkv((1, 8, 4, 16), (1, 8, 4, 16)), head_overlap_forward=True),
             "GQA by expand": skip_reasons(
-                2, variants.expanded_kv_heads, *qkv((1, 8, 8, 16), (1, 8, 4, 16)), head_partition_forward=True
+                2, variants.expanded_kv_heads, *qkv((1, 8, 8, 16), (1, 8, 4, 16)), head_overlap_forward=True
             ),
             "dropout (meta tensors)": skip_reasons(
                 2, dropout_ulysses, *[torch.randn(1, 8, 4, 16, device="meta", requires_grad=True) for _ in range(3)],
-                head_partition_forward=True,
+                head_overlap_forward=True,
             ),
         }
         text = "\n".join(f"# {name}\n{reasons}" for name, reasons in cases.items())
         self.assertExpectedInline(text, """\
 # default (forward off)
-forward: forward region (head_partition_forward=False)
+forward: forward region (head_overlap_forward=False)
 backward: applied
-# head_groups=3
-forward: forward region (head_partition_forward=False)
-backward: head_groups=3 does not divide the local heads (Hq/cp=4, Hkv/cp=2)
+# head_overlap_groups=3
+forward: forward region (head_overlap_forward=False)
+backward: head_overlap_groups=3 does not divide the local heads (Hq/cp=4, Hkv/cp=2)
 # one kv head per rank
-forward: forward region (head_partition_forward=False)
+forward: forward region (head_overlap_forward=False)
 backward: local heads Hq/cp=2, Hkv/cp=1 have no common divisor in 2..2
 # fused_a2a off
 forward: needs fused_a2a (disabled by config)
 backward: needs fused_a2a (disabled by config)
 # unpack copies
-forward: forward region (head_partition_forward=False)
+forward: forward region (head_overlap_forward=False)
 backward: needs fused_a2a's views; fused_a2a copies (set by config)
 # mask
 forward: attention mask or bias (not split by heads)
@@ -184,7 +184,7 @@ def test_inductor_keeps_the_overlapping_order():
         q, k, v = qkv((2, 8, 8, 16), (2, 8, 4, 16))
         f = torch.compile(
             ulysses(is_causal=True), backend="cp_inductor", fullgraph=True,
-            options={"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, **VIEWS},
+            options={"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_forward": True, **VIEWS},
         )
         _, codes = run_and_get_code(lambda: f(q, k, v).sum().backward())
     assert _generated_order(codes) == [
@@ -195,7 +195,7 @@ def test_inductor_keeps_the_overlapping_order():
 
 class TestTransportReport(TestCase):
     def test_copy_engine_falls_back_with_the_reason(self):
-        with fake_pg(2), cp_inductor.config.patch(head_partition=True, fused_a2a_unpack="views", transport="copy_engine"):
+        with fake_pg(2), cp_inductor.config.patch(head_overlap=True, fused_a2a_unpack="views", head_overlap_transport="copy_engine"):
             graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
             details = [r.detail for r in pipeline.analyze(graphs["backward"].graph, "backward")]
             for gm in graphs.values():
@@ -212,20 +212,20 @@ backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
         with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
             details = []
             for threshold in (2.0, 0.0):
-                with fake_pg(2), cp_inductor.config.patch(head_partition=True, fused_a2a_unpack="views",
-                                                          transport="auto", transport_min_tflop=threshold):
+                with fake_pg(2), cp_inductor.config.patch(head_overlap=True, fused_a2a_unpack="views",
+                                                          head_overlap_transport="auto", head_overlap_transport_min_tflop=threshold):
                     graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
                     details += [r.detail.split("G=")[1] for r in pipeline.analyze(graphs["backward"].graph, "backward")]
         self.assertExpectedInline("\n".join(details), """\
-2, transport=nccl (attention 6.6e-08 TFLOP < transport_min_tflop 2)
-2, transport=copy_engine (attention 6.6e-08 TFLOP >= transport_min_tflop 0)""")
+2, transport=nccl (attention 6.6e-08 TFLOP < head_overlap_transport_min_tflop 2)
+2, transport=copy_engine (attention 6.6e-08 TFLOP >= head_overlap_transport_min_tflop 0)""")
 
 
-HP_ALL = {"cp_inductor.head_partition": True, "cp_inductor.head_partition_forward": True, **VIEWS}
+HP_ALL = {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_forward": True, **VIEWS}
 
 
 def _assert_partitioned(results):
-    assert_cp_results(results, 1e-5, ("fused_a2a", "head_partition"))
+    assert_cp_results(results, 1e-5, ("fused_a2a", "head_overlap"))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -243,7 +243,7 @@ def _check_with_copy_engine_ops(rank, cp, *args):
     torch.distributed's all-to-all): the rewritten graph's plumbing (slots, waits, reassembly)
     checked against the fp64 reference. No FX graph cache: the faked choice is not in its key."""
     torch._inductor.config.fx_graph_cache = False
-    head_partition.transport_choice = lambda region, cfg: ("copy_engine", "faked on CPU")
+    head_overlap.transport_choice = lambda region, cfg: ("copy_engine", "faked on CPU")
     return check_cp_attention(rank, cp, *args)
 
 
@@ -261,7 +261,7 @@ def test_numerics_gloo_hand_written_and_backward_only():
     fn = functools.partial(variants.flattened_buffer, is_causal=True)
     _assert_partitioned(run_on_ranks(check_cp_attention, 2, [bhsd], fn, "cp_inductor", "cpu", HP_ALL)[0])
     # Default: only the backward region is partitioned.
-    options = {"cp_inductor.head_partition": True, **VIEWS}
+    options = {"cp_inductor.head_overlap": True, **VIEWS}
     for r in run_on_ranks(check_cp_attention, 2, [case], None, "cp_inductor", "cpu", options)[0]:
         assert max(r["compiled_vs_ref"].values()) < 1e-5
-        assert region_rewrites(r) == {"fused_a2a": 2, "head_partition": 1}, r
+        assert region_rewrites(r) == {"fused_a2a": 2, "head_overlap": 1}, r

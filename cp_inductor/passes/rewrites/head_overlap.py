@@ -1,6 +1,5 @@
-"""head_partition: a Ulysses region runs in G head groups, so the all-to-all of one group travels
-while attention of another computes; K/V all-gather and ring regions split their attention
-calls by head groups to bound the kernels' memory.
+"""head_overlap: a Ulysses region runs in G head groups, so the all-to-all of one group travels
+while attention of another computes.
 
 Before (backward, after fused_a2a)::
 
@@ -18,30 +17,20 @@ Group 0's gradients travel while group 1 computes; only the first incoming and t
 collective stay exposed. Group g holds local heads ``[g*H/G, (g+1)*H/G)`` of every rank's block
 and the matching k/v heads, so GQA pairs stay together; the saved q, k, v, out and log-sum-exp
 are sliced per group (views). A forward region is split the same way (q,k,v in, out back) when
-``head_partition_forward`` is set; its q, k, v, out and log-sum-exp are saved for the backward,
+``head_overlap_forward`` is set; its q, k, v, out and log-sum-exp are saved for the backward,
 so their pieces are concatenated back (copies).
 
-Each group's all-to-all travels by NCCL or, with ``transport="copy_engine"``, as a start/wait
-pair of the copy-engine ops (``lowerings/ce_transport.py``), whose transfers need no SM and so
-move while another group's attention holds every SM; where they cannot run the report's detail
-says why and NCCL carries it.
+Each group's all-to-all travels by NCCL or, with ``head_overlap_transport="copy_engine"``, as a
+start/wait pair of the copy-engine ops (``lowerings/ce_transport.py``), whose transfers need no
+SM and so move while another group's attention holds every SM; where they cannot run the
+report's detail says why and NCCL carries it.
 
-On K/V all-gather and ring regions it is a memory knob (``head_split.py``): each attention call
-(the backward by default, the forward too with ``head_partition_forward``) becomes G calls over
-head groups, the collectives stay whole; on an all-gather region also the call on the rank's own
-K/V that reads the same queries (a causal chunk's diagonal block). A fused backward kernel's
-allocations (dQ accumulated in fp32, dK/dV of every query head under GQA) scale with the heads
-of the call: on H200 one cuDNN backward of Hq32 Hkv8 over 32K x 96K rows allocates 2.63 GiB,
-four head groups 1.25 GiB, for 1.4% more time (``benchmarks/bench_head_split.py``); the S128K
-all-gather step's peak fell 24.5% at +0.7% (README). Per-group gathers and reduce-scatters (the
-helper's ``head_groups``) each wait for the slower rank: measured 2.6-12% slower, and no lower
-peak.
-
-On Ulysses regions this rewrite builds on fused_a2a's buffers (one pack kernel for all groups,
-attention reading strided views): it needs fused_a2a to apply and rewrites the region in its place. The emitted
-order (every incoming collective first, then per group: wait, attention, send) is what overlaps,
-so graphs it rewrites are compiled without Inductor's peak-memory reordering (the record's
-``inductor_patches``).
+It builds on fused_a2a's buffers (one pack kernel for all groups, attention reading strided
+views): it needs fused_a2a to apply and rewrites the region in its place. The emitted order
+(every incoming collective first, then per group: wait, attention, send) is what overlaps, so
+graphs it rewrites are compiled without Inductor's peak-memory reordering (the record's
+``inductor_patches``). The K/V all-gather and ring counterpart, a split for memory, is
+``head_split.py``.
 """
 from __future__ import annotations
 
@@ -54,8 +43,8 @@ from ..detect.a2a import A2AMatch
 from ..fx_emit import Emitter
 from ..layout_algebra import Factor, Layout, plan_relayout
 from ..sdpa_ops import bound_args, tuple_outputs
-from . import Rewrite, fused_a2a, head_split
-from .head_split import Partition, cat_like, group_call
+from . import Rewrite, fused_a2a
+from .head_split import Partition, cat_like, common_groups, group_call
 from .transport import Sender, transport_choice
 from .ulysses_buffers import (
     as_delivered,
@@ -68,50 +57,28 @@ from .ulysses_buffers import (
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-NAME = "head_partition"
+NAME = "head_overlap"
 
 # Most groups the automatic choice takes. Each split costs attention time (one more tail wave
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
-# of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower (README).
+# of the collectives only falls from 1/2 to 1/G: G=2 measured best, G=4 and 8 slower.
 AUTO_MAX_GROUPS = 2
-# All-gather and ring regions split for memory: four groups took a cuDNN backward's allocations
-# to what its outputs need (Hq32 Hkv8, 32K x 96K rows: 2.63 -> 1.25 GiB); eight saved nothing more.
-AUTO_MAX_GROUPS_MEMORY = 4
 
 
 def choose_groups(region, cfg) -> tuple[int, str | None]:
-    """(G, None), or (1, why the region stays one group)."""
-    if region.style == "a2a":  # the attention op sees this rank's head block
-        hq, hkv, auto_max = region.heads_q // region.cp, region.heads_kv // region.cp, AUTO_MAX_GROUPS
-        label, names = "local heads", ("Hq/cp", "Hkv/cp")
-    else:
-        hq, hkv, auto_max = region.heads_q, region.heads_kv, AUTO_MAX_GROUPS_MEMORY
-        label, names = "heads", ("Hq", "Hkv")
-    common = [g for g in range(2, hkv + 1) if hq % g == 0 and hkv % g == 0]
-    want = cfg.head_groups
-    if want == 1:
-        return 1, "head_groups=1"
-    shown = f"{names[0]}={hq}, {names[1]}={hkv}"
-    if want > 1:
-        if want in common:
-            return want, None
-        return 1, f"head_groups={want} does not divide the {label} ({shown})"
-    fitting = [g for g in common if g <= auto_max]
-    if not fitting:
-        return 1, f"{label} {shown} have no common divisor in 2..{auto_max}"
-    return fitting[-1], None
+    """(G, None), or (1, why the region stays one group): the attention op sees this rank's
+    head block."""
+    hq, hkv = region.heads_q // region.cp, region.heads_kv // region.cp
+    return common_groups(hq, hkv, cfg.head_overlap_groups, AUTO_MAX_GROUPS, "head_overlap_groups", "local heads", ("Hq/cp", "Hkv/cp"))
 
 
-def why_not(region, cfg, decided: dict) -> str | None:
-    """Why head_partition cannot rewrite this region, or None. ``decided["fused_a2a"]`` is
-    fused_a2a's verdict on the same (Ulysses) region."""
-    if region.style in ("allgather", "ring"):
-        return head_split.why_not(region, cfg) or choose_groups(region, cfg)[1]
+def why_not(region, cfg, verdicts) -> str | None:
+    """Why head_overlap cannot rewrite this region, or None (it reads fused_a2a's verdict)."""
     if not cfg.fused_a2a:
         return "needs fused_a2a (disabled by config)"
-    if region.direction == "forward" and not cfg.head_partition_forward:
-        return "forward region (head_partition_forward=False)"
-    reason = decided[fused_a2a.NAME] if fused_a2a.NAME in decided else fused_a2a.why_not(region, cfg)
+    if region.direction == "forward" and not cfg.head_overlap_forward:
+        return "forward region (head_overlap_forward=False)"
+    reason = verdicts.reason(fused_a2a.NAME) if verdicts.decided(fused_a2a.NAME) else fused_a2a.why_not(region, cfg)
     if reason is not None:
         return f"needs fused_a2a: {reason}"
     if region.has_mask:
@@ -246,18 +213,11 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, p: Partition, transport: s
 
 def apply(graph: torch.fx.Graph, region, cfg) -> list:
     groups, _ = choose_groups(region, cfg)
-    if region.style in ("allgather", "ring"):
-        return head_split.apply(graph, region, groups)
     hq, hkv = region.heads_q // region.cp // groups, region.heads_kv // region.cp // groups
     return _rewrite(graph, region, Partition(groups, hq, hkv), transport_choice(region, cfg)[0])
 
 
 def detail(region, cfg) -> str:
-    if region.style in ("allgather", "ring"):
-        siblings = len(head_split.siblings(region))
-        also = f" and {siblings} call(s) on local K/V reading its queries" if siblings else ""
-        whole = "gathers, reduce-scatters" if region.style == "allgather" else "rotations"
-        return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups ({whole} whole)"
     transport, why = transport_choice(region, cfg)
     return f"G={choose_groups(region, cfg)[0]}, transport={transport} ({why})"
 
@@ -265,6 +225,6 @@ def detail(region, cfg) -> str:
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 REWRITE = Rewrite(
-    NAME, styles=("a2a", "allgather", "ring"), why_not=why_not, apply=apply, replaces=(fused_a2a.NAME,),
+    NAME, styles=("a2a",), why_not=why_not, apply=apply, after=(fused_a2a.NAME,), replaces=(fused_a2a.NAME,),
     inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )
