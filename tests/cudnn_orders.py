@@ -108,7 +108,7 @@ def _error(got, want) -> float:
 def run_order(case: str, order: tuple, seq: int) -> tuple[dict, dict]:
     """Run ``order``'s arms one after another at ``seq`` tokens: each arm's relative error (q, k,
     v and w gradients) against the fp32 math reference, and the paths cp_inductor's report gives
-    its cuDNN attention backward calls."""
+    its cuDNN attention backward calls (and, under ``<arm>:applied``, the rewrites it applied)."""
     import cp_inductor
 
     fn, _, _, cp = CASES[case]
@@ -126,6 +126,8 @@ def run_order(case: str, order: tuple, seq: int) -> tuple[dict, dict]:
             for arm in order:
                 cp_inductor.clear_report()
                 errors[arm] = _error(_grads(fn, tensors, arm), want)
-                routes[arm] = sorted({r.path for r in cp_inductor.report().backward_routes})
+                report = cp_inductor.report()
+                routes[arm] = sorted({r.path for r in report.backward_routes})
+                routes[arm + ":applied"] = sorted({a for r in report.regions for a in r.applied})
         torch._dynamo.reset()
     return errors, routes
