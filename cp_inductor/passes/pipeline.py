@@ -106,8 +106,9 @@ def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 # Whole-graph passes, ``graph_pass(graph, cfg)``: the joint graph of a ring program (compiled without
 # AOTAutograd's CSE) gets the merges every rank makes alike and its collectives pinned to their
 # graph; a cat that reassembles slices of one tensor is that tensor; cuDNN's attention backward
-# must get a dO laid out like O, whatever the rewrites did; a CUDA generator input canonicalize
-# unwrapped is read by one RNG wrapper again, as Inductor needs.
+# runs where its plan cache keys on dO's layout (after the rewrites: it sees the calls they
+# made); a CUDA generator input canonicalize unwrapped is read by one RNG wrapper again, as
+# Inductor needs.
 GRAPH_PASSES = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
