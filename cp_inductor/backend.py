@@ -20,7 +20,7 @@ from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
 from .passes.canonicalize import canonicalize
 from .passes.hook_pass import CPGraphPass
-from .reporting import clear_report, record, record_backward_route, record_rejected
+from .reporting import clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."
 
@@ -86,6 +86,8 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
     inductor_patches.update(graph_passes(cfg, inductor_patches))
+    for route in pipeline.run_dynamo_passes(gm, cfg):
+        record_varlen(route)
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.
     functorch_patches = {"enable_autograd_cache": False}

@@ -39,6 +39,9 @@ cat_of_slices: bool = False
 # Every cuDNN attention backward on the cuDNN frontend's op (torch < 2.14: aten's plan cache
 # ignores dO's layout); docs/rewrites/cudnn_frontend_backward.md. Needs the [cudnn] extra.
 cudnn_frontend_backward: bool = True
+# Packed-sequence (THD) attention (torch's varlen_attn) on cuDNN's ragged SDPA, GQA without
+# repeated K/V; docs/rewrites/varlen_cudnn.md. Needs the [cudnn] extra on CUDA.
+varlen_cudnn: bool = True
 
 # --- knobs, by rewrite ---
 # fused_a2a: "auto" (the measured cost model, passes/cost_model.py), "views" or "copy".

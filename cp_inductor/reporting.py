@@ -71,6 +71,23 @@ class BackwardRoute:
 
 
 @dataclass
+class VarlenRoute:
+    """One packed-sequence (THD) attention call of a compiled program and where it runs
+    (``passes/varlen_cudnn.py``)."""
+
+    attention: str  # the call's node in the graph Dynamo handed the backend
+    style: str  # "local"
+    lengths: str  # "proven" | "promised" | "unknown"
+    detail: str
+    path: str  # "cudnn_ragged" | "kept"
+    reason: str = ""
+
+    def line(self) -> str:
+        route = self.path if not self.reason else f"{self.path}: {self.reason}"
+        return f"varlen attention {self.attention}: {self.style}, thd, lengths {self.lengths}, {self.detail}: {route}"
+
+
+@dataclass
 class RewriteUndone:
     """A rewrite that failed its check (or raised) and was not kept: the graph stays as it was."""
 
@@ -85,6 +102,7 @@ class Report:
     rejected: list = field(default_factory=list)
     undone: list = field(default_factory=list)
     backward_routes: list = field(default_factory=list)
+    varlen: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -93,7 +111,7 @@ class Report:
             widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
             lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
             lines.insert(1, "  ".join("-" * w for w in widths))
-        else:
+        elif not self.varlen:
             lines.append("cp_inductor: no CP attention regions found")
         for r in self.regions:
             lines += [f"note ({r.graph_kind} {r.style} {r.attention}): {n}" for n in r.notes]
@@ -103,6 +121,7 @@ class Report:
             lines.append(f"rewrite undone: {u.rewrite} at {u.attention}: {u.reason}")
         for b in self.backward_routes:
             lines.append(f"cuDNN attention backward ({b.graph_kind}) {b.attention}: {b.path}: {b.reason}")
+        lines += [v.line() for v in self.varlen]
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -114,6 +133,13 @@ _regions: list[Region] = []
 _rejected: list[Rejected] = []
 _undone: list[RewriteUndone] = []
 _backward_routes: list[BackwardRoute] = []
+_varlen: list[VarlenRoute] = []
+
+
+def record_varlen(route: VarlenRoute) -> None:
+    with _lock:
+        _varlen.append(route)
+    log.info("cp_inductor: %s", route.line())
 
 
 def record_backward_route(route: BackwardRoute) -> None:
@@ -146,7 +172,7 @@ def record(region: Region) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes))
+        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes), list(_varlen))
 
 
 def clear_report() -> None:
@@ -155,3 +181,4 @@ def clear_report() -> None:
         _rejected.clear()
         _undone.clear()
         _backward_routes.clear()
+        _varlen.clear()

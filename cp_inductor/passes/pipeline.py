@@ -6,6 +6,8 @@
                   why it cannot apply, how it applies, on which Inductor hook, and which
                   rewrites it reads the verdict of, performs or steps aside for (checked here)
     GRAPH_PASSES  whole-graph passes that always run on a hook after the rewrites
+    DYNAMO_PASSES whole-graph passes on the graph Dynamo hands the backend, before AOTAutograd
+                  (ops that bring their own autograd formula go in there)
 
 Two places in Inductor run this code, both with the compile's config snapshot:
 
@@ -30,7 +32,7 @@ from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import BackwardRoute, Region, Rejected
-from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward
+from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward, varlen_cudnn
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
@@ -112,6 +114,15 @@ def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 GRAPH_PASSES = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
+
+# ``graph_pass(graph_module, cfg) -> report lines``, in order, before AOTAutograd traces the
+# program: packed-sequence attention onto cuDNN's ragged op, whose autograd formula then gives
+# the backward graph its backward.
+DYNAMO_PASSES = (varlen_cudnn.run,)
+
+
+def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
+    return [line for graph_pass in DYNAMO_PASSES for line in graph_pass(gm, cfg)]
 
 
 @dataclass

@@ -1,0 +1,187 @@
+"""``cp_inductor::varlen_attention``: attention over a packed batch (THD) on cuDNN's ragged SDPA.
+
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, is_causal)
+
+q is ``[T_q, H_q, D]``, k and v are ``[T_k, H_k, D]`` with ``H_q % H_k == 0`` (GQA as is, no
+repeated K/V); sequence ``i`` is rows ``cu[i]:cu[i + 1]``; ``max_*`` bound the longest sequence.
+``lse`` is the log-sum-exp per token and head, ``[T_q, H_q]`` fp32: what the backward needs
+together with ``out`` (saved by the autograd formula registered here).
+
+Causal masking follows flash-attention's varlen convention: a query row sees the keys up to its
+own position counted from the END of its sequence (bottom-right), which is plain top-left causal
+when the query and key lengths agree.
+
+CUDA runs through the cuDNN frontend's torch ops (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``,
+``pip install "cp_inductor[cudnn]"``), which build and cache a ragged cuDNN graph per shape and
+keep the work on device: no host read of the lengths, capturable. The frontend is imported on
+first use. CPU runs a per-sequence SDPA reference, used by the tests (``reference_kernels``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+_cpu_reference = False
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """Let the rewrite put varlen attention on CPU tensors onto this op's CPU reference (tests:
+    the graph and its numerics without a GPU). Outside it, CPU varlen attention is left alone."""
+    global _cpu_reference
+    before, _cpu_reference = _cpu_reference, True
+    try:
+        yield
+    finally:
+        _cpu_reference = before
+
+
+@functools.cache
+def _frontend_unavailable() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cudnn
+        import cudnn.sdpa.fwd.torch_op  # noqa: F401 - registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd
+        from cudnn.sdpa.packed_lse import prepare_padded_lse  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: keep the program's op
+        return f"nvidia-cudnn-frontend is not importable ({type(e).__name__}: {e}); pip install 'cp_inductor[cudnn]'"
+    if cudnn.backend_version() < 90500:
+        return f"cuDNN {cudnn.backend_version()} is older than 9.5 (ragged attention)"
+    return None
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why this op cannot run on ``device`` in this process, or None."""
+    if device.type == "cuda":
+        return _frontend_unavailable()
+    if device.type == "cpu" and _cpu_reference:
+        return None
+    return f"{device.type}: only CUDA runs cuDNN's ragged attention"
+
+
+_lib = torch.library.Library("cp_inductor", "FRAGMENT")
+_lib.define(
+    "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "SymInt max_q, SymInt max_k, float scale, bool is_causal) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_q, SymInt max_k, float scale, bool is_causal) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.register_fake("cp_inductor::varlen_attention", lib=_lib)
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    return q.new_empty(q.shape[:2] + v.shape[2:]), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.register_fake("cp_inductor::varlen_attention_backward", lib=_lib)
+def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _cuda_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    out, stats = torch.ops.cudnn.sdpa_fwd(
+        q, k, v, scale, is_causal=is_causal, causal_bottom_right=is_causal and cu_q is not cu_k,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
+    return out, stats.view(q.shape[:2])
+
+
+def _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    from cudnn.sdpa.packed_lse import prepare_padded_lse
+
+    # the backward reads the log-sum-exp padded per sequence, [B, H, max_q, 1]; on device
+    padded = prepare_padded_lse(lse, cu_q, max_q)
+    dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
+        grad_out, q, k, v, out, padded, scale, is_causal=is_causal,
+        causal_bottom_right=is_causal and cu_q is not cu_k, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+        max_seqlen_q=max_q, max_seqlen_kv=max_k, is_deterministic=torch.are_deterministic_algorithms_enabled())
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _sequence_probs(q, k, scale, is_causal):
+    """One sequence ([S, H, D], K heads repeated): the attention probabilities [H, S_q, S_k] and
+    the log-sum-exp [H, S_q]. Causal is bottom-right: row i sees keys up to i + (S_k - S_q)."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if is_causal:
+        s_q, s_k = q.shape[0], k.shape[0]
+        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]).nan_to_num(0.0), lse  # a row with no keys: all zero
+
+
+def _sequences(cu_q, cu_k):
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        yield slice(bounds_q[i], bounds_q[i + 1]), slice(bounds_k[i], bounds_k[i + 1])
+
+
+def _repeat(t, groups):
+    return t.repeat_interleave(groups, dim=1)
+
+
+def reference(q, k, v, cu_q, cu_k, scale, is_causal):
+    """Per-sequence attention in the inputs' dtype: out [T_q, H_q, D_v], lse [T_q, H_q] fp32."""
+    groups = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for sq, sk in _sequences(cu_q, cu_k):
+        probs, lse = _sequence_probs(q[sq], _repeat(k[sk], groups), scale, is_causal)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, _repeat(v[sk], groups)))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses).float()
+
+
+def reference_backward(grad_out, q, k, v, cu_q, cu_k, scale, is_causal):
+    """The reference's gradients, written out (a kernel runs below autograd): dq, dk, dv."""
+    groups = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for sq, sk in _sequences(cu_q, cu_k):
+        ks, vs = _repeat(k[sk], groups), _repeat(v[sk], groups)
+        probs, _ = _sequence_probs(q[sq], ks, scale, is_causal)
+        d_out = grad_out[sq]
+        d_probs = torch.einsum("qhd,khd->hqk", d_out, vs)
+        d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * scale
+        dq[sq] = torch.einsum("hqk,khd->qhd", d_scores, ks).to(q.dtype)
+        # K/V heads were repeated in groups: their gradients sum over each group
+        dk[sk] = torch.einsum("hqk,qhd->khd", d_scores, q[sq]).unflatten(1, (-1, groups)).sum(2).to(k.dtype)
+        dv[sk] = torch.einsum("hqk,qhd->khd", probs, d_out).unflatten(1, (-1, groups)).sum(2).to(v.dtype)
+    return dq, dk, dv
+
+
+def _cpu_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    return reference(q, k, v, cu_q, cu_k, scale, is_causal)
+
+
+def _cpu_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    return reference_backward(grad_out, q, k, v, cu_q, cu_k, scale, is_causal)
+
+
+_lib.impl("varlen_attention", _cuda_forward, "CUDA")
+_lib.impl("varlen_attention_backward", _cuda_backward, "CUDA")
+_lib.impl("varlen_attention", _cpu_forward, "CPU")
+_lib.impl("varlen_attention_backward", _cpu_backward, "CPU")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, is_causal)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cp_inductor.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd("cp_inductor::varlen_attention", _backward, setup_context=_setup_context, lib=_lib)
