@@ -42,6 +42,9 @@ cudnn_frontend_backward: bool = True
 # Packed-sequence (THD) attention (torch's varlen_attn) on cuDNN's ragged SDPA, GQA without
 # repeated K/V; docs/rewrites/varlen_cudnn.md. Needs the [cudnn] extra on CUDA.
 varlen_cudnn: bool = True
+# Packed sequences of equal length to dense SDPA; docs/rewrites/uniform_thd.md. "proven": where
+# cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
+uniform_thd: str = "proven"
 
 # --- knobs, by rewrite ---
 # fused_a2a: "auto" (the measured cost model, passes/cost_model.py), "views" or "copy".
@@ -84,6 +87,5 @@ ring_aot_cse = None
 collective_cse = None
 zero_init = None
 first_grad_reuse = None
-uniform_thd = None
 
 install_config_module(sys.modules[__name__])

@@ -59,7 +59,6 @@ DEPRECATED = {
     "collective_cse": (lambda v: {} if v else {"ring_cse": "pin"}, "use ring_cse='pin' (or 'collective')"),
     "zero_init": (lambda v: {}, _NO_OP),
     "first_grad_reuse": (lambda v: {}, _NO_OP),
-    "uniform_thd": (lambda v: {}, "it was never implemented"),
 }
 
 

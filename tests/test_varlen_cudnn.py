@@ -5,14 +5,13 @@ GPU tier runs cuDNN (tests/test_gpu_one.py)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from expecttest import TestCase
 
 import cp_inductor
 import varlen_programs as vp
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.passes import varlen_cudnn
+from cp_inductor.passes import pipeline, varlen_calls, varlen_cudnn
 
 pytestmark = pytest.mark.skipif(not vp.register_cpu_kernels(), reason="this torch has no torch.nn.attention.varlen")
 
@@ -42,19 +41,8 @@ def calls(gm) -> str:
 def rewritten(fn, *args, **cfg):
     gm = dynamo_graph(fn, *args)
     with reference_kernels():
-        routes = varlen_cudnn.run(gm, snapshot(cfg))
+        routes = pipeline.run_dynamo_passes(gm, snapshot(cfg))
     return gm, routes
-
-
-def sequence_reference(q, k, v, cu, causal):
-    """Per-sequence SDPA in fp64: the single-device reference."""
-    bounds = cu.tolist()
-    outs = []
-    for a, b in zip(bounds, bounds[1:]):
-        o = F.scaled_dot_product_attention(*(t[a:b].double().transpose(0, 1) for t in (q, k, v)),
-                                           is_causal=causal, enable_gqa=True)
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs)
 
 
 class TestGraph(TestCase):
@@ -79,7 +67,7 @@ repeat_interleave(l_k_, 2)
 repeat_interleave(l_v_, 2)
 varlen_attention.default(l_q_, k, v, l_cu_, l_cu_, 4, 4, 0.25, False)
 sum(k)
-add(out, sum_1)""")
+add(getitem_3, sum_1)""")
         assert not routes[0].detail.endswith("dropped")
 
 
@@ -87,12 +75,12 @@ class TestReasons(TestCase):
     def reason(self, fn, *args, **cfg):
         gm, routes = rewritten(fn, *args, **cfg)
         (route,) = routes
-        assert route.path == varlen_cudnn.KEPT and "varlen_attn" in calls(gm), calls(gm)
+        assert route.path == varlen_calls.KEPT and "varlen_attn" in calls(gm), calls(gm)
         return route.reason
 
     def test_switch_off(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16), varlen_cudnn=False),
-                                  """switch varlen_cudnn is off""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: switch varlen_cudnn is off""")
 
     def test_sliding_window(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -100,7 +88,7 @@ class TestReasons(TestCase):
         def fn(q, k, v, cu, m):
             return varlen_attn(q, k, v, cu, cu, m, m, window_size=(8, 0))
 
-        self.assertExpectedInline(self.reason(fn, *vp.pack([4, 4], 2, 2, 16)), """sliding window [8, 0] (only none or causal)""")
+        self.assertExpectedInline(self.reason(fn, *vp.pack([4, 4], 2, 2, 16)), """varlen: sliding window [8, 0] (only none or causal)""")
 
     def test_program_reads_the_log_sum_exp(self):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
@@ -109,16 +97,16 @@ class TestReasons(TestCase):
             out, lse = varlen_attn(q, k, v, cu, cu, m, m, return_aux=AuxRequest(lse=True))
             return out, lse
 
-        self.assertExpectedInline(self.reason(fn, *vp.pack([4, 4], 2, 2, 16)), """the program reads the log-sum-exp or the RNG state""")
+        self.assertExpectedInline(self.reason(fn, *vp.pack([4, 4], 2, 2, 16)), """varlen: the program reads the log-sum-exp or the RNG state""")
 
     def test_head_dim_cudnn_cannot_take(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
-                                  """head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
 
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
-        (route,) = varlen_cudnn.run(gm, snapshot())
-        self.assertExpectedInline(route.reason, """cpu: only CUDA runs cuDNN's ragged attention""")
+        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
 @pytest.mark.parametrize("causal,heads_kv,lengths", [(True, 2, [1, 9, 130, 5]), (False, 4, [64, 1, 31])])
@@ -136,7 +124,7 @@ def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths):
         got = torch.autograd.grad(out, inputs, grad)
     assert [r.path for r in cp_inductor.report().varlen] == [varlen_cudnn.CUDNN_RAGGED]
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = sequence_reference(*ref_inputs, cu, causal)
+    want = vp.sequence_reference(*ref_inputs, cu, causal)
     want_grads = torch.autograd.grad(want, ref_inputs, grad.double())
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *got), (want, *want_grads)):
         err = float((a.detach().double() - b).norm() / b.norm())
@@ -152,6 +140,82 @@ def test_inference_graph_moves_too():
     with reference_kernels(), torch.no_grad():
         out = torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m), backend="cp_inductor")(q, k, v)
     assert [r.path for r in cp_inductor.report().varlen] == [varlen_cudnn.CUDNN_RAGGED]
-    assert float((out.double() - sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
+    assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
     torch._dynamo.reset()
 
+
+
+def arange_pack(q, k, v, length):
+    """cu_seqlens built in the graph from arange: equal lengths the graph proves."""
+    cu = torch.arange(0, q.shape[0] + 1, length, dtype=torch.int32, device=q.device)
+    return vp.torchtitan_style(q, k, v, cu, length)
+
+
+class TestUniform(TestCase):
+    def test_proven_lengths_go_to_dense_sdpa(self):
+        q, k, v, _, _ = vp.pack([4, 4, 4], 4, 2, 16)
+        gm, routes = rewritten(arange_pack, q, k, v, 4)
+        # 3 sequences of 4 tokens: a [3, 4, H, D] batch, GQA as is, no check (the graph proves it).
+        self.assertExpectedInline(calls(gm), """\
+arange(0, 13, 4)
+view(l_q_, 3, 4, -1, 16)
+transpose(view, 1, 2)
+view(l_k_, 3, 4, -1, 16)
+transpose(view_1, 1, 2)
+view(l_v_, 3, 4, -1, 16)
+transpose(view_2, 1, 2)
+scaled_dot_product_attention(transpose, transpose_1, transpose_2)
+transpose(scaled_dot_product_attention, 1, 2)
+reshape(transpose_3, 12, 4, -1)""")
+        self.assertExpectedInline(routes[0].line(), """\
+varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa""")
+
+    def test_promised_lengths_are_checked_on_device(self):
+        q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
+        gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m, uniform_thd="promised")
+        self.assertExpectedInline(calls(gm).split("\nview")[0], """\
+arange(0, 9, 4)
+eq(l_cu_, arange)
+all(eq)
+_assert_async(all_1, 'uniform_thd: the sequences of this pack are not of equal length')""")
+        assert routes[0].lengths == "promised" and routes[0].path == "dense_sdpa"
+
+    def test_unequal_pack_under_a_promise_stays_ragged(self):
+        q, k, v, cu, m = vp.pack([3, 6], 2, 2, 16)
+        gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m, uniform_thd="promised")
+        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths unknown, causal: cudnn_ragged""")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_numerics_match_the_fp64_reference(causal):
+    """Proven equal lengths on dense SDPA (no reference kernels: CPU SDPA runs), against
+    per-sequence fp64 attention, for the output and every gradient."""
+    q, k, v, cu, m = vp.pack([8, 8, 8], 4, 2, 16, dtype=torch.float32, seed=3)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    fn = torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, torch.arange(0, 25, 8, dtype=torch.int32), 8, causal),
+                       backend="cp_inductor", fullgraph=True)
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, grad)
+    assert [(r.lengths, r.path) for r in cp_inductor.report().varlen] == [("proven", "dense_sdpa")]
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = vp.sequence_reference(*ref_inputs, cu, causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *got), (want, *torch.autograd.grad(want, ref_inputs, grad.double()))):
+        err = float((a.detach().double() - b).norm() / b.norm())
+        assert err < 1e-5, (name, err)
+    torch._dynamo.reset()
+
+
+def test_broken_promise_is_an_error_not_an_answer():
+    """uniform_thd="promised" on a pack whose lengths differ from the promise (same count, same
+    tokens): the compiled step raises instead of attending across documents."""
+    q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, cu: vp.torchtitan_style(q, k, v, cu, 4), backend="cp_inductor",
+                       options={"cp_inductor.uniform_thd": "promised"})
+    fn(q, k, v, cu)
+    with pytest.raises(Exception, match="equal length|assert"):
+        fn(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32))
+    torch._dynamo.reset()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from cp_inductor.lowerings.varlen_attention import reference, reference_backward
 
@@ -64,6 +65,18 @@ def torchtitan_style(q, k, v, cu, max_len, causal=True):
     from torch.nn.attention.varlen import varlen_attn
 
     groups = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     window = (-1, 0) if causal else (-1, -1)
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window)
+
+
+def sequence_reference(q, k, v, cu, causal):
+    """Per-sequence SDPA in fp64: the single-device reference."""
+    bounds = cu.tolist()
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        o = F.scaled_dot_product_attention(*(t[a:b].double().transpose(0, 1) for t in (q, k, v)),
+                                           is_causal=causal, enable_gqa=True)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)

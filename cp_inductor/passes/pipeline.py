@@ -6,8 +6,8 @@
                   why it cannot apply, how it applies, on which Inductor hook, and which
                   rewrites it reads the verdict of, performs or steps aside for (checked here)
     GRAPH_PASSES  whole-graph passes that always run on a hook after the rewrites
-    DYNAMO_PASSES whole-graph passes on the graph Dynamo hands the backend, before AOTAutograd
-                  (ops that bring their own autograd formula go in there)
+    VARLEN_LOWERINGS  packed-sequence attention lowerings, on the graph Dynamo hands the
+                  backend, before AOTAutograd (the ops they put in bring their own autograd)
 
 Two places in Inductor run this code, both with the compile's config snapshot:
 
@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import BackwardRoute, Region, Rejected
-from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward, varlen_cudnn
+from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward, uniform_thd, varlen_calls, varlen_cudnn
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
@@ -115,14 +115,34 @@ GRAPH_PASSES = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 
-# ``graph_pass(graph_module, cfg) -> report lines``, in order, before AOTAutograd traces the
-# program: packed-sequence attention onto cuDNN's ragged op, whose autograd formula then gives
-# the backward graph its backward.
-DYNAMO_PASSES = (varlen_cudnn.run,)
+# Packed-sequence (THD) attention, lowered before AOTAutograd traces the program (the ops they
+# put in bring their own autograd formulas): each call goes to the first of these whose why_not
+# is None, or stays with every reason in the report. Equal lengths to dense SDPA, then any
+# lengths to cuDNN's ragged SDPA.
+VARLEN_LOWERINGS = (uniform_thd, varlen_cudnn)
 
 
 def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
-    return [line for graph_pass in DYNAMO_PASSES for line in graph_pass(gm, cfg)]
+    """The whole-graph passes on the graph Dynamo hands the backend; returns the report's lines."""
+    calls = varlen_calls.find(gm.graph)
+    for call in calls:
+        reason = varlen_calls.shared_reason(call)
+        if reason is not None:
+            call.reasons["varlen"] = reason
+            continue
+        for lowering in VARLEN_LOWERINGS:
+            try:
+                reason = lowering.why_not(call, cfg)
+            except Exception as e:  # noqa: BLE001 - a check that cannot decide keeps the program's op
+                reason = f"could not be checked ({type(e).__name__}: {e})"
+            if reason is None:
+                lowering.apply(gm, call)
+                break
+            call.reasons[lowering.NAME] = reason
+    if any(c.path != varlen_calls.KEPT for c in calls):
+        gm.graph.lint()
+        gm.recompile()
+    return [c.route() for c in calls]
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""Packed-sequence (THD) attention, forward and backward, one GPU: what varlen_cudnn buys.
+
+    python benchmarks/bench_thd.py --json out.json [--tokens 32768 65536] [--head-dim 128 256]
+
+Per pack (T tokens, Hq32 Hkv8, bf16, causal; lengths equal, random, or one long document among
+many short ones), alternating over rounds in one process, fwd+bwd medians of:
+
+- ``eager``: torchtitan's form, K/V repeated to the query heads, ``varlen_attn`` (flash-2);
+- ``inductor``: the same compiled with default Inductor;
+- ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on;
+- ``floor``: the cuDNN frontend's ragged op called directly on unrepeated K/V (no compiler);
+- ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN.
+
+Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import device_ms, fill_free_memory, write_rows
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
+import varlen_programs as vp  # noqa: E402
+
+HQ, HKV, DOCS = 32, 8, 8
+
+
+def lengths_for(kind: str, tokens: int, seed: int) -> list[int]:
+    if kind == "equal":
+        return [tokens // DOCS] * DOCS
+    rng = random.Random(seed)
+    if kind == "random":
+        cuts = sorted(rng.sample(range(1, tokens), DOCS - 1))
+        return [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
+    long = tokens // 2  # one long document, the rest in 64 short ones
+    short = [(tokens - long) // 64] * 64
+    short[-1] += tokens - long - sum(short)
+    return [long, *short]
+
+
+def arms_for(lengths, head_dim, causal=True):
+    import cp_inductor  # noqa: F401 - registers the backend
+
+    q, k, v, cu, m = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
+    ins = [t.requires_grad_() for t in (q, k, v)]
+    grad = torch.randn(q.shape[:2] + v.shape[2:], device="cuda", dtype=torch.bfloat16)
+
+    def titan(q, k, v):
+        return vp.torchtitan_style(q, k, v, cu, m, causal)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(*ins), ins, grad)
+
+    torch._dynamo.reset()
+    arms = {
+        "eager": step(titan),
+        "inductor": step(torch.compile(titan, backend="inductor", fullgraph=True)),
+        "cp_off": step(torch.compile(titan, backend="cp_inductor", fullgraph=True, options={"cp_inductor.varlen_cudnn": False})),
+        "cp_on": step(torch.compile(titan, backend="cp_inductor", fullgraph=True)),
+    }
+
+    def floor(q, k, v):
+        out, _ = torch.ops.cudnn.sdpa_fwd(q, k, v, head_dim ** -0.5, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                          max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
+        return out
+
+    arms["floor"] = step(floor)
+    if len(set(lengths)) == 1:
+        b, s = len(lengths), lengths[0]
+
+        def dense(q, k, v):
+            q, k, v = (t.view(b, s, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2).reshape(b * s, HQ, head_dim)
+
+        arms["dense"] = step(dense)
+    return arms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--kinds", nargs="+", default=["equal", "random", "one_long"])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
+
+    print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
+    rows = []
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense"))
+          + " | on/inductor  on/floor | peak GiB inductor/on")
+    for tokens in a.tokens:
+        for head_dim in a.head_dim:
+            for kind in a.kinds:
+                lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
+                arms = arms_for(lengths, head_dim)
+                times, peaks = {n: [] for n in arms}, {}
+                for r in range(a.rounds):
+                    for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        times[name].append(device_ms(fn, a.iters))
+                        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
+                       **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+                       **{f"{n}_peak_gib": p for n, p in peaks.items()}}
+                row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
+                row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
+                rows.append(row)
+                cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense"))
+                print(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
+                      f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
+                write_rows(a.json, a, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

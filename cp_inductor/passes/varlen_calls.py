@@ -1,0 +1,156 @@
+"""Packed-sequence (THD) attention calls on the graph Dynamo hands the backend: found, their
+arguments read by the op's schema names (which differ between torch versions: 2.11 has no
+``enable_gqa`` and no paged-inference arguments), the checks every lowering of them shares, and
+the K/V head repeat a program makes only to feed them.
+
+Used by the rewrites that lower them, in pipeline order: ``uniform_thd`` (equal lengths to dense
+SDPA), then ``varlen_cudnn`` (any lengths to cuDNN's ragged SDPA).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..lowerings import varlen_attention
+from ..reporting import VarlenRoute
+
+KEPT = "kept"
+
+
+def _varlen_ops() -> tuple:
+    try:
+        import torch.nn.attention.varlen  # noqa: F401 - defines torch_attn::_varlen_attn
+    except ImportError:
+        return ()
+    packet = getattr(torch.ops.torch_attn, "_varlen_attn", None)
+    return () if packet is None else (packet, packet.default)
+
+
+@dataclass
+class VarlenCall:
+    """One varlen attention call and where it went."""
+
+    node: torch.fx.Node
+    name: str  # the program's node, for the report
+    args: dict  # schema name -> argument (defaults filled in)
+    is_causal: bool
+    lengths: str = "unknown"  # "proven" | "promised" | "unknown"
+    path: str = KEPT
+    reasons: dict = field(default_factory=dict)  # rewrite -> why it did not take the call
+    repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
+
+    @property
+    def query(self):
+        return value(self.args["query"])
+
+    def route(self) -> VarlenRoute:
+        detail = "causal" if self.is_causal else "full"
+        if self.repeat_dropped:
+            detail += ", K/V head repeat dropped"
+        reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else ""
+        return VarlenRoute(self.name, "local", self.lengths, detail, self.path, reason)
+
+
+def _bind(node: torch.fx.Node) -> dict:
+    target = node.target if isinstance(node.target, torch._ops.OpOverload) else node.target.default
+    arguments = target._schema.arguments
+    bound = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    bound.update(zip((a.name for a in arguments), node.args))
+    bound.update(node.kwargs)
+    if bound.get("cu_seq_k") is None:
+        bound["cu_seq_k"] = bound["cu_seq_q"]
+    return bound
+
+
+def value(x):
+    """A node's example value (Dynamo's graph) or value (AOT's), or the constant itself."""
+    return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else x
+
+
+def find(graph: torch.fx.Graph) -> list[VarlenCall]:
+    ops = _varlen_ops()
+    calls = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            args = _bind(node)
+            causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
+            calls.append(VarlenCall(node, node.name, args, causal))
+    return calls
+
+
+def shared_reason(call: VarlenCall) -> str | None:
+    """What keeps a call on the program's op whatever the lowering."""
+    a = call.args
+    window = list(a.get("window_size") or [-1, -1])
+    if window not in ([-1, -1], [-1, 0]):
+        return f"sliding window {window} (only none or causal)"
+    for name in ("seqused_k", "block_table", "num_splits"):
+        if a.get(name) is not None:
+            return f"{name} is given (paged or split-KV inference)"
+    users = {u.args[1] for u in call.node.users if u.target is operator.getitem}
+    if users - {0} or len(users) != len(call.node.users):
+        return "the program reads the log-sum-exp or the RNG state"
+    q, k, v = (value(a[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+        return "q, k and v are not [tokens, heads, head_dim]"
+    if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
+    return None
+
+
+def _head_repeat(node, groups: int):
+    """The input of ``x.repeat_interleave(groups, dim=1)`` when that is all ``node`` is, else None."""
+    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+        return None
+    is_method = node.op == "call_method" and node.target == "repeat_interleave"
+    is_function = node.op == "call_function" and node.target in (torch.repeat_interleave, torch.Tensor.repeat_interleave)
+    if not (is_method or is_function) or len(node.args) < 2:
+        return None
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if node.args[1] != groups or dim not in (1, -2) or node.kwargs.get("output_size") is not None:
+        return None
+    return node.args[0]
+
+
+def unrepeated_kv(call: VarlenCall):
+    """(k, v) before a K/V head repeat made only to feed the call (GQA), or the call's own."""
+    k, v = call.args["key"], call.args["value"]
+    q_heads = call.query.shape[1]
+    if value(k) is not None and value(k).shape[1] == q_heads:
+        for groups in range(2, q_heads + 1):
+            if q_heads % groups:
+                continue
+            k0, v0 = _head_repeat(k, groups), _head_repeat(v, groups)
+            if k0 is not None and v0 is not None and value(k0).shape[1] * groups == q_heads:
+                return k0, v0
+    return k, v
+
+
+def replace(gm: torch.fx.GraphModule, call: VarlenCall, build, path: str) -> None:
+    """Put ``build(k, v) -> out node`` (inserted before the call) where the call's output was;
+    drop the call and a K/V head repeat only it read."""
+    k, v = unrepeated_kv(call)
+    with gm.graph.inserting_before(call.node):
+        out = build(k, v)
+    for user in list(call.node.users):  # getitem 0: the output
+        user.replace_all_uses_with(out)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(call.node)
+    call.repeat_dropped = k is not call.args["key"]
+    for dead in ((call.args["key"], call.args["value"]) if call.repeat_dropped else ()):
+        if not dead.users:
+            gm.graph.erase_node(dead)
+    call.path = path
+
+
+def scale(call: VarlenCall) -> float:
+    s = call.args.get("scale")
+    return float(s) if s is not None else call.query.shape[-1] ** -0.5
+
+
+def cuda_or_reference_reason(call: VarlenCall) -> str | None:
+    return varlen_attention.unavailable(call.query.device)
