@@ -9,7 +9,10 @@ many short ones), alternating over rounds in one process, fwd+bwd medians of:
 - ``inductor``: the same compiled with default Inductor;
 - ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on;
 - ``floor``: the cuDNN frontend's ragged op called directly on unrepeated K/V (no compiler);
-- ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN.
+- ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN;
+- ``cp_uniform`` (equal lengths): cp_inductor with ``uniform_thd="promised"`` (dense SDPA).
+
+``--varying-steps N``: N steps whose lengths and document counts change every step.
 
 Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
 """
@@ -31,12 +34,12 @@ import varlen_programs as vp  # noqa: E402
 HQ, HKV, DOCS = 32, 8, 8
 
 
-def lengths_for(kind: str, tokens: int, seed: int) -> list[int]:
+def lengths_for(kind: str, tokens: int, seed: int, docs: int = DOCS) -> list[int]:
     if kind == "equal":
-        return [tokens // DOCS] * DOCS
+        return [tokens // docs] * docs
     rng = random.Random(seed)
     if kind == "random":
-        cuts = sorted(rng.sample(range(1, tokens), DOCS - 1))
+        cuts = sorted(rng.sample(range(1, tokens), docs - 1))
         return [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
     long = tokens // 2  # one long document, the rest in 64 short ones
     short = [(tokens - long) // 64] * 64
@@ -79,7 +82,47 @@ def arms_for(lengths, head_dim, causal=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2).reshape(b * s, HQ, head_dim)
 
         arms["dense"] = step(dense)
+        arms["cp_uniform"] = step(torch.compile(titan, backend="cp_inductor", fullgraph=True,
+                                                options={"cp_inductor.uniform_thd": "promised"}))
     return arms
+
+
+def varying(tokens: int, head_dim: int, steps: int, iters: int) -> list[dict]:
+    """Lengths (and document counts, 6-12) new at every step, compiled once per backend: the
+    steady-state step against the same steps at fixed lengths, with Dynamo's graph count and
+    the cuDNN frontend's cached graphs (bucketing keeps those few)."""
+    from cudnn.sdpa.fwd import torch_op
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(tokens)
+    packs = [vp.pack(lengths_for("random", tokens, seed=i, docs=rng.randint(6, 12)), HQ, HKV, head_dim,
+                     dtype=torch.bfloat16, device="cuda", seed=i) for i in range(steps)]
+    grad = torch.randn(tokens, HQ, head_dim, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for backend in ("inductor", "cp_inductor"):
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(vp.torchtitan_style, backend=backend, fullgraph=True)
+
+        def step(pack):
+            q, k, v, cu, m = pack
+            ins = [t.requires_grad_() for t in (q, k, v)]
+            return torch.autograd.grad(fn(*ins, cu, m), ins, grad)
+
+        for pack in packs[:3]:  # Dynamo makes the lengths dynamic here
+            step(pack)
+        graphs_before = len(torch_op._graph_cache)
+        per_step = [device_ms(lambda p=p: step(p), 1, warmup=0) for p in packs[3:]]
+        fixed = device_ms(lambda: step(packs[3]), iters)
+        row = {"tokens": tokens, "head_dim": head_dim, "backend": backend, "varying_ms": statistics.median(per_step),
+               "fixed_ms": fixed, "dynamo_graphs": counters["stats"]["unique_graphs"],
+               "frontend_graphs_built_in_steady_state": len(torch_op._graph_cache) - graphs_before}
+        row["varying_vs_fixed"] = row["varying_ms"] / fixed
+        print(f"varying lengths T{tokens} D{head_dim} {backend}: {row['varying_ms']:.2f} ms per step, fixed "
+              f"{fixed:.2f} ms ({row['varying_vs_fixed']:.3f}), Dynamo graphs {row['dynamo_graphs']}, cuDNN graphs "
+              f"built in steady state {row['frontend_graphs_built_in_steady_state']}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
@@ -89,13 +132,14 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="+", default=["equal", "random", "one_long"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
 
     print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
     rows = []
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense"))
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
@@ -116,10 +160,13 @@ def main() -> int:
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
-                cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense"))
+                cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
                 print(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
                       f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
                 write_rows(a.json, a, rows)
+    if a.varying_steps:
+        rows += varying(a.tokens[0], a.head_dim[0], a.varying_steps, a.iters)
+        write_rows(a.json, a, rows)
     return 0
 
 

@@ -342,3 +342,35 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
     assert [r.path for r in routes] == [CUDNN_RAGGED] and ("dropped" in routes[0].detail) == (heads_kv < 8)
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, flash)), (ours, flash)
     torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+def test_varlen_cuda_graph_replays_with_new_lengths():
+    """mode="reduce-overhead": the ragged op is captured once and replayed with other lengths
+    (same document count and bound, new cu_seqlens values), each replay right against fp32."""
+    import varlen_programs as vp
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.passes.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.testing.train_step import _cudagraphs_recorded
+
+    torch._dynamo.reset()
+    counters.clear()
+    cp_inductor.clear_report()
+    fn = torch.compile(lambda q, k, v, cu: vp.torchtitan_style(q, k, v, cu, 2048), backend="cp_inductor",
+                       mode="reduce-overhead", fullgraph=True)
+    for step, lengths in enumerate([[512, 512, 1024], [1, 1000, 1047], [2000, 40, 8]]):
+        q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=step)
+        ins = [t.requires_grad_() for t in (q, k, v)]
+        out = fn(*ins, cu)
+        grad = torch.randn_like(out)
+        got = [out, *torch.autograd.grad(out, ins, grad)]
+        ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        want = vp.sequence_reference(*ref_in, cu, True)
+        want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
+        errs = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+        assert max(errs) < 2e-2, (step, errs)
+    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED]
+    assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
+    torch._dynamo.reset()

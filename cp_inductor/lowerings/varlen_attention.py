@@ -88,9 +88,29 @@ def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
         k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
+def bucket(n: int, smallest: int = 1) -> int:
+    """The power of two at or above ``n`` (at least ``smallest``)."""
+    return max(smallest, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def _bucketed(cu_q, cu_k, max_q, max_k):
+    """The frontend builds one cuDNN graph per (sequence count, longest sequence): both rounded
+    up to powers of two, so packs whose lengths change every step reuse a handful of graphs.
+    Extra sequences are empty (cu_seqlens repeats its total, on device: no sync); a longer
+    bound only adds thread blocks that find nothing to do."""
+    sequences = cu_q.shape[0] - 1
+    pad = bucket(sequences) - sequences
+    if pad:
+        cu_q = torch.cat([cu_q, cu_q[-1:].expand(pad)])
+        cu_k = None if cu_k is None else torch.cat([cu_k, cu_k[-1:].expand(pad)])
+    return cu_q, cu_q if cu_k is None else cu_k, bucket(max_q, 64), bucket(max_k, 64)
+
+
 def _cuda_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
+    bottom_right = is_causal and cu_q is not cu_k
+    cu_q, cu_k, max_q, max_k = _bucketed(cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
     out, stats = torch.ops.cudnn.sdpa_fwd(
-        q, k, v, scale, is_causal=is_causal, causal_bottom_right=is_causal and cu_q is not cu_k,
+        q, k, v, scale, is_causal=is_causal, causal_bottom_right=bottom_right,
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
     return out, stats.view(q.shape[:2])
 
@@ -98,12 +118,14 @@ def _cuda_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
 def _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
     from cudnn.sdpa.packed_lse import prepare_padded_lse
 
+    bottom_right = is_causal and cu_q is not cu_k
+    cu_q, cu_k, max_q, max_k = _bucketed(cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
     # the backward reads the log-sum-exp padded per sequence, [B, H, max_q, 1]; on device
     padded = prepare_padded_lse(lse, cu_q, max_q)
     dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
-        grad_out, q, k, v, out, padded, scale, is_causal=is_causal,
-        causal_bottom_right=is_causal and cu_q is not cu_k, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
-        max_seqlen_q=max_q, max_seqlen_kv=max_k, is_deterministic=torch.are_deterministic_algorithms_enabled())
+        grad_out, q, k, v, out, padded, scale, is_causal=is_causal, causal_bottom_right=bottom_right,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
+        is_deterministic=torch.are_deterministic_algorithms_enabled())
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
