@@ -347,12 +347,14 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 def test_varlen_cuda_graph_replays_with_new_lengths():
-    """mode="reduce-overhead": the ragged op is captured once and replayed with other lengths
-    (same document count and bound, new cu_seqlens values), each replay right against fp32."""
+    """mode="reduce-overhead": captured once and replayed with other lengths (same document count
+    and bound, new cu_seqlens values), each replay right against fp32. The call stays on the
+    program's op (flash-2), with the reason: the frontend's ragged op fails cudagraph trees'
+    pool check."""
     import varlen_programs as vp
     from torch._dynamo.utils import counters
 
-    from cp_inductor.passes.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.varlen_calls import KEPT
     from cp_inductor.testing.train_step import _cudagraphs_recorded
 
     torch._dynamo.reset()
@@ -371,6 +373,7 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
         want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
         errs = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
         assert max(errs) < 2e-2, (step, errs)
-    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED]
+    (route,) = cp_inductor.report().varlen
+    assert route.path == KEPT and "CUDA graphs" in route.reason, route
     assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
     torch._dynamo.reset()

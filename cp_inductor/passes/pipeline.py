@@ -122,10 +122,12 @@ HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass
 VARLEN_LOWERINGS = (uniform_thd, varlen_cudnn)
 
 
-def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
-    """The whole-graph passes on the graph Dynamo hands the backend; returns the report's lines."""
+def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot, cudagraphs: bool = False) -> list:
+    """The whole-graph passes on the graph Dynamo hands the backend (``cudagraphs``: the compile
+    captures CUDA graphs); returns the report's lines."""
     calls = varlen_calls.find(gm.graph)
     for call in calls:
+        call.cudagraphs = cudagraphs
         reason = varlen_calls.shared_reason(call)
         if reason is not None:
             call.reasons["varlen"] = reason

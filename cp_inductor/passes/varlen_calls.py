@@ -42,6 +42,7 @@ class VarlenCall:
     path: str = KEPT
     reasons: dict = field(default_factory=dict)  # rewrite -> why it did not take the call
     repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
+    cudagraphs: bool = False  # the compile captures CUDA graphs (mode="reduce-overhead")
 
     @property
     def query(self):
