@@ -103,6 +103,12 @@ class TestReasons(TestCase):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
                                   """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
 
+    def test_cuda_graphs(self):
+        gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
+        with reference_kernels():
+            (route,) = pipeline.run_dynamo_passes(gm, snapshot(), cudagraphs=True)
+        self.assertExpectedInline(route.reason.split("; ")[1], """varlen_cudnn: CUDA graphs (reduce-overhead): the cuDNN frontend's ragged op fails cudagraph trees' pool check""")
+
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
         (route,) = pipeline.run_dynamo_passes(gm, snapshot())
