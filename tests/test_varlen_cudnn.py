@@ -80,7 +80,7 @@ class TestReasons(TestCase):
 
     def test_switch_off(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16), varlen_cudnn=False),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: switch varlen_cudnn is off""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
 
     def test_sliding_window(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -101,7 +101,7 @@ class TestReasons(TestCase):
 
     def test_head_dim_cudnn_cannot_take(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
 
     def test_cuda_graphs(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
@@ -112,7 +112,7 @@ class TestReasons(TestCase):
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
         (route,) = pipeline.run_dynamo_passes(gm, snapshot())
-        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange; uniform_thd="promised" promises them); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
+        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
 @pytest.mark.parametrize("causal,heads_kv,lengths", [(True, 2, [1, 9, 130, 5]), (False, 4, [64, 1, 31])])

@@ -68,7 +68,7 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     elif cfg.uniform_thd == "promised":
         lengths = "promised"
     else:
-        return "lengths unknown (cu_seqlens not built from arange; uniform_thd=\"promised\" promises them)"
+        return "lengths unknown (cu_seqlens not built from arange, and no uniform_thd=\"promised\")"
     cu, q = varlen_calls.value(a["cu_seq_q"]), call.query
     sequences, tokens = cu.shape[0] - 1, q.shape[0]
     if not all(isinstance(n, int) for n in (sequences, tokens)):
