@@ -89,15 +89,21 @@ def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
 
 
 def bucket(n: int, smallest: int = 1) -> int:
-    """The power of two at or above ``n`` (at least ``smallest``)."""
-    return max(smallest, 1 << max(int(n) - 1, 0).bit_length())
+    """``n`` rounded up to 8-15 times a power of two (at least ``smallest``): at most 1/8 more,
+    eight buckets per doubling."""
+    n = max(int(n), smallest)
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 def _bucketed(cu_q, cu_k, max_q, max_k):
     """The frontend builds one cuDNN graph per (sequence count, longest sequence): both rounded
-    up to powers of two, so packs whose lengths change every step reuse a handful of graphs.
+    up to 8 buckets per doubling, so packs whose lengths change every step reuse a few graphs.
     Extra sequences are empty (cu_seqlens repeats its total, on device: no sync); a longer
-    bound only adds thread blocks that find nothing to do."""
+    bound adds thread blocks that find nothing to do. Powers of two cost up to 13% on a pack
+    of 65 documents (one H200, T32K: 20.27 against 17.86 ms exact); 1/8 at most bounds that."""
     sequences = cu_q.shape[0] - 1
     pad = bucket(sequences) - sequences
     if pad:
