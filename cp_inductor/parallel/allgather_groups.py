@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .allgather import KERNELS, sequence_order
-from .sharding import chunk_runs
+from .kernels import KERNELS
+from .sharding import chunk_runs, sequence_order
 
 c10d = torch.ops._c10d_functional
 

@@ -17,7 +17,7 @@ chunk; K/V of a later rank only by the second local chunk. Every rank then does 
 and reads every rotated buffer (with contiguous shards rank 0 would never read one, and a
 compiled graph would drop its collectives while the other ranks wait in theirs).
 
-The kernels are the all-gather helper's (:data:`cp_inductor.parallel.allgather.KERNELS`: cuDNN
+The kernels are the all-gather helper's (:data:`cp_inductor.parallel.kernels.KERNELS`: cuDNN
 on sm90+, else flash; CPU flash on CPU), GQA without replicated K/V heads. Compiled with
 ``backend="cp_inductor"`` the rotations are ring regions (``ce_rotation`` moves large ones to
 the copy engines).
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .allgather import KERNELS, _check_even, _kernel, _to_bhsd
+from .allgather import _check_even, _to_bhsd
+from .kernels import KERNELS, _kernel
 
 c10d = torch.ops._c10d_functional
 

@@ -64,3 +64,18 @@ def gather_sequence(
     shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return unshard_sequence(shards, seq_dim, load_balanced=load_balanced)
+
+
+def sequence_order(gathered: torch.Tensor, cp: int, load_balanced: bool):
+    """Gathered k, v stacked, ``[cp*2, B, H, S/cp, D]`` (rank-major) -> k, v ``[B, H, S, D]``
+    in sequence order (in rank order when not load balanced: also the key order a
+    non-causal call may use)."""
+    _, b, h, s_l, d = gathered.shape
+    gathered = gathered.view(cp, 2, b, h, s_l, d)
+    if load_balanced:
+        halves = gathered.view(cp, 2, b, h, 2, s_l // 2, d)
+        # First halves are chunks 0..cp-1 in rank order; second halves chunks 2cp-1-r, so in
+        # reversed rank order they are chunks cp..2cp-1.
+        gathered = torch.cat([halves[:, :, :, :, 0], halves.flip(0)[:, :, :, :, 1]], dim=0)
+    full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, -1, d)
+    return full[0], full[1]
