@@ -49,7 +49,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
     rejected = []
     if cfg.detect and canonicalize(gm.graph, cfg.strict):
         gm.recompile()
-    rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg)
+    rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
     for row in rows:
         record(row)
     for r in rejected:

@@ -188,14 +188,17 @@ def _op_name(node) -> str:
     return node.target.__name__.split(".")[0]
 
 
-def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None) -> list[Region]:
+def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None,
+            canonical: bool = False) -> list[Region]:
     """The report rows of one graph: its CP regions and what the pipeline does to each.
     Attention ops that are not regions go to ``rejected`` with the reason. ``cfg``: the
-    compile's snapshot (default: the global config as it is now)."""
+    compile's snapshot (default: the global config as it is now). ``canonical``: the caller has
+    put the graph in canonical form already (the backend does, to recompile what changed)."""
     cfg = cfg if cfg is not None else snapshot()
     if not cfg.detect:
         return []
-    canonicalize.canonicalize(graph, cfg.strict)
+    if not canonical:
+        canonicalize.canonicalize(graph, cfg.strict)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
