@@ -29,6 +29,7 @@ import torch.fx
 
 from .layout_algebra import is_layout_op
 from .sdpa_ops import tuple_outputs
+from .graph_walk import node_order
 
 aten = torch.ops.aten
 # Where a dK/dV accumulator leaves: the all-gather's reduce-scatter, a ring's rotation.
@@ -70,7 +71,7 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
             stack.append(user)
     if not blockers:
         return None
-    order = {n: i for i, n in enumerate(attention.graph.nodes)}
+    order = node_order(attention.graph)
     return min(blockers, key=order.__getitem__)
 
 

@@ -51,6 +51,7 @@ from .rewrites import (
     owner_grad_return,
     ring_grad_return,
 )
+from .graph_walk import node_order
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
@@ -200,7 +201,7 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
     if not canonical:
         canonicalize.canonicalize(graph, cfg.strict)
 
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
     for detector in DETECTORS:
         for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
@@ -285,7 +286,7 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
     canonicalize.canonicalize(graph, cfg.strict)
     matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     changed = False
     for match in sorted(matches, key=lambda m: order[m.attention]):
         detector = _detector(match)

@@ -12,33 +12,14 @@ import heapq
 from collections.abc import Callable, Iterable
 
 import torch.fx
-
-
-def _reach(nodes: Iterable[torch.fx.Node], edges: Callable) -> set:
-    found, stack = set(), list(nodes)
-    while stack:
-        for n in edges(stack.pop()):
-            if n not in found:
-                found.add(n)
-                stack.append(n)
-    return found
-
-
-def ancestors(nodes: Iterable[torch.fx.Node]) -> set:
-    """Every node ``nodes`` depend on (not the nodes themselves)."""
-    return _reach(nodes, lambda n: n.all_input_nodes)
-
-
-def descendants(nodes: Iterable[torch.fx.Node]) -> set:
-    """Every node that depends on ``nodes`` (not the nodes themselves)."""
-    return _reach(nodes, lambda n: n.users)
+from .graph_walk import ancestors, descendants, node_order  # noqa: F401 - ancestors, descendants: the rewrites' import
 
 
 def resort(graph: torch.fx.Graph, start: torch.fx.Node, priority: Callable[[torch.fx.Node], int]) -> bool:
     """Reorder the nodes from ``start`` up to the output: whenever several are ready (their
     inputs placed), the lowest ``priority``, then the earliest in the old order, goes next.
     Returns whether anything moved."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     tail = [n for n in graph.nodes if order[n] >= order[start] and n.op != "output"]
     members = set(tail)
     waiting = {n: sum(1 for a in set(n.all_input_nodes) if a in members) for n in tail}

@@ -18,6 +18,8 @@ import torch.fx
 from ..guard import internal_error
 from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
+from .. import graph_walk
+from ..graph_walk import MAX_NODES, node_order, reached_below  # noqa: F401 - reached_below: the detectors' import
 
 aten = torch.ops.aten
 
@@ -59,7 +61,7 @@ def match_or_none(match_one, node: torch.fx.Node, graph_kind: str, cfg):
 
 
 def in_graph_order(nodes, graph: torch.fx.Graph) -> tuple:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     return tuple(sorted(nodes, key=order.__getitem__))
 
 
@@ -82,42 +84,10 @@ def query_layout(node) -> str:
     return "".join(sorted("bhsd", key=lambda c: where["bhsd".index(c)]))
 
 
-def moved_from(node, also=(), max_depth: int = 256) -> tuple[set, bool]:
-    """What ``node`` is a relabelling, piece, cast or concatenation of: (the first nodes going up
-    through layout ops, value ops, ``cat`` and the ops in ``also`` (first argument) that are
-    none of those, whether the walk ended within ``max_depth`` nodes)."""
-    ends, seen, stack = set(), set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > max_depth:
-            return ends, False
-        if n.op == "call_function" and n.target is aten.cat.default:
-            stack.extend(x for x in n.args[0] if isinstance(x, torch.fx.Node))
-        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in also):
-            stack.append(n.args[0])
-        else:
-            ends.add(n)
-    return ends, True
-
-
-def reached_below(starts, is_target, passes, max_depth: int) -> set:
-    """The ops ``is_target`` accepts that are reached going down from ``starts`` through users
-    ``passes`` accepts (a target is not walked past)."""
-    found, seen, stack = set(), set(), list(starts)
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > max_depth:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if is_target(user):
-                found.add(user)
-            elif passes(user):
-                stack.append(user)
-    return found
+def moved_from(node, also=(), max_depth: int = MAX_NODES // 2) -> tuple[set, bool]:
+    """What ``node`` is a relabelling, piece, cast or concatenation of, through layout and value
+    ops (``graph_walk.moved_from``)."""
+    return graph_walk.moved_from(node, lambda n: is_layout_op(n) or is_value_op(n), also, max_depth)
 
 
 def kv_gradients_reach(node, below, only_one: str, dq_too: str) -> dict | None:

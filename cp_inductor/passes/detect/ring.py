@@ -38,6 +38,7 @@ from ..match import CPMatch, attention_facts
 from ..sdpa_ops import SDPA_FORWARD, bound_args
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 from .allgather import ACCUMULATE_OPS
+from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -198,7 +199,7 @@ def chained_rotations(match: RingMatch) -> list:
     a rank whose later ring steps have no attention (native CP causal without load balance: rank
     0 skips the peer's future block) has no region for them, and the peer, which has one, must
     not send through that collective differently (another dtype, another transport: a hang)."""
-    order = {n: i for i, n in enumerate(match.attention.graph.nodes)}
+    order = node_order(match.attention.graph)
     own = [r for r in match.moved_by if not r._erased and rotation(r) is not None]
     candidates = []
     for rot in own:

@@ -30,6 +30,7 @@ from ..detect.ring import RingMatch, chained_rotations
 from ..fx_emit import Emitter
 from . import Rewrite, size_text
 from .transport import Sender, copy_engine_unavailable, only_wait, retire
+from ..graph_walk import node_order
 
 NAME = "ce_rotation"
 
@@ -69,7 +70,7 @@ def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
         buf, out_splits, in_splits = rot.args[:3]
         src = next(i for i, n in enumerate(out_splits) if n)
         dst = next(i for i, n in enumerate(in_splits) if n)
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         # Start as soon as the buffer exists, wait where the rotated data is first read: the
         # attention in between is what the transfer hides under.
         start_at = buf.next

@@ -55,6 +55,7 @@ from .ulysses_buffers import (
     reads_as_view,
     unpack_choice,
 )
+from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -138,7 +139,7 @@ def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
 
 def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args: list, unpack: str, cfg) -> list:
     cp, group = region.cp, region.group_name
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     last_send = max((c.a2a.args[0] for c in crossings), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
 

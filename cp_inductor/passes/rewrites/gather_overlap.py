@@ -44,6 +44,7 @@ from ..detect.allgather import AllGatherMatch
 from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 from ..schedule import ancestors, descendants, resort
 from . import Rewrite
+from ..graph_walk import node_order
 
 c10d = torch.ops._c10d_functional
 NAME = "gather_overlap"
@@ -61,7 +62,7 @@ def _plan(region: AllGatherMatch):
     """(first node to reorder, nodes that go first, nodes that go last) or None: the calls of
     the region's queries that need nothing in flight, and where they would wait for it now."""
     graph = region.attention.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     queries = _query_sources(region.attention)
     if region.direction == "forward":
         waits = _waits(c for gs in region.gathers.values() for c in gs)

@@ -54,6 +54,7 @@ from .ulysses_buffers import (
     reads_as_view,
     unpack_choice,
 )
+from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -123,7 +124,7 @@ def _send_layout(emit: Emitter, x: torch.fx.Node, cp: int) -> torch.fx.Node:
 def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partition, sender: Sender):
     """One pack for every group, then all incoming all-to-alls at once: NCCL runs them back to
     back while each group's attention waits only for its own. Returns (sends, layouts)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     last_send = max((c.a2a.args[0] for c in inc), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
     layouts = [_grouped(pack_layout(c, region.cp), p.groups) for c in inc]

@@ -32,6 +32,7 @@ from ..fx_emit import Emitter
 from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from . import Rewrite
 from .transport import only_wait
+from ..graph_walk import node_order
 
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -63,7 +64,7 @@ def _readers(wait: torch.fx.Node):
     dtype, source = dtypes.pop(), wait.meta["val"].dtype
     if not (dtype.is_floating_point and source.is_floating_point and dtype.itemsize < source.itemsize):
         return None
-    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    order = node_order(wait.graph)
     return sorted(moves, key=order.__getitem__), casts, dtype
 
 

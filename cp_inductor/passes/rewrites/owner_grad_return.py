@@ -34,13 +34,14 @@ from ..fx_emit import Emitter
 from ..sdpa_ops import SDPA_BACKWARD
 from . import Rewrite
 from .transport import Sender, copy_engine_unavailable, only_wait, retire
+from ..graph_walk import node_order
 
 aten = torch.ops.aten
 NAME = "owner_grad_return"
 
 
 def _reduce_scatters(region: AllGatherMatch) -> list:
-    order = {n: i for i, n in enumerate(region.attention.graph.nodes)}
+    order = node_order(region.attention.graph)
     nodes = {r for group in region.reduce_scatters.values() for r in group}
     return sorted(nodes, key=order.__getitem__)
 
@@ -59,7 +60,7 @@ def why_not(region: AllGatherMatch, cfg, verdicts) -> str | None:
         if only_wait(rs) is None:
             return "reduce-scatter result used other than through one wait"
     graph = region.attention.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     first = min(order[rs] for rs in scatters)
     overlapped = verdicts.applies("gather_overlap")  # it moves attention after the reduce-scatter
     if not overlapped and not any(

@@ -46,6 +46,7 @@ from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from ..schedule import ancestors, descendants
 from . import Rewrite
 from .transport import only_wait
+from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -98,7 +99,7 @@ def _rotations_feeding(rot: torch.fx.Node) -> set:
 def _path(start: torch.fx.Node, end: torch.fx.Node) -> list | None:
     """Nodes on every path from ``start`` down to ``end`` in graph order, or None when one of
     them is read off the path or is not a move, a slice update or an addition."""
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    order = node_order(start.graph)
     below = {u for u in descendants([start]) if order[u] <= order[end]}  # what start reaches first
     if end not in below:
         return None
@@ -210,7 +211,7 @@ def _attention_above(node: torch.fx.Node):
     """The last attention backward the owner's accumulator is made from (its step 0), or None."""
     from ..sdpa_ops import SDPA_BACKWARD
 
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    order = node_order(node.graph)
     found, stack, seen = [], [node], set()
     while stack:
         n = stack.pop()
@@ -227,7 +228,7 @@ def _attention_above(node: torch.fx.Node):
 def _move_after(step0: torch.fx.Node, rot: torch.fx.Node) -> None:
     """Move the step-0 attention backward, and what reads it before ``rot``, after ``rot``: the
     transfer then travels under it. Left in place if ``rot`` depends on any of it."""
-    order = {n: i for i, n in enumerate(rot.graph.nodes)}
+    order = node_order(rot.graph)
     if order[step0] > order[rot]:
         return
     moved = {step0} | {u for u in descendants([step0]) if order[u] < order[rot] and u.op == "call_function"}
