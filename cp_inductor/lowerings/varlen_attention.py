@@ -89,21 +89,22 @@ def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
 
 
 def bucket(n: int, smallest: int = 1) -> int:
-    """``n`` rounded up to 8-15 times a power of two (at least ``smallest``): at most 1/8 more,
-    eight buckets per doubling."""
+    """``n`` rounded up to 4-7 times a power of two (at least ``smallest``): at most 1/4 more,
+    four buckets per doubling."""
     n = max(int(n), smallest)
-    if n <= 16:
+    if n <= 8:
         return n
-    step = 1 << (n.bit_length() - 4)
+    step = 1 << (n.bit_length() - 3)
     return -(-n // step) * step
 
 
 def _bucketed(cu_q, cu_k, max_q, max_k):
     """The frontend builds one cuDNN graph per (sequence count, longest sequence): both rounded
-    up to 8 buckets per doubling, so packs whose lengths change every step reuse a few graphs.
-    Extra sequences are empty (cu_seqlens repeats its total, on device: no sync); a longer
-    bound adds thread blocks that find nothing to do. Powers of two cost up to 13% on a pack
-    of 65 documents (one H200, T32K: 20.27 against 17.86 ms exact); 1/8 at most bounds that."""
+    up to 4 buckets per doubling, so packs whose lengths change every step soon reuse the graphs
+    built. Extra sequences are empty (cu_seqlens repeats its total, on device: no sync); a
+    longer bound adds thread blocks that find nothing to do. Measured on one H200 (T32K, one long
+    document and 64 short): powers of two cost 13% (20.27 against 17.86 ms exact), 8 buckets
+    per doubling 3% but a graph build (0.1-0.2 s) in most steps of lengths that change every step."""
     sequences = cu_q.shape[0] - 1
     pad = bucket(sequences) - sequences
     if pad:
