@@ -20,6 +20,8 @@ to dense SDPA are not seen here.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -54,7 +56,7 @@ def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
             torch.ops.cp_inductor.varlen_attention.default,
             (a["query"], k, v, a["cu_seq_q"], a["cu_seq_k"], a["max_q"], a["max_k"], varlen_calls.scale(call), call.is_causal),
         )
-        return gm.graph.call_function(__import__("operator").getitem, (attention, 0))
+        return gm.graph.call_function(operator.getitem, (attention, 0))
 
     varlen_calls.replace(gm, call, build, CUDNN_RAGGED)
     counters["cp_inductor"][NAME] += 1
