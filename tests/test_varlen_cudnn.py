@@ -71,6 +71,17 @@ add(getitem_3, sum_1)""")
         assert not routes[0].detail.endswith("dropped")
 
 
+class TestKnownOps(TestCase):
+    def test_flash_attn_varlen_is_named_and_kept(self):
+        made = vp.flash_attn_like_op()
+        if made is None:
+            pytest.skip("flash-attn itself defines flash_attn::_flash_attn_varlen_forward here")
+        _, func = made
+        q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
+        gm = dynamo_graph(lambda q, k, v: func.apply(q, k, v, cu, m, True), q.requires_grad_(), k, v)
+        self.assertExpectedInline("\n".join(r.line() for r in pipeline.run_dynamo_passes(gm, snapshot())), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: flash-attn's varlen op, inside its own autograd.Function: not lowered yet""")
+
+
 class TestReasons(TestCase):
     def reason(self, fn, *args, **cfg):
         gm, routes = rewritten(fn, *args, **cfg)

@@ -80,3 +80,51 @@ def sequence_reference(q, k, v, cu, causal):
                                            is_causal=causal, enable_gqa=True)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
+
+
+@functools.cache
+def flash_attn_like_op():
+    """``flash_attn::_flash_attn_varlen_forward`` under flash-attn's schema (CI has no
+    flash-attn), on the per-sequence reference, and a caller wrapping it in an autograd.Function
+    as ``flash_attn_varlen_func`` does. None where flash-attn itself defines the op."""
+    if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_varlen_forward"):
+        return None
+    lib = torch.library.Library("flash_attn", "FRAGMENT")
+    lib.define(
+        "_flash_attn_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
+        "SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+        "bool return_softmax=False, Tensor? block_table=None, Tensor? leftpad_k=None, Tensor? seqused_k=None, "
+        "bool zero_tensors=False) -> (Tensor, Tensor, Tensor, Tensor)")
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
+        out, lse = reference(q, k, v, cu_q, cu_k, scale, causal)
+        return out, lse.transpose(0, 1).contiguous(), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
+        return (torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32), q.new_empty(0),
+                q.new_empty(2, dtype=torch.int64))
+
+    lib.impl("_flash_attn_varlen_forward", forward, "CPU")
+    torch.library.register_fake("flash_attn::_flash_attn_varlen_forward", fake, lib=lib)
+    # the backward as an op too (as flash-attn has it): Dynamo then traces no host reads
+    lib.define("_test_varlen_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor cu, bool causal) -> (Tensor, Tensor, Tensor)")
+    lib.impl("_test_varlen_backward", lambda g, q, k, v, cu, causal: reference_backward(g, q, k, v, cu, cu, q.shape[-1] ** -0.5, causal), "CPU")
+    torch.library.register_fake("flash_attn::_test_varlen_backward",
+                                lambda g, q, k, v, cu, causal: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), lib=lib)
+
+    class VarlenFunc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu, max_len, causal):
+            out, lse, _, _ = torch.ops.flash_attn._flash_attn_varlen_forward(
+                q, k, v, cu, cu, max_len, max_len, 0.0, q.shape[-1] ** -0.5, causal)
+            ctx.save_for_backward(q, k, v, cu)
+            ctx.causal = causal
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, cu = ctx.saved_tensors
+            return (*torch.ops.flash_attn._test_varlen_backward(grad, q, k, v, cu, ctx.causal), None, None, None)
+
+    return lib, VarlenFunc

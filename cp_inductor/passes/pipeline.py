@@ -145,7 +145,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot, cudagraphs:
     if any(c.path != varlen_calls.KEPT for c in calls):
         gm.graph.lint()
         gm.recompile()
-    return [c.route() for c in calls]
+    return [c.route() for c in calls + varlen_calls.find_known(gm)]
 
 
 @dataclass
