@@ -12,9 +12,11 @@ own position counted from the END of its sequence (bottom-right), which is plain
 when the query and key lengths agree.
 
 CUDA runs through the cuDNN frontend's torch ops (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``,
-``pip install "cp_inductor[cudnn]"``), which build and cache a ragged cuDNN graph per shape and
-keep the work on device: no host read of the lengths, capturable. The frontend is imported on
-first use. CPU runs a per-sequence SDPA reference, used by the tests (``reference_kernels``).
+``pip install "cp_inductor[cudnn]"``), which build and cache a ragged cuDNN graph per shape
+bucket and keep the work on device (no host read of the lengths). Recorded by cudagraph trees
+they fail its memory-pool check (not understood yet), so the rewrite keeps CUDA-graph compiles
+off this op. The frontend is imported on first use. CPU runs a per-sequence SDPA reference,
+used by the tests (``reference_kernels``).
 """
 
 from __future__ import annotations
