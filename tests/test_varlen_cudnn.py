@@ -187,6 +187,14 @@ reshape(transpose_3, 12, 4, -1)""")
         self.assertExpectedInline(routes[0].line(), """\
 varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa""")
 
+    def test_proven_through_a_dtype_conversion(self):
+        def fn(q, k, v):
+            cu = (torch.arange(3) * 4).to(torch.int32)
+            return vp.torchtitan_style(q, k, v, cu, 4)
+
+        _, routes = rewritten(fn, *vp.pack([4, 4], 2, 2, 16)[:3])
+        assert (routes[0].lengths, routes[0].path) == ("proven", "dense_sdpa"), routes
+
     def test_promised_lengths_are_checked_on_device(self):
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
         gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m, uniform_thd="promised")

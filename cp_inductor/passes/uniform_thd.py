@@ -31,13 +31,21 @@ NAME = "uniform_thd"
 DENSE = "dense_sdpa"
 
 
+# Methods that move or convert integer positions without changing their values.
+_SAME_VALUES = ("to", "int", "long", "cuda", "contiguous")
+
+
 def _int(x):
     return x if isinstance(x, int) else None
 
 
 def proven_length(cu) -> int | None:
     """S when ``cu`` is built as ``arange(0, T + 1, S)`` or ``arange(B + 1) * S``, else None."""
-    if not isinstance(cu, torch.fx.Node) or cu.op != "call_function":
+    if not isinstance(cu, torch.fx.Node):
+        return None
+    if cu.op == "call_method" and cu.target in _SAME_VALUES:  # .to(int32), .cuda(), ...
+        return proven_length(cu.args[0])
+    if cu.op != "call_function":
         return None
     if cu.target in (operator.mul, torch.mul) and len(cu.args) == 2:
         base, factor = cu.args if isinstance(cu.args[0], torch.fx.Node) else cu.args[::-1]
