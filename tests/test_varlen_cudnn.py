@@ -257,3 +257,20 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
     cu_q, cu_k, max_q, max_k = _bucketed(torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70)
     # 17 sequences -> 20: three empty sequences at the end; the bound 70 -> 80
     assert cu_q.tolist()[-5:] == [24, 25, 25, 25, 25] and len(cu_q) == 21 and cu_k is cu_q and (max_q, max_k) == (80, 80)
+
+
+def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):
+    """Not strict: the failed lowering's nodes are erased, the call keeps its op, the report
+    says why (strict, as in these tests otherwise, it would raise)."""
+    from cp_inductor.passes import uniform_thd
+
+    def broken(gm, call):
+        gm.graph.call_function(torch.zeros, (1,))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(uniform_thd, "apply", broken)
+    gm = dynamo_graph(arange_pack, *vp.pack([4, 4], 2, 2, 16)[:3], 4)
+    before = calls(gm)
+    (route,) = pipeline.run_dynamo_passes(gm, snapshot({"strict": False}))
+    assert calls(gm) == before and route.path == varlen_calls.KEPT
+    assert "uniform_thd: internal error, left to Inductor: RuntimeError: boom" in route.reason, route.reason

@@ -36,7 +36,7 @@ from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_f
 from .checked_rewrite import apply_checked
 from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
-from .guard import reason_or_error
+from .guard import internal_error, reason_or_error
 from .rewrites import (
     POST_GRAD,
     Rewrite,
@@ -125,27 +125,43 @@ VARLEN_LOWERINGS = (uniform_thd, varlen_cudnn)
 
 def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot, cudagraphs: bool = False) -> list:
     """The whole-graph passes on the graph Dynamo hands the backend (``cudagraphs``: the compile
-    captures CUDA graphs); returns the report's lines."""
-    calls = varlen_calls.find(gm.graph)
+    captures CUDA graphs); returns the report's lines. Our errors keep the program's ops (and
+    raise under ``strict``)."""
+    try:
+        calls, known = varlen_calls.find(gm.graph), varlen_calls.find_known(gm)
+    except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
+        internal_error(e, cfg)
+        return []
     for call in calls:
         call.cudagraphs = cudagraphs
-        reason = varlen_calls.shared_reason(call)
+        reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
         if reason is not None:
             call.reasons["varlen"] = reason
             continue
         for lowering in VARLEN_LOWERINGS:
-            try:
-                reason = lowering.why_not(call, cfg)
-            except Exception as e:  # noqa: BLE001 - a check that cannot decide keeps the program's op
-                reason = f"could not be checked ({type(e).__name__}: {e})"
+            reason = reason_or_error(lowering.why_not, call, cfg, cfg=cfg)
             if reason is None:
-                lowering.apply(gm, call)
+                reason = _apply_or_undo(gm, lowering, call, cfg)
+            if reason is None:
                 break
             call.reasons[lowering.NAME] = reason
     if any(c.path != varlen_calls.KEPT for c in calls):
         gm.graph.lint()
         gm.recompile()
-    return [c.route() for c in calls + varlen_calls.find_known(gm)]
+    return [c.route() for c in calls + known]
+
+
+def _apply_or_undo(gm: torch.fx.GraphModule, lowering, call, cfg) -> str | None:
+    """Apply ``lowering`` to ``call``; where it raises before rewiring, erase what it inserted."""
+    before = set(gm.graph.nodes)
+    try:
+        lowering.apply(gm, call)
+        return None
+    except Exception as e:  # noqa: BLE001 - see internal_error
+        for node in reversed(list(gm.graph.nodes)):
+            if node not in before and not node.users:
+                gm.graph.erase_node(node)
+        return internal_error(e, cfg)
 
 
 @dataclass
