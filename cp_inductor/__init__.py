@@ -8,7 +8,7 @@ what it found and did.
 from . import config
 from .reporting import Region, Rejected, Report, clear_report, report
 
-__all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend"]
+__all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend", "equal_lengths"]
 
 
 def __getattr__(name):
@@ -17,4 +17,8 @@ def __getattr__(name):
         from . import backend
 
         return backend
+    if name == "equal_lengths":  # uniform_thd's per-call promise
+        from .lowerings.varlen_attention import equal_lengths
+
+        return equal_lengths
     raise AttributeError(name)

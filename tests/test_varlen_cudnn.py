@@ -91,7 +91,7 @@ class TestReasons(TestCase):
 
     def test_switch_off(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16), varlen_cudnn=False),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
 
     def test_sliding_window(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -112,7 +112,7 @@ class TestReasons(TestCase):
 
     def test_head_dim_cudnn_cannot_take(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
 
     def test_cuda_graphs(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
@@ -123,7 +123,7 @@ class TestReasons(TestCase):
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
         (route,) = pipeline.run_dynamo_passes(gm, snapshot())
-        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, and no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
+        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
 @pytest.mark.parametrize("causal,heads_kv,lengths", [(True, 2, [1, 9, 130, 5]), (False, 4, [64, 1, 31])])
@@ -274,3 +274,25 @@ def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):
     (route,) = pipeline.run_dynamo_passes(gm, snapshot({"strict": False}))
     assert calls(gm) == before and route.path == varlen_calls.KEPT
     assert "uniform_thd: internal error, left to Inductor: RuntimeError: boom" in route.reason, route.reason
+
+
+def test_a_per_call_promise_goes_dense_and_checks_itself():
+    """``cp_inductor.equal_lengths(cu)``: that one call goes to dense SDPA under the default
+    uniform_thd="proven", with the on-device check (the marker's own output is no longer read);
+    a pack of unequal lengths is rejected, eager and compiled."""
+    q, k, v, cu, m = vp.pack([4, 4, 4], 2, 2, 16, dtype=torch.float64)
+
+    def fn(q, k, v, cu):
+        return vp.torchtitan_style(q, k, v, cp_inductor.equal_lengths(cu), 4)
+
+    gm, routes = rewritten(fn, q, k, v, cu)
+    assert (routes[0].lengths, routes[0].path) == ("promised", "dense_sdpa"), routes
+    assert "_assert_async" in calls(gm) and "equal_lengths" in calls(gm)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="cp_inductor")
+    assert float((compiled(q, k, v, cu) - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-10
+    unequal = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+    for run in (fn, compiled):
+        with pytest.raises(RuntimeError):
+            run(q, k, v, unequal)
+    torch._dynamo.reset()

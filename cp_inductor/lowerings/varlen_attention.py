@@ -216,3 +216,26 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 torch.library.register_autograd("cp_inductor::varlen_attention", _backward, setup_context=_setup_context, lib=_lib)
+
+
+# A per-call promise that a pack's sequences are of one length (``uniform_thd``'s marker):
+# ``cu = cp_inductor.equal_lengths(cu)`` before the attention call. It checks on device, with
+# no host sync, that cu is 0, S, 2S, ..., and returns a copy of it.
+_lib.define("equal_lengths(Tensor cu_seqlens) -> Tensor")
+
+
+def _equal_lengths(cu):
+    length = cu[1:2] - cu[0:1]
+    expected = torch.arange(cu.shape[0], dtype=cu.dtype, device=cu.device) * length
+    torch._assert_async(torch.all(cu == expected), "equal_lengths: the sequences of this pack are not of one length")
+    return cu.clone()
+
+
+_lib.impl("equal_lengths", _equal_lengths, "CompositeExplicitAutograd")
+torch.library.register_fake("cp_inductor::equal_lengths", lambda cu: torch.empty_like(cu), lib=_lib)
+
+
+def equal_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens``, promised (and checked on device) to describe sequences of one length: a
+    varlen attention call reading it goes to dense SDPA under ``uniform_thd="proven"`` too."""
+    return torch.ops.cp_inductor.equal_lengths(cu_seqlens)

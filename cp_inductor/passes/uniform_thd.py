@@ -12,7 +12,8 @@ attention on the same pack; ``docs/rewrites/uniform_thd.md``), with no new depen
     y = o.transpose(1, 2).reshape(T, H, D)
 
 The lengths are equal when the graph proves it (``cu`` is ``arange(0, T + 1, S)`` or
-``arange(B + 1) * S``) or when the user promises it (``uniform_thd="promised"``). A promise is
+``arange(B + 1) * S``) or when the user promises it: for every pack (``uniform_thd="promised"``) or for one call
+(``cu = cp_inductor.equal_lengths(cu)``, which checks it in eager code too). A promise is
 checked on device at every call, without a host sync (CUDA-graph safe): a broken one is a
 device-side assertion, never a wrong answer.
 """
@@ -64,6 +65,12 @@ def proven_length(cu) -> int | None:
     return step if start == 0 and _int(step) else None
 
 
+def marked(cu) -> bool:
+    """Whether ``cu`` comes from ``cp_inductor.equal_lengths`` (which checks it on device)."""
+    return isinstance(cu, torch.fx.Node) and cu.op == "call_function" and cu.target in (
+        torch.ops.cp_inductor.equal_lengths, torch.ops.cp_inductor.equal_lengths.default)
+
+
 def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     a = call.args
     if cfg.uniform_thd not in ("proven", "promised"):
@@ -73,10 +80,10 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     step = proven_length(a["cu_seq_q"])
     if step is not None:
         lengths = "proven"
-    elif cfg.uniform_thd == "promised":
+    elif cfg.uniform_thd == "promised" or marked(a["cu_seq_q"]):
         lengths = "promised"
     else:
-        return "lengths unknown (cu_seqlens not built from arange, and no uniform_thd=\"promised\")"
+        return "lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd=\"promised\")"
     cu, q = varlen_calls.value(a["cu_seq_q"]), call.query
     sequences, tokens = cu.shape[0] - 1, q.shape[0]
     if not all(isinstance(n, int) for n in (sequences, tokens)):
@@ -96,7 +103,7 @@ def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
     heads_q = call.query.shape[1]
 
     def build(k, v):
-        if call.lengths == "promised":
+        if call.lengths == "promised":  # marked too: dense SDPA leaves the marker's output unread
             expected = graph.call_function(torch.arange, (0, tokens + 1, length), {
                 "dtype": varlen_calls.value(cu).dtype, "device": varlen_calls.value(cu).device})
             equal = graph.call_function(torch.all, (graph.call_function(operator.eq, (cu, expected)),))
