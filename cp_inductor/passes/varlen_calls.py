@@ -41,8 +41,8 @@ _KNOWN = {k.qualname: k for k in KNOWN_VARLEN}
 
 
 def _qualname(target) -> str | None:
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
+    if isinstance(target, torch._ops.OpOverloadPacket):  # not every packet has a default overload
+        return target._qualified_op_name
     return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
 
 
