@@ -45,14 +45,18 @@ def reference_kernels():
 
 @functools.cache
 def _frontend_unavailable() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+    from .cudnn_backward import unavailable as graph_api_unavailable  # CUDA, the frontend, its graph API
+
+    reason = graph_api_unavailable()
+    if reason is not None:
+        return reason
     try:
-        import cudnn
         import cudnn.sdpa.fwd.torch_op  # noqa: F401 - registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd
         from cudnn.sdpa.packed_lse import prepare_padded_lse  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means: keep the program's op
-        return f"nvidia-cudnn-frontend is not importable ({type(e).__name__}: {e}); pip install 'cp_inductor[cudnn]'"
+        return f"this nvidia-cudnn-frontend has no ragged attention ops ({type(e).__name__}: {e}); 1.32 or newer has them"
+    import cudnn
+
     if cudnn.backend_version() < 90500:
         return f"cuDNN {cudnn.backend_version()} is older than 9.5 (ragged attention)"
     return None
