@@ -80,7 +80,7 @@ def _host_us(call, calls: int = 20) -> float:
     return host
 
 
-def steps(shapes, iters) -> list[dict]:
+def steps(shapes, iters, rounds) -> list[dict]:
     """Compiled forward+backward of the Hugging Face epilogue: default Inductor against
     cp_inductor (cuDNN backward on the frontend) in one process, alternating. Inductor hands
     aten the program's dO, cp_inductor never touches aten's cache: no mixing."""
@@ -102,20 +102,24 @@ def steps(shapes, iters) -> list[dict]:
         # cp_inductor with cuDNN's backward left on aten: what the rest of cp_inductor costs
         arms["cp_inductor_aten"] = torch.compile(f, backend="cp_inductor", fullgraph=True,
                                                  options={"cp_inductor.cudnn_frontend_backward": False})
-        times = {(name, metric): [] for name in arms for metric in ("step_ms", "queued_step_ms")}
-        for r in range(4):
+        metrics = ("step_ms", "queued_step_ms", "host_step_us")
+        times = {(name, metric): [] for name in arms for metric in metrics}
+        for r in range(rounds):
             for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
                 step = lambda: torch.autograd.grad(fn(q, k, v, w), (q, k, v))  # noqa: B023, E731
                 times[(name, "step_ms")].append(device_ms(step, iters))
                 times[(name, "queued_step_ms")].append(device_ms(step, iters, calls=4))
+                times[(name, "host_step_us")].append(_host_us(step, calls=iters))
         row = {"step_shape": [b, h, s, d], **{f"{n}_{m}": statistics.median(t) for (n, m), t in times.items()}}
-        for m in ("step_ms", "queued_step_ms"):
+        # the spread over rounds: these host-bound steps move by several percent between rounds
+        row.update({f"{n}_{m}_quartiles": statistics.quantiles(t, n=4) for (n, m), t in times.items() if len(t) > 1})
+        for m in metrics:
             row[f"ratio_{m}"] = row[f"cp_inductor_{m}"] / row[f"inductor_{m}"]
-        print(f"step B{b} H{h} S{s} D{d}: ms (one step / 4 queued) inductor {row['inductor_step_ms']:.3f} / "
-              f"{row['inductor_queued_step_ms']:.3f}, cp_inductor {row['cp_inductor_step_ms']:.3f} / "
-              f"{row['cp_inductor_queued_step_ms']:.3f}, cp_inductor aten backward {row['cp_inductor_aten_step_ms']:.3f} / "
-              f"{row['cp_inductor_aten_queued_step_ms']:.3f}; ratio cp_inductor/inductor {row['ratio_step_ms']:.3f} / "
-              f"{row['ratio_queued_step_ms']:.3f}", flush=True)
+        print(f"step B{b} H{h} S{s} D{d} (one step ms / 4 queued ms / host us per step): "
+              + ", ".join(f"{n} {row[f'{n}_step_ms']:.3f} / {row[f'{n}_queued_step_ms']:.3f} / {row[f'{n}_host_step_us']:.0f}"
+                          for n in arms)
+              + f"; cp_inductor/inductor {row['ratio_step_ms']:.3f} / {row['ratio_queued_step_ms']:.3f} / "
+              f"{row['ratio_host_step_us']:.3f}", flush=True)
         rows.append(row)
     return rows
 
@@ -152,6 +156,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--steps", action="store_true", help="also time compiled training steps")
     ap.add_argument("--steps-only", action="store_true", help="only the compiled training steps")
+    ap.add_argument("--step-rounds", type=int, default=8, help="alternating rounds per training-step arm")
     ap.add_argument("--child", default=None, help="internal: one (shape index, arms) in this process")
     a = ap.parse_args()
     if a.child is not None:
@@ -184,7 +189,8 @@ def main() -> int:
         rows.append(row)
         write_rows(a.json, a, rows)
     if a.steps or a.steps_only:
-        rows.extend(steps([(1, 8, 1024, 128), (1, 8, 4096, 128), (4, 16, 4096, 64), (1, 32, 8192, 128)], a.iters))
+        rows.extend(steps([(1, 8, 1024, 128), (1, 8, 4096, 128), (4, 16, 4096, 64), (1, 32, 8192, 128)], a.iters,
+                          a.step_rounds))
         write_rows(a.json, a, rows)
     return 0
 

@@ -274,6 +274,47 @@ def test_cudnn_backward_right_in_any_order(case):
 
 
 @needs_gpu
+@pytest.mark.skipif(_frontend_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+@pytest.mark.parametrize("executor", ["raw_pointers", "public_execute"])
+def test_frontend_backward_op_matches_fp32(executor, monkeypatch):
+    """The op itself, on both of its executors (the built graph's raw-pointer call and the
+    frontend's public ``execute``), against fp32 math: BHSD and BSHD q/k/v, GQA, dO in O's
+    layout, in BSHD, and with a non-unit innermost stride (copied first), in one process."""
+    import cp_inductor.lowerings.cudnn_backward as cb
+
+    if executor == "public_execute":
+        monkeypatch.setattr(cb, "_raw_executor", lambda graph, handle: (None, None))
+    monkeypatch.setattr(cb, "_plans", {})
+    aten = torch.ops.aten
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cases = [("bhsd", 8, "like_o"), ("bhsd", 8, "bshd"), ("bshd", 8, "like_o"), ("bshd", 2, "bshd"),
+             ("bhsd", 2, "strided")]
+    for layout, hkv, dout_layout in cases:
+        b, hq, s, d = 2, 8, 384, 64
+
+        def make(h):
+            t = torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+            return t.transpose(1, 2) if layout == "bshd" else t.transpose(1, 2).contiguous()
+
+        q, k, v = make(hq), make(hkv), make(hkv)
+        # aten's cuDNN forward takes no GQA: O and its log-sum-exp from K/V repeated
+        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+            q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), None, True, 0.0, True, False)
+        dout = {"like_o": torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16),
+                "bshd": torch.randn(b, s, hq, d, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2),
+                "strided": torch.randn(b, hq, s, 2 * d, generator=g, device="cuda", dtype=torch.bfloat16)[..., ::2]}[dout_layout]
+        got = torch.ops.cp_inductor.cudnn_attention_backward(dout, q, k, v, out, lse, d ** -0.5, True)
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        o = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=hkv != hq)
+        want = torch.autograd.grad(o, ref, dout.float())
+        for name, a, w, like in zip("qkv", got, want, (q, k, v)):
+            assert a.shape == like.shape and a.stride() == torch.empty_like(like).stride(), (name, a.stride())
+            err = float((a.float() - w).norm() / w.norm())
+            assert err < _TOL, (executor, layout, hkv, dout_layout, name, err)
+    assert all((p.raw_execute is not None) == (executor == "raw_pointers") for p in cb._plans.values())
+
+
+@needs_gpu
 @pytest.mark.parametrize("backend", ["inductor", "cp_inductor"])
 def test_cuda_graph_replays_keep_aten_backward(backend):
     """mode="reduce-overhead": cuDNN's backward stays on aten's op with the program's dO (the
