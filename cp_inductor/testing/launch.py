@@ -48,9 +48,37 @@ def _worker(rank, cp, port, fn, args, queue, backend):
             dist.destroy_process_group()
 
 
+# Ranks start as forks of a server that imported torch, Dynamo and Inductor once per launching
+# process, not once per rank and launch (seconds each on a small machine). Those modules read
+# environment variables when imported, so the server serves only launches whose environment is
+# the one it started with; any other launch spawns its ranks afresh. The imports start no thread
+# and make no CUDA call, so forked ranks may still use CUDA.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "cp_inductor"]
+_server_environ: dict | None = None  # the environment the fork server started with
+
+
+def _relevant(environ) -> dict:
+    return {k: v for k, v in environ.items() if not k.startswith("PYTEST_")}  # pytest's per-test names
+
+
+def _context(environ):
+    global _server_environ
+    if "forkserver" in mp.get_all_start_methods():
+        from multiprocessing import forkserver
+
+        if _server_environ is None and getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+            _server_environ = _relevant(environ)  # this launch starts the server
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOAD)
+            return ctx
+        if _server_environ is not None and _relevant(environ) == _server_environ:
+            return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
 def run_on_ranks(fn, cp: int, *args, pg_backend: str = "gloo", timeout: float = 1800.0) -> list:
     """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context(os.environ)
     queue = ctx.Queue()
     port = _free_port()
     procs = [
