@@ -18,8 +18,8 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from . import config
 from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
-from .passes.canonicalize import canonicalize
 from .passes.hook_pass import CPGraphPass
+from .passes.whole_graph.canonicalize import canonicalize
 from .reporting import clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."

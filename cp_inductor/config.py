@@ -47,7 +47,7 @@ varlen_cudnn: bool = True
 uniform_thd: str = "proven"
 
 # --- knobs, by rewrite ---
-# fused_a2a: "auto" (the measured cost model, passes/cost_model.py), "views" or "copy".
+# fused_a2a: "auto" (the measured cost model, passes/analysis/cost_model.py), "views" or "copy".
 fused_a2a_unpack: str = "auto"
 # head_overlap: head groups (0: the rewrite chooses), forward regions too, and how each group's
 # all-to-all travels: "nccl", "copy_engine", or "auto" (the copy engines where they run and the
@@ -67,7 +67,7 @@ ce_rotation_min_bytes: int = 256 << 20
 # --- whole-graph ---
 # Common-subexpression elimination of graphs with ring rotations (ranks trace different graphs
 # there, so merging must be decided alike on every rank; docs/architecture.md):
-# "collective": our joint-graph pass (passes/collective_cse.py) merges what every rank merges
+# "collective": our joint-graph pass (passes/whole_graph/collective_cse.py) merges what every rank merges
 # alike and pins each collective to its graph; "pin": only pins; "aot": AOTAutograd's own CSE.
 ring_cse: str = "collective"
 # Run region detection and fill the report even when every rewrite is off.

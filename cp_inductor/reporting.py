@@ -62,7 +62,7 @@ class Rejected:
 @dataclass
 class BackwardRoute:
     """Which op runs one cuDNN attention backward of a compiled graph, CP region or not, and why
-    (``passes/cudnn_frontend_backward.py``)."""
+    (``passes/whole_graph/cudnn_frontend_backward.py``)."""
 
     graph_kind: str
     attention: str  # the node's name in the graph Inductor was handed
@@ -73,7 +73,7 @@ class BackwardRoute:
 @dataclass
 class VarlenRoute:
     """One packed-sequence (THD) attention call of a compiled program and where it runs
-    (``passes/varlen_cudnn.py``)."""
+    (``passes/whole_graph/varlen_cudnn.py``)."""
 
     attention: str  # the call's node in the graph Dynamo handed the backend
     style: str  # "local"

@@ -178,7 +178,7 @@ def schedule(gm) -> str:
     """The order of all-to-alls, their waits and attention calls in a graph: ``a2a#i[shape]``
     (``ce#i[shape]`` on the copy-engine transport), ``wait#i``, ``attn(h=heads)`` (query heads of
     the call)."""
-    from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+    from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 
     c10d = torch.ops._c10d_functional
     ce = getattr(torch.ops.cp_inductor, "ce_all_to_all_start", None)
@@ -202,7 +202,7 @@ def rotations(gm, heads: bool = False) -> str:
     """Rotations, their waits and attention calls in graph order: ``nccl#i`` / ``ce#i(to dst,
     from src)``, ``wait#i``, ``attn`` (``attn(h=query heads)`` with ``heads``)."""
     from cp_inductor.lowerings import ce_transport  # noqa: F401  (registers the ops)
-    from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+    from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 
     c10d = torch.ops._c10d_functional
     ce_start = torch.ops.cp_inductor.ce_rotate_start.default

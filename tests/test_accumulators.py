@@ -11,7 +11,7 @@ from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cp_inductor.passes.accumulators import materialized_at
+from cp_inductor.passes.analysis.accumulators import materialized_at
 from cp_inductor.passes import pipeline
 from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
 

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.cudnn_backward import aten_cache_key_complete
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.cudnn_frontend_backward import cudnn_frontend_backward_pass, route
+from cp_inductor.passes.whole_graph.cudnn_frontend_backward import cudnn_frontend_backward_pass, route
 
 AVAILABLE = ""  # the frontend's state: importable
 MISSING = "nvidia-cudnn-frontend is not importable (ModuleNotFoundError: No module named 'cudnn')"

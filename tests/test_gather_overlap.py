@@ -14,7 +14,7 @@ from expecttest import TestCase
 import cp_inductor
 from cp_inductor.lowerings import ce_transport
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 from cp_inductor.testing.checks import AttentionCase, allgather_fn
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg, gather_schedule_in_code
@@ -26,7 +26,7 @@ ON = {"gather_overlap": True}
 def _gathered(node) -> bool:
     """Whether attention ``node`` needs the collective: its K comes from an all-gather's wait
     (forward), or its dK reaches a reduce-scatter (backward)."""
-    from cp_inductor.passes.schedule import ancestors, descendants
+    from cp_inductor.passes.analysis.schedule import ancestors, descendants
 
     if node.target in SDPA_BACKWARD:
         return any(n.target is c10d.reduce_scatter_tensor.default or "ce_all_to_all_start" in str(n.target)

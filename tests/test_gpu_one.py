@@ -359,7 +359,7 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
     no worse than flash-2 varlen (eager) is against it. Lengths of 1 token and off 128."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
 
     lengths = [1, 300, 77, 1024, 1, 129]
     q, k, v, cu, m = vp.pack(lengths, 8, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=head_dim)
@@ -395,7 +395,7 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
     import varlen_programs as vp
     from torch._dynamo.utils import counters
 
-    from cp_inductor.passes.varlen_calls import KEPT
+    from cp_inductor.passes.analysis.varlen_calls import KEPT
     from cp_inductor.testing.train_step import _cudagraphs_recorded
 
     torch._dynamo.reset()

@@ -13,7 +13,7 @@ from expecttest import TestCase
 
 import cp_inductor
 from cp_inductor.passes import pipeline
-from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
+from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, causal_allgather, fake_pg, region_rewrites

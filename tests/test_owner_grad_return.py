@@ -31,7 +31,7 @@ def _collectives(gm) -> str:
     """The backward's reduce-scatters, or what replaced them: every node from each copy-engine
     start to the cast back, as ``op [shape]`` (graph order), where between a start and its wait
     only attention is shown (what the transfer travels under)."""
-    from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD
+    from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD
 
     ce_start = torch.ops.cp_inductor.ce_all_to_all_start.default
     ce_wait = torch.ops.cp_inductor.ce_all_to_all_wait.default

@@ -13,7 +13,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from cp_inductor.passes.sdpa_ops import SDPA_BACKWARD
+from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD
 from cp_inductor.testing.checks import AttentionCase
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import ring_graphs, rotations

@@ -10,10 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cp_inductor
 import variants
 from cp_inductor.parallel import ulysses_attention
-from cp_inductor.passes import cost_model
+from cp_inductor.passes.analysis import cost_model
 from cp_inductor.passes.rewrites import fused_a2a
 from cp_inductor.reporting import clear_report, report
-from cp_inductor.passes.canonicalize import canonicalize, rewrap_rng_attention
+from cp_inductor.passes.whole_graph.canonicalize import canonicalize, rewrap_rng_attention
 from helpers import aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
 from test_fused_a2a import qkv
 
@@ -244,7 +244,7 @@ backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_produc
     def test_an_error_leaves_the_graph_and_the_compile_alone(self):
         from unittest import mock
 
-        from cp_inductor.passes import canonicalize as canon
+        from cp_inductor.passes.whole_graph import canonicalize as canon
 
         with fake_pg(2):
             gm = aot_graphs(variants.inplace_bshd, *qkv((1, 4, 2, 8), (1, 4, 2, 8)))["forward"]

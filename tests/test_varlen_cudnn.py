@@ -11,7 +11,9 @@ import cp_inductor
 import varlen_programs as vp
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.passes import pipeline, varlen_calls, varlen_cudnn
+from cp_inductor.passes import pipeline
+from cp_inductor.passes.analysis import varlen_calls
+from cp_inductor.passes.whole_graph import varlen_cudnn
 
 pytestmark = pytest.mark.skipif(not vp.register_cpu_kernels(), reason="this torch has no torch.nn.attention.varlen")
 
@@ -262,7 +264,7 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
 def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):
     """Not strict: the failed lowering's nodes are erased, the call keeps its op, the report
     says why (strict, as in these tests otherwise, it would raise)."""
-    from cp_inductor.passes import uniform_thd
+    from cp_inductor.passes.whole_graph import uniform_thd
 
     def broken(gm, call):
         gm.graph.call_function(torch.zeros, (1,))

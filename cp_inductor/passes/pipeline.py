@@ -32,17 +32,18 @@ from torch._dynamo.utils import counters
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import BackwardRoute, Region, Rejected
-from . import accumulators, canonicalize, cat_of_slices, collective_cse, cudnn_frontend_backward, uniform_thd, varlen_calls, varlen_cudnn
+from .analysis import accumulators, varlen_calls
+from .analysis.fx_emit import REPLACES
+from .analysis.graph_walk import node_order
 from .checked_rewrite import apply_checked
-from .fx_emit import REPLACES
 from .detect import a2a, allgather, ring
 from .guard import internal_error, reason_or_error
 from .rewrites import (
     POST_GRAD,
     Rewrite,
     Verdicts,
-    check_order,
     ce_rotation,
+    check_order,
     fused_a2a,
     gather_overlap,
     head_overlap,
@@ -51,7 +52,14 @@ from .rewrites import (
     owner_grad_return,
     ring_grad_return,
 )
-from .graph_walk import node_order
+from .whole_graph import (
+    canonicalize,
+    cat_of_slices,
+    collective_cse,
+    cudnn_frontend_backward,
+    uniform_thd,
+    varlen_cudnn,
+)
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 

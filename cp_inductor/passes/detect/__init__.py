@@ -6,7 +6,7 @@
 * ``match_at(attention_node, graph_kind, cfg) -> match | None``: the region of one attention op on
   the graph as it is now (after an earlier rewrite replaced nodes it was found through),
 
-where a match is a :class:`~cp_inductor.passes.match.CPMatch`. ``a2a`` (Ulysses), ``allgather``
+where a match is a :class:`~cp_inductor.passes.analysis.match.CPMatch`. ``a2a`` (Ulysses), ``allgather``
 (K/V all-gather) and ``ring`` (K/V rotated) exist; packed (THD) layouts come next.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis import graph_walk
+from ..analysis.graph_walk import MAX_NODES, node_order, reached_below  # noqa: F401 - reached_below: the detectors' import
+from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
+from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
 from ..guard import internal_error
-from ..layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
-from .. import graph_walk
-from ..graph_walk import MAX_NODES, node_order, reached_below  # noqa: F401 - reached_below: the detectors' import
 
 aten = torch.ops.aten
 

@@ -25,8 +25,9 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from ..collectives import Collective, collective_at, collective_of
-from ..layout_algebra import (
+from ..analysis.collectives import Collective, collective_at, collective_of
+from ..analysis.graph_walk import Walk
+from ..analysis.layout_algebra import (
     LAYOUT_OPS,
     RANK_AXIS,
     Factor,
@@ -39,9 +40,9 @@ from ..layout_algebra import (
     is_value_op,
     node_val,
 )
-from ..match import CPMatch, attention_facts
+from ..analysis.match import CPMatch, attention_facts
+from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -302,14 +303,10 @@ def _merges(node, tracked) -> bool:
 
 def _only_backward_reads(out: torch.fx.Node) -> bool:
     """Whether only attention backward ops read ``out`` (through aliases and views)."""
-    readers, stack = [], [out]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u.op == "call_function" and u.target in (aten.alias.default, aten.detach.default):
-                stack.append(u)
-            else:
-                readers.append(u)
+    def is_alias(u):
+        return u.op == "call_function" and u.target in (aten.alias.default, aten.detach.default)
+
+    readers = [u for n in Walk([out], lambda n: [u for u in n.users if is_alias(u)]) for u in n.users if not is_alias(u)]
     return bool(readers) and all(u.op == "call_function" and u.target in SDPA_BACKWARD for u in readers)
 
 

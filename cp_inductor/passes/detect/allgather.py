@@ -32,9 +32,9 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from ..layout_algebra import LayoutError, is_layout_op, is_value_op
-from ..match import CPMatch, attention_facts
-from ..sdpa_ops import SDPA_FORWARD, bound_args
+from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op
+from ..analysis.match import CPMatch, attention_facts
+from ..analysis.sdpa_ops import SDPA_FORWARD, bound_args
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 
 aten = torch.ops.aten

@@ -33,16 +33,15 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from ..layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
-from ..match import CPMatch, attention_facts
-from ..sdpa_ops import SDPA_FORWARD, bound_args
+from ..analysis.graph_walk import MAX_NODES, Walk, node_order
+from ..analysis.layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
+from ..analysis.match import CPMatch, attention_facts
+from ..analysis.sdpa_ops import SDPA_FORWARD, bound_args
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 from .allgather import ACCUMULATE_OPS
-from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_MAX_DEPTH = 512  # nodes a walk may visit (a ring of cp steps chains cp rotations)
 
 
 @dataclass
@@ -97,21 +96,20 @@ def _walk_up(node) -> tuple[set, set]:
     """(what an attention input is a relabelling, piece, cast or concatenation of, the rotations
     on the way): walking up through layout, value, cat and split ops, and through each rotation
     to the ones before it."""
-    found, seen, stack = set(), set(), [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
+    found = set()
+
+    def expand(n):
         rot = _rotation_of_wait(n)
         if rot is not None:
             found.add(rot)
-            stack.append(rot.args[0])
-        elif n.op == "call_function" and n.target is aten.cat.default:
-            stack.extend(n.args[0])
-        elif is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
-            stack.append(n.args[0])
-    return seen, found
+            return [rot.args[0]]
+        if n.op == "call_function" and n.target is aten.cat.default:
+            return n.args[0]
+        if is_layout_op(n) or is_value_op(n) or (n.op == "call_function" and n.target in SPLIT_OPS):
+            return [n.args[0]]
+        return ()
+
+    return Walk([node], expand).run().seen, found
 
 
 def _rotations_above(node) -> set:
@@ -123,14 +121,14 @@ def _sending_rotations(node) -> set:
     K/V, flattened and concatenated into the buffer the first rotation sends)."""
     return reached_below(
         _walk_up(node)[0], rotation,
-        lambda u: is_layout_op(u) or is_value_op(u) or u.target is aten.cat.default, _MAX_DEPTH,
+        lambda u: is_layout_op(u) or is_value_op(u) or u.target is aten.cat.default, MAX_NODES,
     )
 
 
 def _rotations_below(node) -> set:
     """The rotations a gradient reaches going down through accumulation and layout ops."""
     return reached_below(
-        [node], rotation, lambda u: is_layout_op(u) or is_value_op(u) or u.target in ACCUMULATE_OPS, _MAX_DEPTH
+        [node], rotation, lambda u: is_layout_op(u) or is_value_op(u) or u.target in ACCUMULATE_OPS, MAX_NODES
     )
 
 
@@ -207,13 +205,10 @@ def chained_rotations(match: RingMatch) -> list:
     if not own and match.direction == "forward":  # step 0: the rotations that send its K/V
         args = bound_args(match.attention)
         candidates += list(_sending_rotations(args["key"]) | _sending_rotations(args["value"]))
-    found, stack = set(own), candidates
-    while stack:
-        rot = stack.pop()
-        if rot in found or rot._erased or _carried(rot):
-            continue
-        found.add(rot)
-        stack += _fed_by(rot)
+    def uncarried(rots):
+        return [r for r in rots if r not in own and not r._erased and not _carried(r)]
+
+    found = Walk(own + uncarried(candidates), lambda rot: uncarried(_fed_by(rot))).run().seen
     return sorted(found, key=order.__getitem__)
 
 
@@ -226,37 +221,23 @@ def _carried(rot) -> bool:
     """Whether a region of this graph carries ``rot``: an attention reads what it delivers
     (forward) or an attention backward's dK/dV reach what it sends (backward), with no other
     rotation in between."""
-    from ..sdpa_ops import SDPA_BACKWARD
+    from ..analysis.sdpa_ops import SDPA_BACKWARD
 
     attention = set(SDPA_FORWARD) | set(SDPA_BACKWARD)
     waits = [u for u in rot.users if u.target is c10d.wait_tensor.default]
-    stack, seen = list(waits), set()
-    while stack:  # down from what it delivers
-        n = stack.pop()
-        if n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if u.op == "call_function" and u.target in attention:
-                return True
-            if rotation(u) is None and u.op == "call_function":
-                stack.append(u)
-    stack, seen = [rot.args[0]], set()
-    while stack:  # up from what it sends
-        n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > _MAX_DEPTH:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in SDPA_BACKWARD:
-            return True
-        if _rotation_of_wait(n) is None:
-            stack.extend(n.all_input_nodes)
-    return False
+    def is_call(u, targets=None):
+        return u.op == "call_function" and (targets is None or u.target in targets)
+
+    down = Walk(waits, lambda n: [u for u in n.users if is_call(u) and rotation(u) is None])  # what it delivers
+    if any(is_call(u, attention) for n in down for u in n.users):
+        return True
+    up = Walk([rot.args[0]], lambda n: n.all_input_nodes if _rotation_of_wait(n) is None else ())  # what it sends
+    return any(is_call(n, SDPA_BACKWARD) for n in up)
 
 
 def rotations_fed(wait: torch.fx.Node) -> set:
     """The rotations the data received at ``wait`` is sent on by."""
-    return reached_below([wait], lambda u: rotation(u) is not None, lambda u: u.op == "call_function", _MAX_DEPTH)
+    return reached_below([wait], lambda u: rotation(u) is not None, lambda u: u.op == "call_function", MAX_NODES)
 
 
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[RingMatch]:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter
+from ..analysis.graph_walk import node_order
 from ..detect.ring import RingMatch, chained_rotations
-from ..fx_emit import Emitter
 from . import Rewrite, size_text
-from .transport import Sender, copy_engine_unavailable, only_wait, retire
-from ..graph_walk import node_order
+from .shared.transport import Sender, copy_engine_unavailable, only_wait, retire
 
 NAME = "ce_rotation"
 

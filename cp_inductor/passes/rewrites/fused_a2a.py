@@ -40,14 +40,15 @@ import operator
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter, stride_order
+from ..analysis.graph_walk import node_order
+from ..analysis.layout_algebra import LayoutError, plan_relayout
+from ..analysis.sdpa_ops import bound_args
 from ..detect.a2a import A2AMatch
-from ..fx_emit import Emitter, stride_order
-from ..layout_algebra import LayoutError, plan_relayout
-from ..sdpa_ops import bound_args
-from .. import cudnn_frontend_backward
+from ..whole_graph import cudnn_frontend_backward
 from . import Rewrite
-from .transport import all_to_all
-from .ulysses_buffers import (
+from .shared.transport import all_to_all
+from .shared.ulysses_buffers import (
     as_delivered,
     crossing_groups,
     heads_view,
@@ -55,7 +56,6 @@ from .ulysses_buffers import (
     reads_as_view,
     unpack_choice,
 )
-from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

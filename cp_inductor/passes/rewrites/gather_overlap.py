@@ -39,12 +39,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis.graph_walk import node_order
+from ..analysis.schedule import ancestors, descendants, resort
+from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 from ..detect import moved_from
 from ..detect.allgather import AllGatherMatch
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
-from ..schedule import ancestors, descendants, resort
 from . import Rewrite
-from ..graph_walk import node_order
 
 c10d = torch.ops._c10d_functional
 NAME = "gather_overlap"

@@ -39,14 +39,15 @@ import operator
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter
+from ..analysis.graph_walk import node_order
+from ..analysis.layout_algebra import Factor, Layout, plan_relayout
+from ..analysis.sdpa_ops import bound_args, tuple_outputs
 from ..detect.a2a import A2AMatch
-from ..fx_emit import Emitter
-from ..layout_algebra import Factor, Layout, plan_relayout
-from ..sdpa_ops import bound_args, tuple_outputs
 from . import Rewrite, fused_a2a
 from .head_split import Partition, cat_like, common_groups, group_call
-from .transport import Sender, transport_choice
-from .ulysses_buffers import (
+from .shared.transport import Sender, transport_choice
+from .shared.ulysses_buffers import (
     as_delivered,
     crossing_groups,
     heads_view,
@@ -54,7 +55,6 @@ from .ulysses_buffers import (
     reads_as_view,
     unpack_choice,
 )
-from ..graph_walk import node_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

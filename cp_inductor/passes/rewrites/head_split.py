@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import REPLACES, Emitter, stride_order
+from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from ..detect import moved_from
 from ..detect.allgather import REORDER_OPS
-from ..fx_emit import REPLACES, Emitter, stride_order
-from ..sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from . import Rewrite, size_text
 
 aten = torch.ops.aten

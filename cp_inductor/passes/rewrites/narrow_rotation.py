@@ -27,12 +27,12 @@ import operator
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter
+from ..analysis.graph_walk import Walk, node_order
+from ..analysis.layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from ..detect.ring import RingMatch, chained_rotations
-from ..fx_emit import Emitter
-from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from . import Rewrite
-from .transport import only_wait
-from ..graph_walk import node_order
+from .shared.transport import only_wait
 
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -45,9 +45,11 @@ _CAST = prims.convert_element_type.default
 def _readers(wait: torch.fx.Node):
     """(data-movement nodes in graph order, casts, their dtype) if everything read from ``wait``
     is cast to one narrower floating dtype after moves only; else None."""
-    moves, casts, stack = [], [], [wait]
-    while stack:
-        node = stack.pop()
+    moves, casts = [], []
+    def moved(n):  # a cast ends the walk: it is what the rewrite moves
+        return [u for u in n.users if u.op == "call_function" and u.target is not _CAST and u.target in _MOVES]
+
+    for node in Walk([wait], moved):
         for user in node.users:
             if user.op != "call_function" or user.args[0] is not node:
                 return None
@@ -55,7 +57,6 @@ def _readers(wait: torch.fx.Node):
                 casts.append(user)
             elif user.target in _MOVES:
                 moves.append(user)
-                stack.append(user)
             else:
                 return None
     dtypes = {c.args[1] for c in casts}

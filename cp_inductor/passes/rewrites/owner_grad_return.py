@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter
+from ..analysis.graph_walk import node_order
+from ..analysis.sdpa_ops import SDPA_BACKWARD
 from ..detect.allgather import AllGatherMatch
-from ..fx_emit import Emitter
-from ..sdpa_ops import SDPA_BACKWARD
 from . import Rewrite
-from .transport import Sender, copy_engine_unavailable, only_wait, retire
-from ..graph_walk import node_order
+from .shared.transport import Sender, copy_engine_unavailable, only_wait, retire
 
 aten = torch.ops.aten
 NAME = "owner_grad_return"

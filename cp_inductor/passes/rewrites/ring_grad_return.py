@@ -40,13 +40,13 @@ import operator
 import torch
 import torch.fx
 
+from ..analysis.fx_emit import Emitter
+from ..analysis.graph_walk import Walk, node_order
+from ..analysis.layout_algebra import LAYOUT_OPS, SPLIT_OPS
+from ..analysis.schedule import ancestors, descendants
 from ..detect.ring import RingMatch, rotation, rotations_fed
-from ..fx_emit import Emitter
-from ..layout_algebra import LAYOUT_OPS, SPLIT_OPS
-from ..schedule import ancestors, descendants
 from . import Rewrite
-from .transport import only_wait
-from ..graph_walk import node_order
+from .shared.transport import only_wait
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -83,17 +83,10 @@ def _pair(region: RingMatch):
 
 def _rotations_feeding(rot: torch.fx.Node) -> set:
     """The rotations whose received data ``rot``'s payload is made from."""
-    found, stack, seen = set(), [rot.args[0]], set()
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > 512:
-            continue
-        seen.add(n)
-        if n.target is c10d.wait_tensor.default and rotation(n.args[0]) is not None:
-            found.add(n.args[0])
-            continue
-        stack.extend(n.all_input_nodes)
-    return found
+    def received(n):
+        return n.target is c10d.wait_tensor.default and rotation(n.args[0]) is not None
+
+    return {n.args[0] for n in Walk([rot.args[0]], lambda n: () if received(n) else n.all_input_nodes) if received(n)}
 
 
 def _path(start: torch.fx.Node, end: torch.fx.Node) -> list | None:
@@ -209,20 +202,13 @@ def apply(graph: torch.fx.Graph, region: RingMatch, cfg) -> list:
 
 def _attention_above(node: torch.fx.Node):
     """The last attention backward the owner's accumulator is made from (its step 0), or None."""
-    from ..sdpa_ops import SDPA_BACKWARD
+    from ..analysis.sdpa_ops import SDPA_BACKWARD
 
-    order = node_order(node.graph)
-    found, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or len(seen) > 512:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in SDPA_BACKWARD:
-            found.append(n)
-            continue
-        stack.extend(n.all_input_nodes)
-    return max(found, key=order.__getitem__) if found else None
+    def is_backward(n):
+        return n.op == "call_function" and n.target in SDPA_BACKWARD
+
+    found = [n for n in Walk([node], lambda n: () if is_backward(n) else n.all_input_nodes) if is_backward(n)]
+    return max(found, key=node_order(node.graph).__getitem__) if found else None
 
 
 def _move_after(step0: torch.fx.Node, rot: torch.fx.Node) -> None:

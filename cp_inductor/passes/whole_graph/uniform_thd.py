@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from . import varlen_calls
+from ..analysis import varlen_calls
 
 NAME = "uniform_thd"
 DENSE = "dense_sdpa"

@@ -7,15 +7,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..fx_emit import Emitter
-from ..sdpa_ops import bound_args
+from ...analysis.fx_emit import Emitter
+from ...analysis.sdpa_ops import bound_args
 
 c10d = torch.ops._c10d_functional
 
 
 def copy_engine_unavailable(region) -> str | None:
     """Why the copy-engine transport cannot run for ``region`` (its group and device), or None."""
-    from ...lowerings import ce_transport
+    from ....lowerings import ce_transport
 
     device = region.attention.args[0].meta["val"].device.type
     return ce_transport.why_unavailable(region.group_name, device)
@@ -107,6 +107,6 @@ class Sender:
 
 
 def _ce_op(name: str):
-    from ...lowerings import ce_transport  # noqa: F401  (registers the ops)
+    from ....lowerings import ce_transport  # noqa: F401  (registers the ops)
 
     return getattr(torch.ops.cp_inductor, name).default

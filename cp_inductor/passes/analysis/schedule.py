@@ -9,9 +9,10 @@ priority: a node never moves ahead of its inputs, whatever the priorities say.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch.fx
+
 from .graph_walk import ancestors, descendants, node_order  # noqa: F401 - ancestors, descendants: the rewrites' import
 
 

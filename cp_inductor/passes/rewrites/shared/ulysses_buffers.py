@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..cost_model import UnpackChoice, choose_unpack
-from ..detect.a2a import A2ACrossing, A2AMatch
-from ..fx_emit import Emitter
-from ..layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
-from ..sdpa_ops import bound_args
+from ...analysis.cost_model import UnpackChoice, choose_unpack
+from ...analysis.fx_emit import Emitter
+from ...analysis.layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
+from ...analysis.sdpa_ops import bound_args
+from ...detect.a2a import A2ACrossing, A2AMatch
 
 aten = torch.ops.aten
 

@@ -25,8 +25,8 @@ import operator
 import torch
 from torch._dynamo.utils import counters
 
-from ..lowerings import varlen_attention
-from . import varlen_calls
+from ...lowerings import varlen_attention
+from ..analysis import varlen_calls
 
 NAME = "varlen_cudnn"
 CUDNN_RAGGED = "cudnn_ragged"

@@ -28,9 +28,9 @@ import torch._inductor.config
 import torch.fx
 from torch._dynamo.utils import counters
 
-from ..lowerings import cudnn_backward
-from .fx_emit import Emitter
-from .sdpa_ops import bound_args
+from ...lowerings import cudnn_backward
+from ..analysis.fx_emit import Emitter
+from ..analysis.sdpa_ops import bound_args
 
 aten = torch.ops.aten
 NAME = "cudnn_frontend_backward"

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .graph_walk import Walk, node_order
 from .layout_algebra import is_layout_op
 from .sdpa_ops import tuple_outputs
-from .graph_walk import node_order
 
 aten = torch.ops.aten
 # Where a dK/dV accumulator leaves: the all-gather's reduce-scatter, a ring's rotation.
@@ -54,21 +54,13 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
     backward attention op's gradients without being fusable into the kernel that writes the
     input of the collective it leaves by; None when everything from dK/dV to it fuses."""
     outs = tuple_outputs(attention)
-    stack = [outs[i] for i in (1, 2) if i in outs]
-    seen, blockers = set(stack), []
-    while stack:
-        node = stack.pop()
-        bases = [node.args[0]] if node.target in _SCATTERS else []
-        for base in bases:  # the zero (or partial) gradient a contribution is scattered into
-            blockers += [u for u in base.users if not _fused(u) and u.target not in _COLLECTIVES]
-        for user in node.users:
-            if user.target in _COLLECTIVES or user in seen:
-                continue
-            if not _fused(user):
-                blockers.append(user)
-                continue
-            seen.add(user)
-            stack.append(user)
+    blockers = []
+    fused_readers = Walk([outs[i] for i in (1, 2) if i in outs],
+                         lambda n: [u for u in n.users if u.target not in _COLLECTIVES and _fused(u)], limit=float("inf"))
+    for node in fused_readers:
+        if node.target in _SCATTERS:  # the zero (or partial) gradient a contribution is scattered into
+            blockers += [u for u in node.args[0].users if not _fused(u) and u.target not in _COLLECTIVES]
+        blockers += [u for u in node.users if u.target not in _COLLECTIVES and not _fused(u)]
     if not blockers:
         return None
     order = node_order(attention.graph)

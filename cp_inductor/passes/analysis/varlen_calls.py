@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..lowerings import varlen_attention
-from ..reporting import VarlenRoute
+from ...lowerings import varlen_attention
+from ...reporting import VarlenRoute
 
 KEPT = "kept"
 

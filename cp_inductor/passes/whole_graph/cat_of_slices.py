@@ -33,6 +33,8 @@ import operator
 import torch
 import torch.fx
 
+from ..analysis.graph_walk import Walk
+
 aten = torch.ops.aten
 NAME = "cat_of_slices"
 # Collectives: NCCL's functional ones, the copy-engine transport's (ce_rotation replaces the
@@ -102,40 +104,26 @@ def _slice_of(node: torch.fx.Node, dim: int) -> tuple | None:
 
 def _returned(node: torch.fx.Node) -> bool:
     """Whether ``node`` or a view of it is a graph output."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if user.op == "output":
-                return True
-            if user.op == "call_function" and user.target in _VIEWS and user.args[0] is n:
-                stack.append(user)
-    return False
+    views = Walk([node], lambda n: [u for u in n.users if u.op == "call_function" and u.target in _VIEWS and u.args[0] is n],
+                 limit=float("inf"))
+    return any(user.op == "output" for n in views for user in n.users)
 
 
 def _sent(node: torch.fx.Node) -> bool:
     """Whether ``node`` is (through views and casts) what a collective sends: there Inductor
     must write the cat into a buffer of its own; a cat read by pointwise kernels it fuses into
     them instead (removing one there split a fused kernel in two, bf16 on CPU)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    def moves(n):
         for user in n.users:
-            if getattr(user.target, "namespace", None) in _COLLECTIVE_NAMESPACES and user.args and user.args[0] is n:
-                return True
             if user.op != "call_function":
                 continue
             if (user.target in _VIEWS or user.target is torch.ops.prims.convert_element_type.default) and user.args[0] is n:
-                stack.append(user)
+                yield user
             elif user.target is aten.cat.default and n in user.args[0]:  # a piece of a sent cat
-                stack.append(user)
-    return False
+                yield user
+
+    return any(getattr(user.target, "namespace", None) in _COLLECTIVE_NAMESPACES and user.args and user.args[0] is n
+               for n in Walk([node], moves, limit=float("inf")) for user in n.users)
 
 
 def _whole(cat: torch.fx.Node) -> tuple | None:

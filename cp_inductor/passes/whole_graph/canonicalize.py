@@ -125,7 +125,7 @@ def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
 def _rng_wrapped(node: torch.fx.Node):
     """``(attention op, its args, its kwargs)`` of an RNG-state wrapper around an attention op
     without dropout, else None."""
-    from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+    from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 
     hops = torch.ops.higher_order
     first = {hops.run_and_save_rng_state: 0, hops.run_with_rng_state: 1}
@@ -182,7 +182,7 @@ def rewrap_rng_attention(graph: torch.fx.Graph) -> int:
     """Give every generator input that :func:`unwrap_rng_attention` left unread its one
     ``graphsafe_run_with_rng_state`` again, around the call that was unwrapped, else around the
     first attention call without dropout; how many were wrapped."""
-    from .sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+    from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 
     graphsafe = getattr(torch.ops.higher_order, "graphsafe_run_with_rng_state", None)
     count = 0
