@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 import torch.fx
 
+from ..analysis.graph_walk import MAX_NODES
 from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..analysis.match import CPMatch, attention_facts
 from ..analysis.sdpa_ops import SDPA_FORWARD, bound_args
@@ -53,7 +54,7 @@ ACCUMULATE_OPS = (
     aten.cat.default, prims.rev.default, aten.flip.default, aten.index_add.default, aten.index_put.default,
     aten.constant_pad_nd.default,  # a prefix's dK/dV padded to the full sequence
 )
-_MAX_DEPTH = 256  # nodes a walk may visit; deeper means it is not one attention's K/V
+_MAX_DEPTH = MAX_NODES // 2  # nodes a walk may visit; deeper means it is not one attention's K/V
 
 
 @dataclass
