@@ -76,7 +76,7 @@ class VarlenRoute:
     (``passes/whole_graph/varlen_cudnn.py``)."""
 
     attention: str  # the call's node in the graph Dynamo handed the backend
-    style: str  # "local"
+    style: str  # "local" | "a2a" (an all-to-all delivers its tokens)
     lengths: str  # "proven" | "promised" | "unknown"
     detail: str
     path: str  # "cudnn_ragged" | "kept"

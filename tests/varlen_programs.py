@@ -128,3 +128,65 @@ def flash_attn_like_op():
             return (*torch.ops.flash_attn._test_varlen_backward(grad, q, k, v, cu, ctx.causal), None, None, None)
 
     return lib, VarlenFunc
+
+
+def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None):
+    """DeepSpeed ALST's Ulysses over a pack: this rank holds T/cp tokens with every head; one
+    all-to-all per tensor gives it every token of its H/cp heads, varlen attention runs over the
+    whole pack with the global cu_seqlens, and the output goes back the same way. GQA: K/V heads
+    repeated after the all-to-all, as torchtitan feeds varlen_attn."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.nn.attention.varlen import varlen_attn
+
+    group = group if group is not None else dist.group.WORLD
+    cp = dist.get_world_size(group)
+
+    def gather_tokens(x):  # [T/cp, H, D] -> [T, H/cp, D]: tokens in rank order
+        t, h, d = x.shape
+        send = x.reshape(t, cp, h // cp, d).transpose(0, 1).contiguous()  # [destination, T/cp, H/cp, D]
+        return funcol.all_to_all_single(send, None, None, group).reshape(cp * t, h // cp, d)
+
+    def scatter_tokens(x):  # [T, H/cp, D] -> [T/cp, H, D]
+        t, h, d = x.shape
+        got = funcol.all_to_all_single(x.reshape(cp, t // cp, h, d).contiguous(), None, None, group)
+        return got.permute(1, 0, 2, 3).reshape(t // cp, cp * h, d)  # [T/cp, (source rank, H/cp), D]
+
+    window = (-1, 0) if causal else (-1, -1)
+    q, k, v = gather_tokens(q), gather_tokens(k), gather_tokens(v)
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return scatter_tokens(varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window))
+
+
+def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference_op):
+    """One gloo rank: ``ulysses_thd`` compiled with cp_inductor against per-sequence fp64 SDPA on
+    the whole pack, for the output and every gradient of this rank's tokens. ``on_reference_op``:
+    varlen attention lowered to cp_inductor's op (its CPU reference standing in for cuDNN), else
+    torch's varlen op on the tests' CPU kernels."""
+    import contextlib
+
+    import cp_inductor
+    from cp_inductor.lowerings.varlen_attention import reference_kernels
+
+    register_cpu_kernels()
+    q, k, v, cu, max_len = pack(lengths, heads_q, heads_kv, 16, seed=len(lengths))
+    tokens = q.shape[0] // cp
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    with reference_kernels() if on_reference_op else contextlib.nullcontext():
+        fn = torch.compile(lambda a, b, c: ulysses_thd(a, b, c, cu, max_len, causal), backend="cp_inductor", fullgraph=True)
+        out = fn(*local)
+        got = (out, *torch.autograd.grad(out, local, grad[mine]))
+    report = cp_inductor.report()
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    want = sequence_reference(*full, cu, causal)
+    want = (want, *torch.autograd.grad(want, full, grad.double()))
+    errors = {name: float((a.detach().double() - b[mine].detach()).norm() / b[mine].detach().norm())
+              for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    regions = sorted((r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions)
+    torch._dynamo.reset()
+    return errors, regions, [r.line() for r in report.varlen]

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch.fx
 
 from .layout_algebra import node_val
-from .sdpa_ops import SDPA_BACKWARD
+from .sdpa_ops import BACKWARD
 
 
 @dataclass
@@ -34,7 +34,7 @@ class CPMatch:
     @property
     def direction(self) -> str:
         """"backward" for an attention backward op, else "forward"."""
-        return "backward" if self.attention.target in SDPA_BACKWARD else "forward"
+        return "backward" if self.attention.target in BACKWARD else "forward"
 
     def describe(self) -> str:
         """The report's detail column: heads and masking."""
@@ -46,8 +46,9 @@ def attention_facts(args: dict, heads_per_rank: int = 1) -> dict:
     turns the heads attention sees into global heads (cp for Ulysses, where each rank sees its
     head block)."""
     q, k = node_val(args["query"]), node_val(args["key"])
+    window = args.get("window_size")  # torch's varlen_attn: causal is the window (-1, 0)
     return dict(
-        is_causal=bool(args.get("is_causal", False)),
+        is_causal=bool(args.get("is_causal", False)) or (window is not None and list(window) == [-1, 0]),
         heads_q=int(q.shape[1]) * heads_per_rank,
         heads_kv=int(k.shape[1]) * heads_per_rank,
         has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),

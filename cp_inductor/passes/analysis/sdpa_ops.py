@@ -1,4 +1,6 @@
-"""The ATen attention ops that SDPA lowers to, forward and backward, and their argument names."""
+"""The attention ops detection knows, forward and backward, and their argument names: the ATen
+ops SDPA lowers to (dense ``[B, H, S, D]``), and the packed-sequence (THD, ``[T, H, D]`` with
+cu_seqlens) ops of torch's ``varlen_attn`` and of our cuDNN lowering."""
 
 from __future__ import annotations
 
@@ -30,9 +32,38 @@ SDPA_BACKWARD = _ops(
 )
 
 
-# The memory-efficient backward calls its first argument ``grad_out_``; everything else says
-# ``grad_out``.
-_ALIASES = {"grad_out_": "grad_out"}
+
+
+def _custom_ops(*names):
+    """``namespace::name`` ops that exist in this process (torch_attn's appear once
+    ``torch.nn.attention.varlen`` is imported; ours with ``cp_inductor.lowerings``)."""
+    import importlib
+
+    for module in ("torch.nn.attention.varlen", "cp_inductor.lowerings.varlen_attention"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    ops = []
+    for name in names:
+        namespace, op = name.split("::")
+        packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
+        if packet is not None and hasattr(packet, "default"):
+            ops.append(packet.default)
+    return tuple(ops)
+
+
+# Packed sequences: (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, ...) -> (out
+# [T, Hq, Dv], lse, ...), and the backward (grad_out, query, key, value, out, lse, ...) -> (dq, dk, dv).
+VARLEN_FORWARD = _custom_ops("torch_attn::_varlen_attn", "cp_inductor::varlen_attention")
+VARLEN_BACKWARD = _custom_ops("torch_attn::_varlen_attn_backward", "cp_inductor::varlen_attention_backward")
+FORWARD = SDPA_FORWARD + VARLEN_FORWARD
+BACKWARD = SDPA_BACKWARD + VARLEN_BACKWARD
+
+
+# One spelling per role: the memory-efficient backward calls its first argument ``grad_out_``,
+# our varlen ops say q, k, v.
+_ALIASES = {"grad_out_": "grad_out", "q": "query", "k": "key", "v": "value"}
 
 
 def arg_names(node: torch.fx.Node) -> list[str]:

@@ -17,6 +17,8 @@ import torch.fx
 
 from ...lowerings import varlen_attention
 from ...reporting import VarlenRoute
+from .collectives import KNOWN_ALL_TO_ALLS
+from .graph_walk import Walk
 
 KEPT = "kept"
 
@@ -68,6 +70,7 @@ class VarlenCall:
     reasons: dict = field(default_factory=dict)  # rewrite -> why it did not take the call
     repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
     cudagraphs: bool = False  # the compile captures CUDA graphs (mode="reduce-overhead")
+    style: str = "local"  # "a2a": an all-to-all delivers its tokens (Ulysses over the pack)
 
     @property
     def query(self):
@@ -78,7 +81,7 @@ class VarlenCall:
         if self.repeat_dropped:
             detail += ", K/V head repeat dropped"
         reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else ""
-        return VarlenRoute(self.name, "local", self.lengths, detail, self.path, reason)
+        return VarlenRoute(self.name, self.style, self.lengths, detail, self.path, reason)
 
 
 def _bind(node: torch.fx.Node) -> dict:
@@ -97,6 +100,20 @@ def value(x):
     return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else x
 
 
+_ALL_TO_ALLS = {"_c10d_functional::all_to_all_single"} | {k.qualname for k in KNOWN_ALL_TO_ALLS}
+_NEAR = 64  # nodes: a Ulysses all-to-all sits a few relabelling ops above attention
+
+
+def _style(query: torch.fx.Node) -> str:
+    """"a2a" when an all-to-all delivers the query within a few ops (the post-grad detector then
+    proves the region, or says why not), else "local": the report's first word on the call."""
+    def is_all_to_all(n):
+        return n.op == "call_function" and _qualname(n.target) in _ALL_TO_ALLS
+
+    above = Walk([query], lambda n: () if is_all_to_all(n) else n.all_input_nodes, limit=_NEAR)
+    return "a2a" if any(is_all_to_all(n) for n in above) else "local"
+
+
 def find(graph: torch.fx.Graph) -> list[VarlenCall]:
     """The varlen calls of ``graph`` our lowerings take (``torch_attn::_varlen_attn``)."""
     ops = _varlen_ops()
@@ -105,7 +122,8 @@ def find(graph: torch.fx.Graph) -> list[VarlenCall]:
         if node.op == "call_function" and node.target in ops:
             args = _bind(node)
             causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
-            calls.append(VarlenCall(node, node.name, args, causal))
+            style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
+            calls.append(VarlenCall(node, node.name, args, causal, style=style))
     return calls
 
 

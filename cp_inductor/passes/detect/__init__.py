@@ -24,14 +24,15 @@ from ..guard import internal_error
 aten = torch.ops.aten
 
 
-def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list:
-    """``match_one(attention_node, graph_kind)`` on every attention op of ``graph``: the matches
+def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None, ops=SDPA_FORWARD + SDPA_BACKWARD) -> list:
+    """``match_one(attention_node, graph_kind)`` on every attention op of ``graph`` (``ops``: the
+    dense SDPA ops unless the style takes more): the matches
     it returns, in graph order. A ``LayoutError`` is the reason the op is not a region, an
     unexpected error becomes one (strict mode raises); both go to ``log(node, reason)``; ``None``
     means the op is not this style's business."""
     matches = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA_FORWARD + SDPA_BACKWARD:
+        if node.op != "call_function" or node.target not in ops:
             continue
         try:
             match = match_one(node, graph_kind)

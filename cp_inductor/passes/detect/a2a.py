@@ -9,8 +9,9 @@ A forward (or inference) region::
 and a backward region is the mirror: ``grad_out`` arrives through an all-to-all, ``dq/dk/dv``
 leave through one each. Which reshapes/permutes/copies sit around the collectives does not matter:
 each chain is run through :mod:`layout_algebra` and accepted iff attention sees
-``[batch, head block of this rank, (source rank, local position), head_dim]`` and what leaves is
-the full head set of this rank's sequence slice again. An all-to-all that does not produce that
+``[batch, head block of this rank, (source rank, local position), head_dim]`` (varlen attention
+over a pack: ``[(source rank, local token), head block, head_dim]``, layout ``thd``) and what
+leaves is the full head set of this rank's sequence slice again. An all-to-all that does not produce that
 (an MoE dispatch, a batch exchange) is not a region. On the way out one ``sum`` over head factors
 may sit in the chain (a GQA backward that replicated K/V heads by ``expand`` sums the replicas'
 gradients): then the reduced tensor is the crossing's source.
@@ -41,7 +42,7 @@ from ..analysis.layout_algebra import (
     node_val,
 )
 from ..analysis.match import CPMatch, attention_facts
-from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
+from ..analysis.sdpa_ops import BACKWARD, FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
 
 aten = torch.ops.aten
@@ -143,10 +144,14 @@ def _axes(factors) -> set:
 
 
 def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
-    """Check the Ulysses layout at an attention input; return factor -> role."""
-    if len(lay.dims) != 4:
+    """Check the Ulysses layout at an attention input ([B, H, S, D], or a pack's [T, H, D]);
+    return factor -> role (a pack's tokens take the sequence role)."""
+    if len(lay.dims) == 3:
+        b, (s, h, d) = (), (canonical(x) for x in lay.dims)
+    elif len(lay.dims) == 4:
+        b, h, s, d = (canonical(x) for x in lay.dims)
+    else:
         raise LayoutError(f"attention input has {len(lay.dims)} dims")
-    b, h, s, d = (canonical(x) for x in lay.dims)
     if len(s) != 2 or s[0].axis != RANK_AXIS:
         raise LayoutError("sequence dim is not (source rank, local position)")
     if len(d) != 1 or any(f.axis == RANK_AXIS for f in b + h + d):
@@ -198,6 +203,8 @@ def _layout_name(lay: Layout, roles: dict) -> str | None:
         if len(rs) > 1 or None in rs:
             return None
         names.append(rs.pop() if rs else "?")
+    if len(names) == 3 and sorted(names) == sorted("hsd"):
+        return "".join(names).replace("s", "t")  # a pack: tokens, heads, head_dim
     missing = set(ROLE_NAMES) - set(names)
     if names.count("?") == 1 and len(missing) == 1:
         # A size-1 dim (batch 1, say) has no factor; it is the one role not seen elsewhere.
@@ -307,7 +314,7 @@ def _only_backward_reads(out: torch.fx.Node) -> bool:
         return u.op == "call_function" and u.target in (aten.alias.default, aten.detach.default)
 
     readers = [u for n in Walk([out], lambda n: [u for u in n.users if is_alias(u)]) for u in n.users if not is_alias(u)]
-    return bool(readers) and all(u.op == "call_function" and u.target in SDPA_BACKWARD for u in readers)
+    return bool(readers) and all(u.op == "call_function" and u.target in BACKWARD for u in readers)
 
 
 def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
@@ -391,13 +398,18 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
     """An attention-side layout with the head_dim of ``like`` (the output takes v's head_dim)."""
     head_dim = (Factor(name, 1, int(node_val(like).shape[-1])),)
-    return Layout(lay.dims[:3] + (head_dim,), lay.pinned)
+    return Layout(lay.dims[:-1] + (head_dim,), lay.pinned)
 
 
 def _fresh_heads_layout(like: Layout, heads: int, head_dim: int, name: str, cp: int):
-    """Attention-side layout for k/v gradients: q's batch and sequence, heads/head_dim of their own."""
-    b, _, s, _ = like.dims
-    dims = (b, (Factor((name, "h"), 1, heads),), s, (Factor((name, "d"), 1, head_dim),))
+    """Attention-side layout for k/v gradients: q's batch and sequence (a pack's tokens), heads
+    and head_dim of their own."""
+    h, d = (Factor((name, "h"), 1, heads),), (Factor((name, "d"), 1, head_dim),)
+    if len(like.dims) == 3:
+        dims = (like.dims[0], h, d)
+    else:
+        b, _, s, _ = like.dims
+        dims = (b, h, s, d)
     return Layout(dims, Factor((name, "h"), heads, cp))
 
 
@@ -411,7 +423,7 @@ STYLE = A2AMatch.style
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[A2AMatch]:
     """Every Ulysses region in ``graph``. ``log(node, reason)`` hears why an attention op is
     not one."""
-    return find_with(_region, graph, graph_kind, cfg, log)
+    return find_with(_region, graph, graph_kind, cfg, log, ops=FORWARD + BACKWARD)
 
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> A2AMatch | None:
@@ -420,7 +432,7 @@ def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> A2AMatch | None:
 
 
 def _region(node, graph_kind) -> A2AMatch:
-    if node.target in SDPA_FORWARD:
+    if node.target in FORWARD:
         return _forward_region(node, graph_kind)
     return _backward_region(node, graph_kind)
 
@@ -465,7 +477,7 @@ def _backward_region(node, graph_kind) -> A2AMatch:
         if name == "dq":
             start = _with_head_dim(go_lay, args[like], ("dq", "d"))
         else:
-            start = _fresh_heads_layout(go_lay, int(shape[1]), int(shape[3]), name, cp)
+            start = _fresh_heads_layout(go_lay, int(shape[1]), int(shape[-1]), name, cp)
         c, g = _outgoing(outs[idx], start, _roles_for(start), cp)
         outgoing[name] = c
         groups.add(g)

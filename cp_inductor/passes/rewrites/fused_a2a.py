@@ -170,7 +170,7 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args
             offset += heads
         if reads_as_view(lay, c, cp, attn_arg):
             like = _layout_required(region, attn_arg, cfg)
-            view = None if grouped else heads_view(emit, part)
+            view = None if grouped else heads_view(emit, part, packed=attn_arg.meta["val"].dim() == 3)
             if unpack == "views" and (like is None or stride_order(view.meta["val"]) == stride_order(like)):
                 emit.replace(attn_arg, view, strides=False)
                 strided = True
@@ -192,8 +192,15 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args
 
 
 def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
-    """Received ``[cp, S/cp, B, H, D]`` -> one copy into a ``[B, H, S, D]`` tensor with ``like``'s
-    stride order (S = source rank x local position; ``part`` need not be one strided view)."""
+    """Received ``[cp, S/cp, B, H, D]`` -> one copy into a ``[B, H, S, D]`` tensor (a pack's
+    ``[T, H, D]``) with ``like``'s stride order (S = source rank x local position; ``part`` need
+    not be one strided view)."""
+    if like.dim() == 3:
+        cp_, s_l, _, h, d = part.meta["val"].shape
+        order = stride_order(like)  # over (T, H, D); T = (rank, position) stays one dim
+        tokens_first = emit(aten.reshape.default, part, [cp_ * s_l, h, d])
+        dense = emit(aten.clone.default, emit(aten.permute.default, tokens_first, order), memory_format=torch.contiguous_format)
+        return emit(aten.permute.default, dense, [order.index(i) for i in range(3)])
     order = stride_order(like)  # over (B, H, S, D)
     order5 = [j for i in order for j in ((2, 3) if i == 2 else (i + (i == 3),))]  # S -> (rank, pos)
     inverse5 = [order5.index(i) for i in range(5)]

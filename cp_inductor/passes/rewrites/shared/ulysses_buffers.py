@@ -3,7 +3,8 @@ one buffer an all-to-all sends, and how attention reads what arrives.
 
 The send buffer of one tensor is ``[cp, S/cp, B, H, D]`` (destination rank, local position,
 batch, heads, head_dim): sequence-major, so each destination's chunk is one contiguous block and
-what arrives, viewed as ``[B, H, S, D]``, is attention's input with no copy.
+what arrives, viewed as ``[B, H, S, D]``, is attention's input with no copy. A pack of sequences
+(THD) has no batch: ``[cp, T/cp, 1, H, D]`` arrives as the ``[T, H, D]`` varlen attention reads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def unpack_choice(region: A2AMatch, cfg) -> UnpackChoice:
     if q.device.type != "cuda":
         # The map is measured on GPUs; elsewhere (the CPU tests) the full rewrite is the default.
         return UnpackChoice("views", f"no cost map for {q.device.type}")
+    if q.dim() == 3:
+        # Not measured for packs: attention keeps its own layout, only packs and collectives fuse.
+        return UnpackChoice("copy", "packed sequences: no cost map, one copy into attention's layout")
     b, hq, s, d = (int(x) for x in q.shape)
     return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
 
@@ -76,14 +80,19 @@ def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
         return False
     cp_, s_l, b, h, d = lay.shape
     want = apply_chain(c.send.all_to_all(cp), c.after)[-1]
-    mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
+    if len(want.dims) == 3:  # a pack: [T, H, D]
+        mine = lay.all_to_all(cp).reshape((cp_ * s_l, h, d))
+    else:
+        mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
     return [canonical(x) for x in mine.dims] == [canonical(x) for x in want.dims]
 
 
-def heads_view(emit: Emitter, part) -> torch.fx.Node:
+def heads_view(emit: Emitter, part, packed: bool = False) -> torch.fx.Node:
     """``[cp, S/cp, B, H, D]`` received part -> ``[B, H, S, D]`` view (cuDNN and flash read it
-    at full speed)."""
+    at full speed); ``packed``: -> a pack's ``[T, H, D]``."""
     cp_, s_l, b, h, d = part.meta["val"].shape
+    if packed:
+        return emit(aten.view.default, part, [cp_ * s_l, h, d])
     return emit(aten.permute.default, emit(aten.view.default, part, [cp_ * s_l, b, h, d]), [1, 2, 0, 3])
 
 
