@@ -14,6 +14,13 @@ many short ones), alternating over rounds in one process, fwd+bwd medians of:
 
 ``--varying-steps N``: N steps whose lengths and document counts change every step.
 
+``--fake-rank R/CP``: one rank's compute of Ulysses over the pack (DeepSpeed ALST's form,
+``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
+attention over all T tokens) on PyTorch's fake group, whose collectives move nothing: arms
+``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
+``cp_a2a``, ``cp_cudnn``, ``cp_on``), and ``floor`` (the frontend's ragged op on this rank's
+share: all T tokens, HQ/CP query and HKV/CP K/V heads).
+
 Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
 """
 
@@ -87,6 +94,46 @@ def arms_for(lengths, head_dim, causal=True):
     return arms
 
 
+def ulysses_arms_for(lengths, head_dim, cp, causal=True):
+    """One rank's arms of Ulysses over the pack (``--fake-rank``)."""
+    import cp_inductor  # noqa: F401 - registers the backend
+
+    tokens = sum(lengths)
+    q, k, v, cu, m = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
+    ins = [t[: tokens // cp].clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn(ins[0].shape, device="cuda", dtype=torch.bfloat16)
+
+    def alst(q, k, v):
+        return vp.ulysses_thd(q, k, v, cu, m, causal)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(*ins), ins, grad)
+
+    def compiled(**options):
+        return torch.compile(alst, backend="cp_inductor", fullgraph=True,
+                             options={f"cp_inductor.{k}": v for k, v in options.items()})
+
+    torch._dynamo.reset()
+    arms = {
+        "eager": step(alst),
+        "inductor": step(torch.compile(alst, backend="inductor", fullgraph=True)),
+        "cp_off": step(compiled(fused_a2a=False, varlen_cudnn=False)),
+        "cp_a2a": step(compiled(varlen_cudnn=False)),
+        "cp_cudnn": step(compiled(fused_a2a=False)),
+        "cp_on": step(compiled()),
+    }
+    share = [t[:, : t.shape[1] // cp].detach().clone().requires_grad_() for t in (q, k, v)]
+    full_grad = torch.randn(share[0].shape, device="cuda", dtype=torch.bfloat16)
+
+    def floor():
+        out, _ = torch.ops.cudnn.sdpa_fwd(*share, head_dim ** -0.5, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                          max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
+        return torch.autograd.grad(out, share, full_grad)
+
+    arms["floor"] = floor
+    return arms
+
+
 def varying(tokens: int, head_dim: int, steps: int, iters: int) -> list[dict]:
     """Lengths (and document counts, 6-12) new at every step, compiled once per backend: the last
     third of the steps against one of them repeated at fixed lengths, with Dynamo's graph count
@@ -134,9 +181,16 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
+    ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
+
+    if a.fake_rank:
+        from common import init_group
+
+        init_group(a.fake_rank)
+        return fake_rank(a)
 
     print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
     rows = []
@@ -168,6 +222,39 @@ def main() -> int:
     if a.varying_steps:
         rows += varying(a.tokens[0], a.head_dim[0], a.varying_steps, a.iters)
         write_rows(a.json, a, rows)
+    return 0
+
+
+def fake_rank(a) -> int:
+    rank, cp = (int(x) for x in a.fake_rank.split("/"))
+    print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
+    names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on", "floor")
+    print(f"Ulysses over the pack, rank {rank} of {cp} (fake group: no communication), Hq{HQ} Hkv{HKV}, fwd+bwd ms")
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names) + " | on/inductor on/floor | peak GiB inductor/on")
+    rows = []
+    for tokens in a.tokens:
+        for head_dim in a.head_dim:
+            for kind in a.kinds:
+                lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
+                arms = ulysses_arms_for(lengths, head_dim, cp)
+                times, peaks = {n: [] for n in arms}, {}
+                for r in range(a.rounds):
+                    for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        times[name].append(device_ms(fn, a.iters))
+                        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "fake_rank": a.fake_rank, "docs": lengths,
+                       **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+                       **{f"{n}_peak_gib": p for n, p in peaks.items()}}
+                row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
+                row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
+                rows.append(row)
+                cells = " ".join(f"{row[n + '_ms']:9.2f}" for n in names)
+                print(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:7.3f} | "
+                      f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
+                write_rows(a.json, a, rows)
     return 0
 
 

@@ -418,3 +418,49 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
     assert route.path == KEPT and "CUDA graphs" in route.reason, route
     assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
     torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+def test_thd_ulysses_on_a_mirrored_world_matches_eager_and_fp32():
+    """Ulysses over a pack (DeepSpeed ALST's form), one GPU playing rank 0 of cp = 2 in a mirrored
+    world (every rank holds rank 0's tokens, so each all-to-all has one answer): compiled with
+    cp_inductor (fused_a2a, cuDNN ragged attention, K/V repeat dropped) against the same program
+    in eager (flash-2 varlen) and in fp32 on the CPU, for the output and every gradient."""
+    import varlen_programs as vp
+
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.testing.mirror_group import mirrored_world
+
+    vp.register_cpu_kernels()
+    lengths = [300, 1000, 77, 671]  # 2048 tokens, 1024 per rank; documents cross the rank boundary
+    q, k, v, cu, m = vp.pack(lengths, 8, 4, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    local = [t[:1024] for t in (q, k, v)]
+    grad = torch.randn(local[0].shape, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn, tensors, g, cu):
+        ins = [t.detach().clone().requires_grad_() for t in tensors]
+        out = fn(*ins, cu)
+        return [out, *torch.autograd.grad(out, ins, g)]
+
+    def program(a, b, c, cu):
+        return vp.ulysses_thd(a, b, c, cu, m, True)
+
+    with mirrored_world(2):
+        want = run(program, [t.float().cpu() for t in local], grad.float().cpu(), cu.cpu())
+        eager = run(program, local, grad, cu)
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        ours = run(torch.compile(program, backend="cp_inductor", fullgraph=True), local, grad, cu)
+        report = cp_inductor.report()
+        torch._dynamo.reset()
+
+    def errors(got):
+        return [float((a.double().cpu() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+
+    flash, mine = errors(eager), errors(ours)
+    print("flash", flash, "cp_inductor", mine, [r.line() for r in report.varlen])
+    assert sorted((r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions) == [
+        ("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], str(report)
+    assert [r.path for r in report.varlen] == [CUDNN_RAGGED] and report.varlen[0].style == "a2a", report.varlen
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(mine, flash)), (mine, flash)
