@@ -217,7 +217,9 @@ def test_aten_cudnn_backward_plan_cache_ignores_grad_out_layout():
 
     from cp_inductor.lowerings.cudnn_backward import aten_cache_key_complete
 
-    got = json.loads(subprocess.run([sys.executable, "-c", _REPRO], capture_output=True, text=True, check=True).stdout)
+    proc = subprocess.run([sys.executable, "-c", _REPRO], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
     print(got)
     assert got["mixed"]["like_o"] < 2e-2 and got["bshd_alone"]["bshd"] < 2e-2, got
     assert (got["mixed"]["bshd"] > 0.3) == (not aten_cache_key_complete()), got
