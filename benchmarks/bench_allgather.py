@@ -40,7 +40,7 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
 HAND_ARMS = {f"hand_{n}": ARMS[n] for n in ("eager", "inductor", "cp_off", "cp_inductor")}
 # The helper's log-sum-exp kernel for the causal chunks, eager and under default Inductor.
 KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for k in ("flash", "cudnn")}
-# "<arm>_perchunk": any helper arm with one prefix + diagonal pair per local chunk (before run 60).
+# "<arm>_perchunk": any helper arm with one prefix + diagonal pair per local chunk (the helper's earlier form).
 # "<arm>_hg<G>": any arm above on the helper with head_groups=G. "cp_hp<G>": cp_inductor with
 # head_split (the attention backward calls split into G head groups); "cp_hpf<G>": forward too.
 # The ring helper (cp_inductor.parallel.ring_attention) on the same shards: eager, default
@@ -97,7 +97,7 @@ class AllGatherBench(Bench):
             options = {"cp_inductor.head_split": True, "cp_inductor.head_split_groups": int(split[2]),
                        "cp_inductor.head_split_forward": bool(split[1])}
             return self.allgather_arm("cp_inductor", options)
-        if name.endswith("_perchunk"):  # the helper as it was before run 60: one stretch per chunk
+        if name.endswith("_perchunk"):  # the helper's earlier form: one stretch per chunk
             return _per_chunk(*self.arm(name.removesuffix("_perchunk")))
         grouped = re.fullmatch(r"(.+)_hg(\d+)", name)
         if grouped:  # the helper's head_groups=G: K/V gathered per group, again in the backward

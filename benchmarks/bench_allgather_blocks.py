@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         for cp in a.cp:
             # Every call set of this cp (the floor, each rank's plans) is built first, then timed in
             # rounds of alternating order: the same calls timed one after the other drifted by up
-            # to 5% (run 60), so ratios are paired per round.
+            # to 5% on H200, so ratios are paired per round.
             fq, fk = (torch.randn(b, h // cp, s, d, device=dev, dtype=dt) for h in (hq, hkv))
             fq.causal = True
             sets = {("-", "floor"): [(fq.requires_grad_(), fk.clone().requires_grad_(), fk.clone().requires_grad_())]}

@@ -59,7 +59,7 @@ def fill_free_memory(fraction: float = 0.8) -> float:
     """Fill most of the GPU's free memory with N(0, 1) bf16 values and give it back to the caching
     allocator, which hands it out again: tensors nothing writes (what the fake group's collectives
     return) then hold random values, not the zeros of fresh device memory, on which cuDNN attention
-    runs 14-16% faster (one H200, S32K H16: 24.6 ms with zero K/V, 28.5-29.1 ms random, run 66).
+    runs 14-16% faster (one H200, S32K H16: 24.6 ms with zero K/V, 28.5-29.1 ms random, results/attention_data_dependence_run66.log).
     Returns the GiB filled."""
     free, _ = torch.cuda.mem_get_info()
     n = int(free * fraction) // 2

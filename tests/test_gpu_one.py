@@ -76,7 +76,7 @@ def _compiled_on_fake_group(fn, *shapes, dtype=torch.bfloat16, options=None):
 
 @needs_gpu
 def test_canonical_forms_and_casts_compile_on_cuda():
-    """The CUDA code paths of this session's forms, with CP regions in the graph: checkpointed
+    """The CUDA code paths of the canonical forms, with CP regions in the graph: checkpointed
     Ulysses (graphsafe wrappers unwrapped, rewritten, wrapped again), q/k/v cast to bf16 ahead
     of the scatter (the pack casts), both fused forward and backward."""
     import variants

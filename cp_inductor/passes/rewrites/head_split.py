@@ -72,7 +72,7 @@ def group_call(emit: Emitter, node: torch.fx.Node, p: Partition, g: int, inputs:
             value = emit(aten.slice.Tensor, value, 1, g * p.heads_q, (g + 1) * p.heads_q)
             if name == "logsumexp" and not value.meta["val"].is_contiguous():
                 # The flash backward indexes its log-sum-exp as a dense [B, H, S]: a head slice
-                # of a batch > 1 gave wrong gradients on H200 (run 45). It is small: copy it.
+                # of a batch > 1 gave wrong gradients on H200 (results/gpu_tests_run45.log). It is small: copy it.
                 value = emit(aten.clone.default, value, memory_format=torch.contiguous_format)
         elif name in _KV_HEAD_ARGS and isinstance(value, torch.fx.Node):
             value = emit(aten.slice.Tensor, value, 1, g * p.heads_kv, (g + 1) * p.heads_kv)
@@ -127,7 +127,7 @@ def why_not(region, cfg, verdicts=None) -> str | None:
 
 def backward_allocation(node: torch.fx.Node) -> int:
     """Bytes the fused backward of this attention call allocates beyond its gradients, as measured
-    on H200 for cuDNN and flash alike (``bench_head_split.py``, run 44: 32K x 96K rows, Hq32 Hkv8
+    on H200 for cuDNN and flash alike (``bench_head_split.py``, results/head_split_run44.log: 32K x 96K rows, Hq32 Hkv8
     -> 2.0 GiB): dQ accumulated in fp32, and under GQA dK and dV for every query head."""
     args = bound_args(node)
     q, k = args["query"].meta["val"], args["key"].meta["val"]

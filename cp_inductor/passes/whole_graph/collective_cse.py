@@ -6,7 +6,7 @@ merges any two nodes that agree, collectives included, and ring programs trace d
 per rank (load balancing slices by rank), so whether two collectives agree may depend on the
 rank; a merge on some ranks only leaves the ranks' NCCL calls unpaired (a hang). Without any CSE
 a backward that rotates K/V again pays the rotation twice (the ring helper at B1 S32K H32 D128
-cp=2 on NCCL: 1.04x slower than default Inductor, run 39) and recomputes what the forward had.
+cp=2 on NCCL: 1.04x slower than default Inductor, results/ring_helper_s32k_run39.log) and recomputes what the forward had.
 
 This pass merges every pure node computed twice from the same inputs, as AOTAutograd's CSE
 would (merging computation never changes which collectives run), but a collective only where
