@@ -14,9 +14,11 @@ many short ones), alternating over rounds in one process, fwd+bwd medians of:
 
 ``--varying-steps N``: N steps whose lengths and document counts change every step.
 
-``--fake-rank R/CP``: one rank's compute of Ulysses over the pack (DeepSpeed ALST's form,
-``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
-attention over all T tokens) on PyTorch's fake group, whose collectives move nothing: arms
+``--ulysses`` (under ``torchrun``, NCCL) or ``--fake-rank R/CP`` (one rank's compute on
+PyTorch's fake group, whose collectives move nothing): Ulysses over the pack (DeepSpeed ALST's
+form, ``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
+attention over all T tokens), per iteration the slowest rank's time, peak memory the largest
+rank's; arms
 ``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
 ``cp_a2a``, ``cp_cudnn``, ``cp_on``), and ``floor`` (the frontend's ragged op on this rank's
 share: all T tokens, HQ/CP query and HKV/CP K/V heads).
@@ -94,13 +96,14 @@ def arms_for(lengths, head_dim, causal=True):
     return arms
 
 
-def ulysses_arms_for(lengths, head_dim, cp, causal=True):
-    """One rank's arms of Ulysses over the pack (``--fake-rank``)."""
+def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
+    """This rank's arms of Ulysses over the pack (``--ulysses``, ``--fake-rank``)."""
     import cp_inductor  # noqa: F401 - registers the backend
 
     tokens = sum(lengths)
     q, k, v, cu, m = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
-    ins = [t[: tokens // cp].clone().requires_grad_() for t in (q, k, v)]
+    mine = slice(rank * tokens // cp, (rank + 1) * tokens // cp)
+    ins = [t[mine].clone().requires_grad_() for t in (q, k, v)]
     grad = torch.randn(ins[0].shape, device="cuda", dtype=torch.bfloat16)
 
     def alst(q, k, v):
@@ -182,15 +185,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
+    ap.add_argument("--ulysses", action="store_true", help="Ulysses over the pack on NCCL (under torchrun)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
 
-    if a.fake_rank:
+    if a.fake_rank or a.ulysses:
         from common import init_group
 
         init_group(a.fake_rank)
-        return fake_rank(a)
+        return ulysses(a)
 
     print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
     rows = []
@@ -225,36 +229,65 @@ def main() -> int:
     return 0
 
 
-def fake_rank(a) -> int:
-    rank, cp = (int(x) for x in a.fake_rank.split("/"))
-    print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
+def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> list[float]:
+    """Per iteration, the time of the slowest rank (iterations start together)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        dist.barrier()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device="cuda")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def ulysses(a) -> int:
+    import torch.distributed as dist
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *args, **kwargs: None)
+    say(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
     names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on", "floor")
-    print(f"Ulysses over the pack, rank {rank} of {cp} (fake group: no communication), Hq{HQ} Hkv{HKV}, fwd+bwd ms")
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names) + " | on/inductor on/floor | peak GiB inductor/on")
+    where = "fake group: no communication" if a.fake_rank else "NCCL, slowest rank"
+    say(f"Ulysses over the pack, rank {rank} of {cp} ({where}), Hq{HQ} Hkv{HKV}, fwd+bwd ms")
+    say(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names) + " | on/inductor on/floor | peak GiB inductor/on")
     rows = []
     for tokens in a.tokens:
         for head_dim in a.head_dim:
             for kind in a.kinds:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                arms = ulysses_arms_for(lengths, head_dim, cp)
+                arms = ulysses_arms_for(lengths, head_dim, cp, rank)
                 times, peaks = {n: [] for n in arms}, {}
                 for r in range(a.rounds):
                     for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
                         torch.cuda.synchronize()
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()
-                        times[name].append(device_ms(fn, a.iters))
-                        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "fake_rank": a.fake_rank, "docs": lengths,
+                        times[name].append(statistics.median(slowest_rank_ms(fn, a.iters)))
+                        peak = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
+                        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                        peaks[name] = float(peak)
+                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "fake_rank": a.fake_rank, "cp": cp, "docs": lengths,
                        **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
                 cells = " ".join(f"{row[n + '_ms']:9.2f}" for n in names)
-                print(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:7.3f} | "
-                      f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
-                write_rows(a.json, a, rows)
+                say(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:7.3f} | "
+                    f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
+                if rank == 0:
+                    write_rows(a.json, a, rows)
+    from common import teardown
+
+    teardown()
     return 0
 
 

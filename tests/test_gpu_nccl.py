@@ -371,3 +371,24 @@ def test_ring_grad_return_nccl_bf16():
             for key in ("eager_vs_ref", "compiled_vs_ref"):
                 assert max(r[key].values()) < TOL, (key, r)
             assert r["rewritten"].get("ring_grad_return", 0) >= 1, r
+
+
+@needs_gpus
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_thd_ulysses_nccl_bf16(mode):
+    """Ulysses over a pack (DeepSpeed ALST's form) at cp = 2 on NCCL, bf16, causal, GQA (Hq16
+    Hkv4): compiled with cp_inductor against the fp64 per-sequence reference and no worse than
+    eager (flash-2 varlen), for the output and every gradient, over three packs of 4096 tokens
+    whose lengths change every step through one compiled program; fused_a2a in both graphs.
+    Under CUDA graphs the call stays flash-2 (varlen_cudnn says why)."""
+    import varlen_programs as vp
+
+    packs = [[1000, 3000, 96], [1, 2047, 2048], [512] * 8]
+    results = run_on_ranks(vp.check_ulysses_thd, 2, packs[0], 16, 4, True, False, "cuda", torch.bfloat16, packs[1:],
+                           mode, pg_backend="nccl")
+    for per_pack, regions, lines in results:
+        for ours, eager in per_pack:
+            assert all(ours[n] < max(2 * eager[n], TOL) for n in ours), (ours, eager)
+        assert regions == [("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], regions
+        assert lines and all(": a2a, thd," in line for line in lines), lines
+        assert all(line.endswith("cudnn_ragged") == (mode is None) for line in lines), lines

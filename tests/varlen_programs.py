@@ -159,34 +159,52 @@ def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None):
     return scatter_tokens(varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window))
 
 
-def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference_op):
-    """One gloo rank: ``ulysses_thd`` compiled with cp_inductor against per-sequence fp64 SDPA on
-    the whole pack, for the output and every gradient of this rank's tokens. ``on_reference_op``:
-    varlen attention lowered to cp_inductor's op (its CPU reference standing in for cuDNN), else
-    torch's varlen op on the tests' CPU kernels."""
+def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference_op, device="cpu",
+                      dtype=torch.float32, more_lengths=(), mode=None):
+    """One rank: ``ulysses_thd`` compiled with cp_inductor (and run eagerly) against per-sequence
+    fp64 SDPA on the whole pack, for the output and every gradient of this rank's tokens.
+    ``on_reference_op`` (CPU): varlen attention lowered to cp_inductor's op, its CPU reference
+    standing in for cuDNN, else torch's varlen op on the tests' CPU kernels. ``more_lengths``:
+    further packs of the same token count, new lengths each step, through the same compiled
+    program. Returns per pack (errors, eager's errors), then the regions and varlen lines."""
     import contextlib
 
     import cp_inductor
     from cp_inductor.lowerings.varlen_attention import reference_kernels
 
     register_cpu_kernels()
-    q, k, v, cu, max_len = pack(lengths, heads_q, heads_kv, 16, seed=len(lengths))
-    tokens = q.shape[0] // cp
-    mine = slice(rank * tokens, (rank + 1) * tokens)
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     torch._dynamo.reset()
     cp_inductor.clear_report()
-    with reference_kernels() if on_reference_op else contextlib.nullcontext():
-        fn = torch.compile(lambda a, b, c: ulysses_thd(a, b, c, cu, max_len, causal), backend="cp_inductor", fullgraph=True)
-        out = fn(*local)
-        got = (out, *torch.autograd.grad(out, local, grad[mine]))
+    compiled = None
+    results = []
+    for step, pack_lengths in enumerate([lengths, *more_lengths]):
+        q, k, v, cu, max_len = pack(pack_lengths, heads_q, heads_kv, 16 if device == "cpu" else 128, seed=step + len(lengths))
+        tokens = q.shape[0] // cp
+        mine = slice(rank * tokens, (rank + 1) * tokens)
+        grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(step + 1))
+        full = [t.double().requires_grad_() for t in (q, k, v)]
+        want = sequence_reference(*full, cu, causal)
+        want = (want, *torch.autograd.grad(want, full, grad.double()))
+        cu_dev, bound = cu.to(device), sum(lengths)  # one bound for every pack: no recompile for it
+
+        def program(a, b, c, cu):
+            return ulysses_thd(a, b, c, cu, bound, causal)
+
+        if compiled is None:
+            compiled = torch.compile(program, backend="cp_inductor", fullgraph=True, mode=mode)
+
+        def run(fn):
+            local = [t[mine].to(device, dtype).requires_grad_() for t in (q, k, v)]
+            out = fn(*local, cu_dev)
+            got = (out, *torch.autograd.grad(out, local, grad[mine].to(device, dtype)))
+            return {name: float((a.detach().double().cpu() - b[mine].detach()).norm() / b[mine].detach().norm())
+                    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+        with reference_kernels() if on_reference_op else contextlib.nullcontext():
+            results.append((run(compiled), run(program) if device == "cuda" else None))
     report = cp_inductor.report()
-    full = [t.double().requires_grad_() for t in (q, k, v)]
-    want = sequence_reference(*full, cu, causal)
-    want = (want, *torch.autograd.grad(want, full, grad.double()))
-    errors = {name: float((a.detach().double() - b[mine].detach()).norm() / b[mine].detach().norm())
-              for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
-    regions = sorted((r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions)
+    regions = sorted({(r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions})
     torch._dynamo.reset()
-    return errors, regions, [r.line() for r in report.varlen]
+    return results, regions, [r.line() for r in report.varlen]
