@@ -256,9 +256,23 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
     buckets = [bucket(n) for n in values]
     assert all(n <= b <= n * 5 / 4 for n, b in zip(values, buckets))
     assert len(set(bucket(n) for n in range(4097, 8193))) == 4
-    cu_q, cu_k, max_q, max_k = _bucketed(torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70)
+    cu_q, cu_k, max_q, max_k = _bucketed("test", torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70)
     # 17 sequences -> 20: three empty sequences at the end; the bound 70 -> 80
     assert cu_q.tolist()[-5:] == [24, 25, 25, 25, 25] and len(cu_q) == 21 and cu_k is cu_q and (max_q, max_k) == (80, 80)
+
+
+def test_a_new_bucket_first_runs_on_a_covering_graph_then_gets_its_own(monkeypatch):
+    """Lengths that change every step: a bucket with no graph yet runs once on the smallest built
+    one within twice its count and bound, and is built when it comes again; beyond twice, or for
+    another signature, it is built at once."""
+    from cp_inductor.lowerings import varlen_attention as va
+
+    monkeypatch.setattr(va, "_built", {})
+    monkeypatch.setattr(va, "_requested", {})
+    runs = [va._shape_for("sig", shape) for shape in [(8, 4096, 4096), (6, 3072, 3072), (6, 3072, 3072), (2, 1024, 1024)]]
+    assert runs == [(8, 4096, 4096), (8, 4096, 4096), (6, 3072, 3072), (2, 1024, 1024)]
+    assert va._shape_for("other", (6, 3072, 3072)) == (6, 3072, 3072)
+    assert va._shape_for("sig", (5, 2048, 2048)) == (6, 3072, 3072)  # the smaller of the two covering
 
 
 def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):

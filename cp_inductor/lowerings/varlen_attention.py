@@ -104,24 +104,54 @@ def bucket(n: int, smallest: int = 1) -> int:
     return -(-n // step) * step
 
 
-def _bucketed(cu_q, cu_k, max_q, max_k):
+# Bucketed (sequence count, bound) shapes handed to the frontend so far, per call signature. A
+# pack whose own bucket has no graph yet runs on the smallest built one that covers it within
+# twice the count and twice the bound, and its own is built when it comes again: lengths that
+# change every step then stop costing graph builds (0.1-0.2 s each) once the common buckets
+# exist, and a rare pack pays a few empty thread blocks instead of a build.
+_built: dict[tuple, set] = {}
+_requested: dict[tuple, set] = {}
+_COVER = 2
+
+
+def _shape_for(signature: tuple, shape: tuple) -> tuple:
+    """The (sequence count, bound q, bound k) to run ``shape`` (bucketed) as."""
+    built, requested = _built.setdefault(signature, set()), _requested.setdefault(signature, set())
+    if shape in built:
+        return shape
+    covering = [s for s in built if all(x <= y <= _COVER * x for x, y in zip(shape, s))]
+    if covering and shape not in requested:
+        requested.add(shape)
+        return min(covering, key=lambda s: s[0] * s[1] * s[2])
+    built.add(shape)
+    return shape
+
+
+def _bucketed(signature, cu_q, cu_k, max_q, max_k):
     """The frontend builds one cuDNN graph per (sequence count, longest sequence): both rounded
-    up to 4 buckets per doubling, so packs whose lengths change every step soon reuse the graphs
-    built. Extra sequences are empty (cu_seqlens repeats its total, on device: no sync); a
-    longer bound adds thread blocks that find nothing to do. Measured on one H200 (T32K, one long
-    document and 64 short): powers of two cost 13% (20.27 against 17.86 ms exact), 8 buckets
-    per doubling 3% but a graph build (0.1-0.2 s) in most steps of lengths that change every step."""
+    up to 4 buckets per doubling (or to a built graph that covers them, ``_shape_for``), so packs
+    whose lengths change every step soon reuse the graphs built. Extra sequences are empty
+    (cu_seqlens repeats its total, on device: no sync); a longer bound adds thread blocks that
+    find nothing to do. Measured on one H200 (T32K, one long document and 64 short): powers of
+    two cost 13% (20.27 against 17.86 ms exact), 8 buckets per doubling 3% but a graph build
+    (0.1-0.2 s) in most steps of lengths that change every step."""
     sequences = cu_q.shape[0] - 1
-    pad = bucket(sequences) - sequences
+    count, max_q, max_k = _shape_for(signature, (bucket(sequences), bucket(max_q, 64), bucket(max_k, 64)))
+    pad = count - sequences
     if pad:
         cu_q = torch.cat([cu_q, cu_q[-1:].expand(pad)])
         cu_k = None if cu_k is None else torch.cat([cu_k, cu_k[-1:].expand(pad)])
-    return cu_q, cu_q if cu_k is None else cu_k, bucket(max_q, 64), bucket(max_k, 64)
+    return cu_q, cu_q if cu_k is None else cu_k, max_q, max_k
+
+
+def _signature(direction: str, q, k, v, is_causal, bottom_right) -> tuple:
+    return (direction, q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:]), is_causal, bottom_right)
 
 
 def _cuda_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
     bottom_right = is_causal and cu_q is not cu_k
-    cu_q, cu_k, max_q, max_k = _bucketed(cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
+    signature = _signature("forward", q, k, v, is_causal, bottom_right)
+    cu_q, cu_k, max_q, max_k = _bucketed(signature, cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
     out, stats = torch.ops.cudnn.sdpa_fwd(
         q, k, v, scale, is_causal=is_causal, causal_bottom_right=bottom_right,
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
@@ -132,7 +162,8 @@ def _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
     from cudnn.sdpa.packed_lse import prepare_padded_lse
 
     bottom_right = is_causal and cu_q is not cu_k
-    cu_q, cu_k, max_q, max_k = _bucketed(cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
+    signature = _signature("backward", q, k, v, is_causal, bottom_right)
+    cu_q, cu_k, max_q, max_k = _bucketed(signature, cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
     # the backward reads the log-sum-exp padded per sequence, [B, H, max_q, 1]; on device
     padded = prepare_padded_lse(lse, cu_q, max_q)
     dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
