@@ -204,17 +204,9 @@ def main() -> int:
         for head_dim in a.head_dim:
             for kind in a.kinds:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                arms = arms_for(lengths, head_dim)
-                times, peaks = {n: [] for n in arms}, {}
-                for r in range(a.rounds):
-                    for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
-                        torch.cuda.synchronize()
-                        base = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
-                        times[name].append(device_ms(fn, a.iters))
-                        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                times, peaks = measure_arms(arms_for(lengths, head_dim), a.rounds, lambda fn: device_ms(fn, a.iters))
                 row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
-                       **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+                       **{f"{n}_ms": t for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
@@ -227,6 +219,29 @@ def main() -> int:
         rows += varying(a.tokens[0], a.head_dim[0], a.varying_steps, a.iters)
         write_rows(a.json, a, rows)
     return 0
+
+
+def measure_arms(arms: dict, rounds: int, time_one, peak_of=float) -> tuple[dict, dict]:
+    """Per arm: the median over rounds (the arm order reversed every other round) of
+    ``time_one(fn)``, and its peak memory in GiB beyond what was allocated before it ran
+    (``peak_of`` combines ranks)."""
+    times, peaks = {n: [] for n in arms}, {}
+    for r in range(rounds):
+        for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            times[name].append(time_one(fn))
+            peaks[name] = peak_of((torch.cuda.max_memory_allocated() - base) / 2**30)
+    return {n: statistics.median(t) for n, t in times.items()}, peaks
+
+
+def largest_rank(gib: float) -> float:
+    import torch.distributed as dist
+
+    peak = torch.tensor([gib], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> list[float]:
@@ -263,19 +278,10 @@ def ulysses(a) -> int:
         for head_dim in a.head_dim:
             for kind in a.kinds:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                arms = ulysses_arms_for(lengths, head_dim, cp, rank)
-                times, peaks = {n: [] for n in arms}, {}
-                for r in range(a.rounds):
-                    for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
-                        torch.cuda.synchronize()
-                        base = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
-                        times[name].append(statistics.median(slowest_rank_ms(fn, a.iters)))
-                        peak = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
-                        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                        peaks[name] = float(peak)
+                times, peaks = measure_arms(ulysses_arms_for(lengths, head_dim, cp, rank), a.rounds,
+                                            lambda fn: statistics.median(slowest_rank_ms(fn, a.iters)), largest_rank)
                 row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "fake_rank": a.fake_rank, "cp": cp, "docs": lengths,
-                       **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+                       **{f"{n}_ms": t for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]

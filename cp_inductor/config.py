@@ -42,6 +42,9 @@ cudnn_frontend_backward: bool = True
 # Packed-sequence (THD) attention (torch's varlen_attn) on cuDNN's ragged SDPA, GQA without
 # repeated K/V; docs/rewrites/varlen_cudnn.md. Needs the [cudnn] extra on CUDA.
 varlen_cudnn: bool = True
+# ... only for packs of at least this many tokens x query heads x head_dim: below it cuDNN's
+# ragged attention measured slower than flash-2 (docs/rewrites/varlen_cudnn.md).
+varlen_cudnn_min_size: int = 2**26
 # Packed sequences of equal length to dense SDPA; docs/rewrites/uniform_thd.md. "proven": where
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"

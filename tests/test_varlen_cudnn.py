@@ -261,6 +261,19 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
     assert cu_q.tolist()[-5:] == [24, 25, 25, 25, 25] and len(cu_q) == 21 and cu_k is cu_q and (max_q, max_k) == (80, 80)
 
 
+def test_small_packs_stay_on_flash_by_the_measured_cost_model():
+    """On CUDA, a pack below varlen_cudnn_min_size (tokens x query heads x head_dim) keeps the
+    program's op with the measured reason; at the size, and with the knob lowered, it moves."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        small, large = (torch.empty(t, 32, 128, device="cuda", dtype=torch.bfloat16) for t in (8192, 16384))
+    reasons = [varlen_cudnn.why_not(varlen_calls.VarlenCall(None, "x", {"query": q}, True), snapshot(cfg))
+               for q, cfg in ((small, {}), (large, {}), (small, {"varlen_cudnn_min_size": 0}))]
+    assert reasons[0].startswith("cost model: 33554432 tokens x query heads x head_dim is below varlen_cudnn_min_size")
+    assert [r is None or not r.startswith("cost model") for r in reasons] == [False, True, True], reasons
+
+
 def test_a_new_bucket_first_runs_on_a_covering_graph_then_gets_its_own(monkeypatch):
     """Lengths that change every step: a bucket with no graph yet runs once on the smallest built
     one within twice its count and bound, and is built when it comes again; beyond twice, or for

@@ -193,7 +193,10 @@ def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference
             return ulysses_thd(a, b, c, cu, bound, causal)
 
         if compiled is None:
-            compiled = torch.compile(program, backend="cp_inductor", fullgraph=True, mode=mode)
+            # small packs on purpose: the cost model would keep them on flash-2 on GPUs (under
+            # CUDA graphs the call stays flash-2 anyway; torch.compile takes a mode or options)
+            options = None if mode else {"cp_inductor.varlen_cudnn_min_size": 0}
+            compiled = torch.compile(program, backend="cp_inductor", fullgraph=True, mode=mode, options=options)
 
         def run(fn):
             local = [t[mine].to(device, dtype).requires_grad_() for t in (q, k, v)]

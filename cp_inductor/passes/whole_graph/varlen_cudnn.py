@@ -45,7 +45,19 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
         # Recorded by cudagraph trees, the frontend's ragged ops fail its pool check ("storage
         # data ptrs are not allocated in pool"), even alone in a fresh process: not understood yet.
         return "CUDA graphs (reduce-overhead): the cuDNN frontend's ragged op fails cudagraph trees' pool check"
+    if q.device.type == "cuda" and (size := _size(q)) < cfg.varlen_cudnn_min_size:
+        return (f"cost model: {size} tokens x query heads x head_dim is below varlen_cudnn_min_size="
+                f"{cfg.varlen_cudnn_min_size}, where cuDNN's ragged attention measured slower than flash-2 "
+                "(H200: 0.84x at 8K tokens Hq32 D128, 1.29x at 16K)")
     return varlen_calls.cuda_or_reference_reason(call)
+
+
+def _size(q) -> int:
+    """Tokens x query heads x head_dim, a dynamic token count read at its hint."""
+    tokens = q.shape[0]
+    if not isinstance(tokens, int):
+        tokens = getattr(tokens.node, "hint", None) or 0
+    return int(tokens) * int(q.shape[1]) * int(q.shape[2])
 
 
 def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
