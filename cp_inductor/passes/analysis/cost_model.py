@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "cost_data" / "h200_attention_layouts.json"
+DATA = Path(__file__).resolve().parents[2] / "cost_data" / "h200_attention_layouts.json"  # cp_inductor/cost_data
 
 # Effective bandwidth (read + write, GB/s) of the copies views save, inside the compiled step.
 # Calibrated end to end on 2xH200 (B4 S8K H16 D128 cp=2, benchmarks/results/h200x2_b4s8k_run6.json):
