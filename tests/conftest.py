@@ -37,3 +37,19 @@ def cold_fx_graph_cache(monkeypatch):
 # Our own bugs must fail the tests, not turn into "internal error" skip reasons (spawned workers
 # inherit the variable; cp_inductor.config reads it at import).
 os.environ["CP_INDUCTOR_STRICT"] = "1"
+
+
+# The wide tier: the cp = 4 and 8 repeats of gloo numerics that also run at cp = 2 (the CPU CI
+# runs the cp = 2 ones, the goldens at cp = 2, 4 and 8, recall at cp = 2 and 4).
+# CP_INDUCTOR_TESTS=all runs them too (docs/testing.md).
+def pytest_configure(config):
+    config.addinivalue_line("markers", "wide: a cp = 4 or 8 repeat of a cp = 2 gloo numerics test (CP_INDUCTOR_TESTS=all)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("CP_INDUCTOR_TESTS") == "all":
+        return
+    wide = [item for item in items if item.get_closest_marker("wide")]
+    if wide:
+        config.hook.pytest_deselected(items=wide)
+        items[:] = [item for item in items if not item.get_closest_marker("wide")]

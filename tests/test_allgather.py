@@ -35,7 +35,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_allgather_attention_matches_single_device(cp):
     for rank_results in run_on_ranks(_check, cp, CASES[cp]):
         assert_cp_results(rank_results, TOL, applied=())
@@ -112,7 +112,7 @@ def _check_grouped(rank, cp):
     return [r for case, g in GROUPED[cp] for r in check_cp_attention(rank, cp, [case], allgather_fn(case, head_groups=g))]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_head_groups_match_single_device(cp):
     """head_groups=G: per-group gathers, attention and reduce-scatters give the same output and
     gradients (causal load-balanced and contiguous, not causal, GQA); both graphs are still

@@ -127,7 +127,7 @@ def _check_with_copy_engine_ops(rank, cp, kind):
     ]
 
 
-@pytest.mark.parametrize("cp,kind", [(2, "hand"), (4, "hand"), (2, "native")])
+@pytest.mark.parametrize("cp,kind", [(2, "hand"), pytest.param(4, "hand", marks=pytest.mark.wide), (2, "native")])
 def test_numerics_gloo(cp, kind):
     for rank_results in run_on_ranks(_check_with_copy_engine_ops, cp, kind):
         for r in rank_results:

@@ -182,7 +182,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_numerics_gloo(cp):
     """Output and every gradient within fp32 tolerance of the fp64 reference with every all-gather
     region's calls split, forward and backward (GQA causal load-balanced, BHSD, not causal;
@@ -256,7 +256,7 @@ def _check_ring(rank, cp):
     return out
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_ring_numerics_gloo(cp):
     """The hand-written ring (GQA, batch 2) and native CP's ring code (all-to-all rotation),
     every region's calls split forward and backward: within fp32 tolerance of the fp64 reference."""

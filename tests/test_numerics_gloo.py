@@ -18,7 +18,7 @@ from helpers import assert_cp_results
 TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_ulysses_helpers(cp):
     cases = [
         AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4),
@@ -119,6 +119,7 @@ def test_demo_main_job():
     assert re.search(r"^backward\s+a2a\s+2\s+bshd", proc.stdout, re.M), proc.stdout
 
 
+@pytest.mark.wide
 def test_cp8_fused_and_head_overlap():
     """cp = 8 on 8 gloo processes (the GPU machines with 8 GPUs are not always lent): GQA with one
     KV head per rank (fused_a2a only; head_overlap says why not) and MHA in two head groups."""
@@ -132,7 +133,7 @@ def test_cp8_fused_and_head_overlap():
     assert_cp_results([mha], TOL, ("fused_a2a", "head_overlap"))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_gqa_by_expand(cp):
     """K/V heads replicated by expand after the all-to-all: the forward is fused with unpack
     copies, the backward packs dk/dv from the sums over the replicas."""

@@ -151,7 +151,7 @@ def _check_with_copy_engine_ops(rank, cp):
     ]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_numerics_gloo(cp):
     for rank_results in run_on_ranks(_check_with_copy_engine_ops, cp):
         for r in rank_results:

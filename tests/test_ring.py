@@ -32,7 +32,7 @@ def _check(rank, cp):
     ]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 def test_hand_written_ring_matches_single_device(cp):
     for rank_results in run_on_ranks(_check, cp):
         assert_cp_results(rank_results, TOL, applied=())
@@ -47,7 +47,8 @@ def _check_native(rank, cp, rotate):
         return check_cp_attention(rank, cp, [case], lambda q, k, v: native_ring(q, k, v, causal=causal))
 
 
-@pytest.mark.parametrize("cp,rotate", [(2, "alltoall"), (4, "allgather"), (4, "alltoall")])
+@pytest.mark.parametrize("cp,rotate", [(2, "alltoall"), (2, "allgather"), pytest.param(4, "allgather", marks=pytest.mark.wide),
+                                       pytest.param(4, "alltoall", marks=pytest.mark.wide)])
 def test_native_context_parallel_ring_matches_single_device(cp, rotate):
     """Native CP's own ring code (CPU kernel) eager and compiled with cp_inductor: the answer
     is unchanged and its regions are found (all-gather forward regions with that rotation). The
