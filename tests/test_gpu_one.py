@@ -469,3 +469,36 @@ def test_thd_ulysses_on_a_mirrored_world_matches_eager_and_fp32():
         ("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], str(report)
     assert [r.path for r in report.varlen] == [CUDNN_RAGGED] and report.varlen[0].style == "a2a", report.varlen
     assert all(e < max(2 * f, 1e-2) for e, f in zip(mine, flash)), (mine, flash)
+
+
+_BROKEN_PROMISE = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import varlen_programs as vp
+import cp_inductor
+q, k, v, cu, m = vp.pack([512, 512], 8, 8, 128, dtype=torch.bfloat16, device="cuda")
+fn = torch.compile(lambda q, k, v, cu: vp.torchtitan_style(q, k, v, cu, 1024), backend="cp_inductor",
+                   options={"cp_inductor.uniform_thd": "promised"})
+fn(q, k, v, cu)
+torch.cuda.synchronize()
+print("KEPT_PROMISE_OK", flush=True)
+fn(q, k, v, torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda"))
+torch.cuda.synchronize()
+print("BROKEN_PROMISE_RAN", flush=True)
+"""
+
+
+@needs_gpu
+def test_broken_promise_is_a_device_error():
+    """uniform_thd="promised" on CUDA: a pack of the promised shape runs (dense SDPA); one whose
+    lengths break the promise stops at the on-device check (a device-side assertion, in a
+    process of its own since it ends the CUDA context) instead of returning an answer."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_PROMISE, tests], capture_output=True, text=True, timeout=600)
+    assert "KEPT_PROMISE_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "BROKEN_PROMISE_RAN" not in proc.stdout and proc.returncode != 0, proc.stdout
+    assert "assert" in proc.stderr.lower(), proc.stderr[-3000:]
