@@ -51,8 +51,9 @@ def _worker(rank, cp, port, fn, args, queue, backend):
 # Ranks start as forks of a server that imported torch, Dynamo and Inductor once per launching
 # process, not once per rank and launch (seconds each on a small machine). Those modules read
 # environment variables when imported, so the server serves only launches whose environment is
-# the one it started with; any other launch spawns its ranks afresh. The imports start no thread
-# and make no CUDA call, so forked ranks may still use CUDA.
+# the one it started with; any other launch spawns its ranks afresh. The imports start no thread.
+# NCCL launches (GPU machines, where the imports are cheap next to the run) always spawn: no
+# forked rank inherits anything a CUDA-aware import might have set up.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "cp_inductor"]
 _server_environ: dict | None = None  # the environment the fork server started with
 
@@ -61,9 +62,9 @@ def _relevant(environ) -> dict:
     return {k: v for k, v in environ.items() if not k.startswith("PYTEST_")}  # pytest's per-test names
 
 
-def _context(environ):
+def _context(environ, backend: str):
     global _server_environ
-    if "forkserver" in mp.get_all_start_methods():
+    if backend == "gloo" and "forkserver" in mp.get_all_start_methods():
         from multiprocessing import forkserver
 
         if _server_environ is None and getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
@@ -78,7 +79,7 @@ def _context(environ):
 
 def run_on_ranks(fn, cp: int, *args, pg_backend: str = "gloo", timeout: float = 1800.0) -> list:
     """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order."""
-    ctx = _context(os.environ)
+    ctx = _context(os.environ, pg_backend)
     queue = ctx.Queue()
     port = _free_port()
     procs = [
