@@ -8,7 +8,8 @@ Per shape (bf16, causal): the backward alone through each op with dO laid out li
 aten's plan cache ignores dO's layout, so each dO layout runs in a process of its own (the
 script re-runs itself), where the arms alternate over rounds (the frontend never touches aten's
 cache). Arms: aten's op, ours (``cp_inductor::cudnn_attention_backward``) and, for reference,
-the frontend's own ``torch.ops.cudnn.sdpa_bwd``. Every call's gradients are checked against an
+the frontend's own ``torch.ops.cudnn.sdpa_bwd``, and ours called as Inductor's generated code calls it
+(the kernel named directly, no dispatcher: "direct"). Every call's gradients are checked against an
 fp32 math reference. Per arm, in one process:
 
 - ``ms``: one call between two events, the host's launch work included (the GPU idles on it);
@@ -54,6 +55,10 @@ def _call(op, q, k, v, out, lse, dout):
     scale = q.shape[-1] ** -0.5
     if op == "frontend":
         return torch.ops.cp_inductor.cudnn_attention_backward(dout, q, k, v, out, lse, scale, True)
+    if op == "direct":  # what Inductor's generated code calls: the kernel, without the dispatcher
+        from cp_inductor.lowerings.cudnn_backward import _cuda_kernel
+
+        return _cuda_kernel(dout, q, k, v, out, lse, scale, True)
     if op == "frontend_op":
         return torch.ops.cudnn.sdpa_bwd(dout, q, k, v, out, lse, scale, is_causal=True)
     empty = torch.empty(0, device="cuda")
@@ -68,7 +73,7 @@ def _error(got, q, k, v, dout):
     return max(float((a.float() - b).norm() / b.norm()) for a, b in zip(got, want))
 
 
-def _host_us(call, calls: int = 20) -> float:
+def _host_us(call, calls: int = 100) -> float:
     """Host time to issue one call while the GPU is still busy with a long sleep kernel."""
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
@@ -113,13 +118,18 @@ def steps(shapes, iters, rounds) -> list[dict]:
         row = {"step_shape": [b, h, s, d], **{f"{n}_{m}": statistics.median(t) for (n, m), t in times.items()}}
         # the spread over rounds: these host-bound steps move by several percent between rounds
         row.update({f"{n}_{m}_quartiles": statistics.quantiles(t, n=4) for (n, m), t in times.items() if len(t) > 1})
-        for m in metrics:
-            row[f"ratio_{m}"] = row[f"cp_inductor_{m}"] / row[f"inductor_{m}"]
+        for m in metrics:  # paired: each round's ratio between arms timed side by side, then the median
+            for arm, base in (("cp_inductor", "inductor"), ("cp_inductor", "cp_inductor_aten")):
+                paired = [a / b for a, b in zip(times[(arm, m)], times[(base, m)])]
+                key = "ratio" if base == "inductor" else "ratio_on_off"
+                row[f"{key}_{m}"] = statistics.median(paired)
+                row[f"{key}_{m}_quartiles"] = statistics.quantiles(paired, n=4)
         print(f"step B{b} H{h} S{s} D{d} (one step ms / 4 queued ms / host us per step): "
               + ", ".join(f"{n} {row[f'{n}_step_ms']:.3f} / {row[f'{n}_queued_step_ms']:.3f} / {row[f'{n}_host_step_us']:.0f}"
                           for n in arms)
-              + f"; cp_inductor/inductor {row['ratio_step_ms']:.3f} / {row['ratio_queued_step_ms']:.3f} / "
-              f"{row['ratio_host_step_us']:.3f}", flush=True)
+              + f"; paired cp_inductor/inductor {row['ratio_step_ms']:.3f} / {row['ratio_queued_step_ms']:.3f} / "
+              f"{row['ratio_host_step_us']:.3f}, on/off {row['ratio_on_off_step_ms']:.3f} / "
+              f"{row['ratio_on_off_queued_step_ms']:.3f} / {row['ratio_on_off_host_step_us']:.3f}", flush=True)
         rows.append(row)
     return rows
 
@@ -157,6 +167,7 @@ def main() -> int:
     ap.add_argument("--steps", action="store_true", help="also time compiled training steps")
     ap.add_argument("--steps-only", action="store_true", help="only the compiled training steps")
     ap.add_argument("--step-rounds", type=int, default=8, help="alternating rounds per training-step arm")
+    ap.add_argument("--shapes", type=int, nargs="*", default=None, help="indices into SHAPES (default: all)")
     ap.add_argument("--child", default=None, help="internal: one (shape index, arms) in this process")
     a = ap.parse_args()
     if a.child is not None:
@@ -166,11 +177,13 @@ def main() -> int:
     rows = []
     print("ours / aten: ms = one call, host launch included; queued = 8 back to back; host = us to issue one call")
     print(f"{'B':>2} {'Hq':>3} {'Hkv':>3} {'S':>6} {'D':>4} {'dO':>6} | {'fwd':>6} | {'aten ms':>8} {'ours ms':>8} {'ratio':>6} | "
-          f"{'aten q':>7} {'ours q':>7} {'ratio':>6} | {'host us aten/ours/fe op':>23} | max err")
+          f"{'aten q':>7} {'ours q':>7} {'ratio':>6} | {'host us aten/ours/direct/fe op':>31} | max err")
     for i, shape in enumerate([] if a.steps_only else SHAPES):
+        if a.shapes is not None and i not in a.shapes:
+            continue
         row = {"shape": list(shape), "forward_ms": []}
         for layout in ("like_o", "bshd"):  # one dO layout per process: aten's cache would mix two
-            arms = [("aten", layout), ("frontend", layout), ("frontend_op", layout)]
+            arms = [("aten", layout), ("frontend", layout), ("direct", layout), ("frontend_op", layout)]
             child = subprocess.run([sys.executable, __file__, "--iters", str(a.iters), "--rounds", str(a.rounds),
                                     "--child", json.dumps([i, arms])], capture_output=True, text=True, check=True)
             got = json.loads(child.stdout.strip().splitlines()[-1])
@@ -183,7 +196,7 @@ def main() -> int:
                   f"{r[f'aten_{layout}_ms']:8.3f} {r[f'frontend_{layout}_ms']:8.3f} {r[f'frontend_{layout}_ms'] / r[f'aten_{layout}_ms']:6.3f} | "
                   f"{r[f'aten_{layout}_queued_ms']:7.3f} {r[f'frontend_{layout}_queued_ms']:7.3f} "
                   f"{r[f'frontend_{layout}_queued_ms'] / r[f'aten_{layout}_queued_ms']:6.3f} | "
-                  f"{r[f'aten_{layout}_host_us']:7.1f} {r[f'frontend_{layout}_host_us']:7.1f} {r[f'frontend_op_{layout}_host_us']:7.1f} | "
+                  f"{r[f'aten_{layout}_host_us']:7.1f} {r[f'frontend_{layout}_host_us']:7.1f} {r[f'direct_{layout}_host_us']:7.1f} {r[f'frontend_op_{layout}_host_us']:7.1f} | "
                   f"{errs:.1e}", flush=True)
         row["forward_ms"] = min(row["forward_ms"])
         rows.append(row)

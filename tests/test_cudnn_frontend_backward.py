@@ -104,3 +104,46 @@ cudagraphs: aten: CUDA graphs (reduce-overhead): aten's op, dO as the program ma
     def test_this_torch_needs_it(self):
         # Supported torch versions (pyproject: < 2.14) all key aten's plan cache on q/k/v only.
         assert not aten_cache_key_complete()
+
+
+class DirectCallTest(TestCase):
+    """Inductor's generated code names the op's CUDA kernel itself (no trip through the
+    dispatcher) on CUDA and keeps the dispatcher elsewhere. CI has no CUDA: the op gets a CPU
+    kernel here, standing in for the CUDA one in the namespace the generated code imports."""
+
+    def lines_calling_the_op(self, direct: bool):
+        import cp_inductor.lowerings.cudnn_backward as cb
+        from torch._inductor.select_algorithm import extern_kernels
+        from torch._inductor.utils import run_and_get_code
+
+        def stand_in(grad_out, query, key, value, out, logsumexp, scale, is_causal):
+            return grad_out * scale, query * 2, value * 3
+
+        lib = torch.library.Library("cp_inductor", "IMPL")
+        lib.impl("cudnn_attention_backward", stand_in, "CPU")
+        cuda_kernel, applies = getattr(extern_kernels, cb.DIRECT_CALL_NAME), cb._direct_call_applies
+        setattr(extern_kernels, cb.DIRECT_CALL_NAME, stand_in)
+        cb._direct_call_applies = lambda device: direct
+        try:
+            def f(*args):
+                return sum(torch.ops.cp_inductor.cudnn_attention_backward(*args, 0.5, True))
+
+            args = [torch.randn(1, 2, 4, 8) for _ in range(5)] + [torch.randn(1, 2, 4)]
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(fx_graph_cache=False):  # the other test's code is cached
+                got, codes = run_and_get_code(torch.compile(f, backend="inductor", fullgraph=True), *args)
+            torch.testing.assert_close(got, f(*args), rtol=0, atol=0)
+        finally:
+            setattr(extern_kernels, cb.DIRECT_CALL_NAME, cuda_kernel)
+            cb._direct_call_applies = applies
+            lib._destroy()
+            torch._dynamo.reset()
+        return [line.strip().split("(")[0] for line in codes[0].splitlines() if " = " in line and "cudnn_attention" in line]
+
+    def test_cuda_calls_name_the_kernel(self):
+        self.assertExpectedInline(str(self.lines_calling_the_op(direct=True)),
+                                  """['buf0 = extern_kernels.cp_inductor_cudnn_attention_backward']""")
+
+    def test_other_devices_keep_the_dispatcher(self):
+        self.assertExpectedInline(str(self.lines_calling_the_op(direct=False)),
+                                  """['buf0 = torch.ops.cp_inductor.cudnn_attention_backward.default']""")

@@ -317,6 +317,32 @@ def test_frontend_backward_op_matches_fp32(executor, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.skipif(_frontend_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+def test_generated_code_calls_the_frontend_backward_directly():
+    """Inductor's generated backward names our kernel itself (no trip through the dispatcher),
+    and its gradients match fp32 math."""
+    import cudnn_orders
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cp_inductor.lowerings.cudnn_backward import DIRECT_CALL_NAME, direct_call_unavailable
+
+    assert direct_call_unavailable is None, direct_call_unavailable
+    torch._dynamo.reset()
+    tensors = cudnn_orders._inputs("hf_epilogue", 320)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = cudnn_orders._grads(cudnn_orders._bhsd, tensors, None, dtype=torch.float32)
+    fn = torch.compile(cudnn_orders._bhsd, backend="cp_inductor", fullgraph=True)
+    ins = [t.detach().clone().requires_grad_() for t in tensors[:4]]
+    got, codes = run_and_get_code(lambda: torch.autograd.grad(fn(*ins, tensors[4]), ins))
+    backward = [c for c in codes if "cudnn_attention_backward" in c]
+    assert len(backward) == 1 and f"extern_kernels.{DIRECT_CALL_NAME}(" in backward[0], codes
+    assert "= torch.ops.cp_inductor.cudnn_attention_backward" not in backward[0]
+    assert cudnn_orders._error(got, want) < _TOL
+    torch._dynamo.reset()
+
+
+@needs_gpu
 @pytest.mark.parametrize("backend", ["inductor", "cp_inductor"])
 def test_cuda_graph_replays_keep_aten_backward(backend):
     """mode="reduce-overhead": cuDNN's backward stays on aten's op with the program's dO (the
