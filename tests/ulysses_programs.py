@@ -38,7 +38,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 NOT_CP = ("moe", "weight_a2a", "batch_exchange", "round_robin_heads", "seq_block_one_head",
-          "head_dim_block", "wrong_return_order", "kv_round_robin")
+          "head_dim_block", "wrong_return_order", "kv_round_robin", "moe_combine")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class Spec:
     head_dim: int = 8
     collective: str = "funcol"  # funcol | inplace (dist.all_to_all_single into empty_like)
     checkpoint: bool = False  # each layer under activation checkpointing
+    heads_order: str = "blocks"  # blocks | round_robin (rank r holds heads r, r + cp, ...)
+    send_cast: bool = False  # each scatter's send cast to float64 and back after the collective
 
     def regions(self) -> int:
         return self.layers if self.kind == "ulysses" else 0
@@ -87,7 +89,29 @@ def sample(seed: int, cp: int) -> Spec:
         layers=layers, causal=r.random() < 0.7, heads=r.choice((1, 2)), batch=r.choice((1, 2)),
     )
     # Drawn last, so the fields above stay what each seed drew before these existed.
-    return replace(spec, collective=r.choice(("funcol", "funcol", "inplace")), checkpoint=r.random() < 0.2)
+    spec = replace(spec, collective=r.choice(("funcol", "funcol", "inplace")), checkpoint=r.random() < 0.2)
+    return _later_forms(r, spec)
+
+
+def _later_forms(r: random.Random, spec: Spec) -> Spec:
+    """Forms added after the first generator (drawn after its fields, so earlier seeds keep
+    their programs' other choices): q = k = v through ONE all-to-all, Megatron-style fused q|k|v
+    heads through one all-to-all and sliced per rank, heads dealt round-robin, GQA K/V replicated
+    by expand before the collective, the send cast around the collective."""
+    form = r.choice(("same", "same", "self_once", "fused_heads", "round_robin", "expand_before"))
+    cast = r.random() < 0.25
+    if form == "self_once":
+        spec = replace(spec, source="self_once", gqa="mha", tail="none", layers=1)
+    elif form == "fused_heads":
+        gqa = r.choice(("mha", "sdpa"))
+        spec = replace(spec, source="fused_heads", gqa=gqa, layout="bshd", heads=2 if gqa == "sdpa" else spec.heads,
+                       layers=1, tail="none" if spec.tail == "residual" else spec.tail)
+    elif form == "round_robin" and spec.source in ("tensors", "proj", "self", "self_once") and spec.gqa == "mha":
+        spec = replace(spec, heads_order="round_robin", scatter="five_d", gather="five_d", layout="bshd",
+                       tail="none" if spec.tail == "o_proj" else spec.tail)
+    elif form == "expand_before" and spec.source in ("tensors", "proj"):
+        spec = replace(spec, gqa="expand_before")
+    return replace(spec, send_cast=cast and spec.source not in ("packed",))
 
 
 # --- the pieces users write -----------------------------------------------------------------
@@ -121,8 +145,23 @@ def _from_bshd(x, layout):
     return {"bshd": x, "bhsd": x.transpose(1, 2), "sbhd": x.transpose(0, 1)}[layout]
 
 
+def _send(spec, x):
+    """The collective, with the send cast to float64 and back if the spec says so."""
+    if spec.send_cast:
+        return _a2a(spec, x.to(torch.float64)).to(x.dtype)
+    return _a2a(spec, x)
+
+
 def scatter(x, spec: Spec, cp: int, layout: str):
     """Rank-local ``x`` in ``layout`` -> [B, H/cp, S, D] for attention."""
+    if spec.heads_order == "round_robin":  # rank r gets heads r, r + cp, ...; sequence rank-major
+        b, s_l, h, d = _to_bshd(x, layout).shape
+        send = _to_bshd(x, layout).reshape(b, s_l, h // cp, cp, d).permute(3, 0, 1, 2, 4).contiguous()
+        return _send(spec, send).permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+    if spec.send_cast:
+        spec = replace(spec, send_cast=False)
+        x = x.to(torch.float64)
+        return scatter(x, spec, cp, layout).to(torch.float32)
     if spec.scatter == "five_d" and layout == "bhsd":
         b, h, s_l, d = x.shape
         send = x.reshape(b, cp, -1 if spec.infer else h // cp, s_l, d).transpose(0, 1).contiguous()
@@ -150,6 +189,9 @@ def gather(o, spec: Spec, cp: int, layout: str):
     """[B, H/cp, S, D] -> this rank's slice with all heads, in ``layout``."""
     b, hl, s, d = o.shape
     s_l = s // cp
+    if spec.heads_order == "round_robin":  # back as head i * cp + r
+        send = o.reshape(b, hl, cp, s_l, d).permute(2, 0, 3, 1, 4).contiguous()
+        return _from_bshd(_a2a(spec, send).permute(1, 2, 3, 0, 4).reshape(b, s_l, hl * cp, d), layout)
     if spec.gather == "transpose":  # yunchang: heads to dim 0, back as [H, S/cp, B, D]
         send = o.transpose(1, 2).reshape(b, cp, s_l, hl, d).transpose(0, 3).transpose(0, 1).contiguous()
         out = _a2a(spec, send).reshape(-1, s_l, b, d).transpose(0, 2).contiguous().reshape(b, s_l, -1 if spec.infer else cp * hl, d)
@@ -173,6 +215,14 @@ def ulysses_layer(q, k, v, spec: Spec, cp: int):
     h_dim = {"bshd": 2, "bhsd": 1, "sbhd": 2}[layout]
     if spec.gqa == "replicate_before":
         k, v = (t.repeat_interleave(cp // t.shape[h_dim], dim=h_dim) for t in (k, v))
+    if spec.gqa == "expand_before":  # HF's repeat_kv on the rank-local tensors, then the scatter
+        rep = q.shape[h_dim] // k.shape[h_dim]
+        k, v = (t.unsqueeze(h_dim + 1).expand(*t.shape[:h_dim + 1], rep, *t.shape[h_dim + 1:]).flatten(h_dim, h_dim + 1)
+                for t in (k, v))
+    if spec.source == "self_once":  # q = k = v: one all-to-all
+        qh = scatter(q, spec, cp, layout)
+        o = F.scaled_dot_product_attention(qh, qh, qh, is_causal=spec.causal)
+        return gather(o * 1.5 if spec.out_pointwise else o, spec, cp, layout)
     qh, kh, vh = (scatter(t, spec, cp, layout) for t in (q, k, v))
     if spec.gqa == "expand":
         kh, vh = (_replicate_heads(t, qh.shape[1] // t.shape[1]) for t in (kh, vh))
@@ -197,6 +247,16 @@ def packed_layer(qkv, spec: Spec, cp: int):
     return gather(o * 1.5 if spec.out_pointwise else o, spec, cp, "bshd")
 
 
+def fused_heads_layer(qkv, spec: Spec, cp: int, hq: int, hkv: int):
+    """Megatron-style: one projection's heads ``[B, S/cp, cp x (q | k | v heads of a rank), D]``
+    through ONE all-to-all, then each rank cuts its q, k and v heads out of its block."""
+    hq_l, hkv_l = hq // cp, hkv // cp
+    heads = scatter(qkv, replace(spec, heads_order="blocks"), cp, "bshd")  # [B, hq_l + 2 hkv_l, S, D]
+    q, k, v = heads.split([hq_l, hkv_l, hkv_l], dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal, enable_gqa=hq_l != hkv_l)
+    return gather(o * 1.5 if spec.out_pointwise else o, replace(spec, heads_order="blocks"), cp, "bshd")
+
+
 # --- programs ---------------------------------------------------------------------------------
 
 
@@ -208,7 +268,7 @@ def build(spec: Spec, cp: int, generator: torch.Generator | None = None):
     b, s_l, d = spec.batch, spec.seq_local, spec.head_dim
     hq = spec.heads * cp
     hkv = {"mha": hq, "sdpa": hq // 2 if hq % (2 * cp) == 0 else hq, "expand": hq // 2 if hq % (2 * cp) == 0 else hq,
-           "replicate_before": 1}[spec.gqa]
+           "expand_before": hq // 2 if hq % 2 == 0 else hq, "replicate_before": 1}[spec.gqa]
     if spec.gqa == "replicate_before" and cp == 1:
         hkv = hq
 
@@ -219,9 +279,16 @@ def build(spec: Spec, cp: int, generator: torch.Generator | None = None):
         inputs = [mk(b, s_l, 3, hq, d)]
         layer = lambda qkv: packed_layer(qkv, spec, cp)  # noqa: E731
         fn = layer
-    elif spec.source == "self":
+    elif spec.source in ("self", "self_once"):
         inputs = [mk(*shaped(hq))]
         fn = lambda x: ulysses_layer(x, x, x, spec, cp)  # noqa: E731
+    elif spec.source == "fused_heads":
+        e = hq * d
+        inputs = [mk(b, s_l, e), mk(e, (hq + 2 * hkv) * d) / e**0.5]
+
+        def fn(x, w):
+            out = fused_heads_layer((x @ w).view(b, s_l, -1, d), spec, cp, hq, hkv)
+            return out + x.view(b, s_l, hq, d) if spec.tail == "residual" else out
     elif spec.source in ("proj", "fused_proj"):
         e = hq * d
         x = mk(b, s_l, e)
@@ -274,6 +341,17 @@ def _not_cp(spec: Spec, cp: int, mk):
             routed = _a2a(spec, x.reshape(b * s_l, -1))
             y = _a2a(spec, torch.relu(routed @ w)).reshape(b, s_l, -1, d).transpose(1, 2)
             return attend(y, y, y)
+        return fn, [mk(b, s_l, h * d).requires_grad_(), mk(h * d, h * d).requires_grad_()]
+    if spec.kind == "moe_combine":  # token dispatch, an expert MLP, then the expert output's
+        # heads split by a second all-to-all, as a Ulysses scatter would: its rows are tokens
+        # the dispatch brought from other ranks, not this rank's sequence
+        def fn(x, w):
+            routed = _a2a(spec, x.reshape(b * s_l, -1))
+            y = torch.relu(routed @ w).view(b, s_l, -1, d).permute(2, 1, 0, 3).contiguous()  # [H, S, B, D]
+            recv = _a2a(spec, y)
+            hl = recv.shape[0] // cp
+            q = recv.view(cp, hl, s_l, b, d).permute(3, 1, 0, 2, 4).reshape(b, hl, cp * s_l, d)
+            return gather(attend(q, q, q), replace(spec, kind="ulysses"), cp, "bshd")
         return fn, [mk(b, s_l, h * d).requires_grad_(), mk(h * d, h * d).requires_grad_()]
     if spec.kind == "weight_a2a":
         def fn(x, w):

@@ -57,14 +57,31 @@ def is_broadcast(f: Factor) -> bool:
     return isinstance(f.axis, tuple) and f.axis[0] == "broadcast"
 
 
+def base_axis(axis):
+    """The source axis a factor's elements lie on (a non-aligned slice's own axis names it, and
+    so does a rank block of replicated heads)."""
+    while isinstance(axis, tuple) and axis and axis[0] in ("slice", "replicated"):
+        axis = axis[1]
+    return axis
+
+
+def replicated_block(f: Factor) -> int:
+    """How many ranks share each index of ``f`` when ``f`` is a rank block over replicated
+    heads (:meth:`Layout.all_to_all`), else 1."""
+    return f.axis[2] if isinstance(f.axis, tuple) and f.axis and f.axis[0] == "replicated" else 1
+
+
 def canonical(factors) -> tuple:
-    """Drop size-1 factors and merge neighbours that form one contiguous run of an axis."""
+    """Drop size-1 factors and merge neighbours that form one contiguous run of an axis (two
+    neighbouring broadcasts are one: every element along either is the same)."""
     out: list[Factor] = []
     for f in factors:
         if f.size == 1:
             continue
         if out and out[-1].axis == f.axis and out[-1].stride == f.end:
             out[-1] = Factor(f.axis, f.stride, out[-1].size * f.size)
+        elif out and is_broadcast(out[-1]) and is_broadcast(f):
+            out[-1] = Factor(out[-1].axis, 0, out[-1].size * f.size)
         else:
             out.append(f)
     return tuple(out)
@@ -173,13 +190,34 @@ class Layout:
         start = max(0, min(n, start + n if start < 0 else start))
         end = max(start, min(n, end + n if end < 0 else end))
         length = end - start
-        if step != 1 or length == 0 or n % length or start % length:
+        if step != 1 or length == 0:
             raise LayoutError(f"slice [{start}:{end}:{step}] of a dim of {n} is not an aligned block")
         if length == n:
             return self
-        shape = list(self.shape)
-        shape[dim:dim + 1] = [n // length, length]
-        return self.reshape(shape).select(dim, start // length)
+        if n % length == 0 and start % length == 0:
+            shape = list(self.shape)
+            shape[dim:dim + 1] = [n // length, length]
+            return self.reshape(shape).select(dim, start // length)
+        return self._part_of_inner_factor(dim, start, length)
+
+    def _part_of_inner_factor(self, dim: int, start: int, length: int) -> "Layout":
+        """A slice that is no aligned block but lies inside one run of the dim's innermost
+        factor (a fused [q | k | v] heads dim cut after the collective): the outer factors are
+        fixed, the run becomes a factor of an axis of its own, ``("slice", axis, stride,
+        offset)``, whose index ``j`` is the source index ``stride * (offset + j)``."""
+        factors = canonical(self.dims[dim])
+        n = dim_size(factors)
+        inner = factors[-1] if factors else None
+        if inner is None or is_broadcast(inner) or start // inner.size != (start + length - 1) // inner.size:
+            raise LayoutError(f"slice [{start}:{start + length}:1] of a dim of {n} is not an aligned block")
+        lay = self
+        if inner.size != n:
+            shape = list(self.shape)
+            shape[dim:dim + 1] = [n // inner.size, inner.size]
+            lay = self.reshape(shape).select(dim, start // inner.size)
+        offset = start % inner.size
+        part = Factor(("slice", inner.axis, inner.stride, offset), inner.stride, length)
+        return replace(lay, dims=lay.dims[:dim] + ((part,),) + lay.dims[dim + 1:])
 
     # --- the collective ---
     def all_to_all(self, cp: int) -> "Layout":
@@ -191,9 +229,22 @@ class Layout:
             raise LayoutError(f"dim 0 of size {dim_size(dim0)} does not split over cp={cp}")
         head = dim0[0]
         if head.size % cp:
-            raise LayoutError("the cp-chunks of dim 0 cut across a factor")
+            return self._all_to_all_of_replicas(cp, dim0)
         outer = Factor(head.axis, head.stride * (head.size // cp), cp)
         rest = (Factor(head.axis, head.stride, head.size // cp),) + dim0[1:]
+        return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
+
+    def _all_to_all_of_replicas(self, cp: int, dim0: tuple) -> "Layout":
+        """dim 0's outer factor has fewer indices than cp ranks and each is repeated by a
+        broadcast just inside it (K/V heads replicated before the collective, fewer than cp):
+        ``k = cp / size`` ranks receive each index. The rank's block is then the factor
+        ``("replicated", axis, k)``: rank r holds index ``r // k`` of the outer factor."""
+        head = dim0[0]
+        k = cp // head.size if head.size and cp % head.size == 0 else 0
+        if not k or len(dim0) < 2 or not is_broadcast(dim0[1]) or dim0[1].size % k:
+            raise LayoutError("the cp-chunks of dim 0 cut across a factor")
+        outer = Factor(("replicated", head.axis, k), head.stride, cp)
+        rest = (Factor(dim0[1].axis, 0, dim0[1].size // k),) + dim0[2:]
         return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
 
 

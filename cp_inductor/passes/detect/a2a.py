@@ -35,7 +35,10 @@ from ..analysis.layout_algebra import (
     Layout,
     LayoutError,
     apply_chain,
+    base_axis,
     canonical,
+    dim_size,
+    replicated_block,
     is_broadcast,
     is_layout_op,
     is_value_op,
@@ -140,7 +143,7 @@ def _walk_to_collective(node):
 
 
 def _axes(factors) -> set:
-    return {f.axis for f in factors}
+    return {base_axis(f.axis) for f in factors}
 
 
 def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
@@ -167,18 +170,64 @@ def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
     # with one local head, where no head factor is left to compare). Heads may share an axis with
     # head_dim only from outside it (a projection's [.., H * D] output viewed as heads x head_dim);
     # with one local head that is indistinguishable from head_dim split across ranks.
-    head_axes = _axes(heads) | {p.axis}
+    head_axes = _axes(heads) | {base_axis(p.axis)}
     for role, factors in (("sequence", s[1:]), ("batch", b)):
         if head_axes & _axes(factors):
             raise LayoutError(f"the head block shares a source axis with {role}: not a Ulysses head split")
     if any(f.axis == d[0].axis and f.stride < d[0].end for f in heads + (p,)):
         raise LayoutError("the head block lies inside head_dim: not a Ulysses head split")
-    if heads and not (p.axis == heads[0].axis and p.stride == heads[0].end):
-        raise LayoutError("this rank's head block is not the outer split of the heads")
+    # Which heads this rank holds (a block, every cp-th head, a slice of a fused q|k|v dim) is
+    # the program's choice; that q's and k/v's choices pair heads as one device would is
+    # checked per region (_check_head_pairing).
     roles = {f: "b" for f in b}
     roles.update({f: "h" for f in heads + (p,)})
     roles.update({s[0]: "s", s[1]: "s", d[0]: "d"})
     return roles
+
+
+def _heads_of(lay: Layout) -> tuple:
+    return canonical(lay.dims[1])  # [B, H, S, D] and a pack's [T, H, D] alike
+
+
+def _head_ids(lay: Layout, cp: int) -> tuple[list, int]:
+    """For an attention-side layout: ``ids[r][i]``, the head that rank ``r`` sees at local head
+    index ``i``, numbered densely over the real (not broadcast) head factors and the rank's
+    block factor, outer to inner by source stride; and how many distinct heads there are."""
+    heads = _heads_of(lay)
+    real = [f for f in (lay.pinned, *heads) if not is_broadcast(f)]
+    axes = list(dict.fromkeys(base_axis(f.axis) for f in real))
+    order = sorted(real, key=lambda f: (axes.index(base_axis(f.axis)), -f.stride))
+    shared = replicated_block(lay.pinned)  # ranks that hold the same replicated K/V head
+    weight, w = {}, 1
+    for f in reversed(order):
+        weight[f], w = w, w * (f.size // shared if f is lay.pinned else f.size)
+    local = dim_size(heads)
+    ids = []
+    for r in range(cp):
+        row = []
+        for i in range(local):
+            digits, rest = {lay.pinned: r // shared}, i
+            for f in reversed(heads):
+                digits[f], rest = rest % f.size, rest // f.size
+            row.append(sum(digits[f] * weight[f] for f in real))
+        ids.append(row)
+    return ids, w
+
+
+def _check_head_pairing(q_lay: Layout, kv_lays, cp: int) -> None:
+    """Raise unless attention pairs every rank's query heads with the key/value heads one device
+    would: query head ``n`` with key/value head ``n // (Hq / Hkv)`` (a GQA group), local index
+    ``i`` with ``i // (local Hq / local Hkv)`` as attention does."""
+    q_ids, hq = _head_ids(q_lay, cp)
+    for lay in kv_lays:
+        kv_ids, hkv = _head_ids(lay, cp)
+        local_q, local_kv = len(q_ids[0]), len(kv_ids[0])
+        if hq % hkv or not local_kv or local_q % local_kv:
+            raise LayoutError(f"{hq} query heads do not group over {hkv} key/value heads")
+        group, local_group = hq // hkv, local_q // local_kv
+        if any(q_ids[r][i] // group != kv_ids[r][i // local_group] for r in range(cp) for i in range(local_q)):
+            raise LayoutError("query and key/value heads pair otherwise than on one device "
+                              "(the ranks' head blocks of q and of k/v differ)")
 
 
 def _role_of(f: Factor, roles: dict) -> str | None:
@@ -232,13 +281,79 @@ def _gathered(lay: Layout, roles: dict) -> bool:
         idx = [i for i, r in enumerate(seq) if r == role]
         if idx and idx != list(range(idx[0], idx[-1] + 1)):
             return False  # another role sits inside this one's stretch
-        runs = len(canonical([flat[i] for i in idx]))
-        if runs > 1 or (role in "sd" and runs != 1):
+        runs = canonical([flat[i] for i in idx])
+        if role == "h" and len(runs) > 1 and _in_order(runs):
+            continue  # heads cut out of a fused q|k|v dim: in order, with the others' heads between
+        if len(runs) > 1 or (role in "sd" and len(runs) != 1):
             return False
     return True
 
 
+def _in_order(factors) -> bool:
+    """Factors of one source axis, outer to inner, none reaching into the next outer one: heads
+    enumerated in their order along a fused axis, other heads between."""
+    if len({base_axis(f.axis) for f in factors}) != 1:
+        return False
+    return all(outer.stride >= inner.end for outer, inner in zip(factors, factors[1:]))
+
+
 # --- one crossing at a time -----------------------------------------------------------------
+
+
+_ROW_OPS = (aten.mm.default, aten.addmm.default)  # row i of the result is computed from row i alone
+
+
+def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = None):
+    """Where the rows of ``node`` come from: a Layout whose pinned factor is the rank axis for
+    this rank's own data, or another factor for rows an all-to-all brought from elsewhere;
+    None where that is not known. Followed up through layout ops, pointwise ops, matmuls on the
+    last dim (row i from row i) and all-to-alls; attention's outputs are not known; any other
+    op is this rank's own data when all its tensor inputs are."""
+    memo = {} if memo is None else memo
+    budget = [256] if budget is None else budget
+    if node in memo:
+        return memo[node]
+    budget[0] -= 1
+    if budget[0] < 0 or not isinstance(node, torch.fx.Node) or not isinstance(node_val(node), torch.Tensor):
+        return None
+    memo[node] = None  # a cycle cannot happen in a graph; this only bounds re-entry
+
+    def follow(x):
+        return _provenance(x, cp, memo, budget)
+
+    try:
+        coll = collective_at(node)
+        if coll is not None:
+            inner = follow(coll.input)
+            out = inner.all_to_all(_equal_split_cp(coll)) if inner is not None else None
+        elif is_layout_op(node):
+            inner = follow(node.args[0])
+            out = LAYOUT_OPS[node.target](inner, node) if inner is not None else None
+        elif is_value_op(node):
+            out = follow(node.args[0])
+        elif node.target in _ROW_OPS:
+            inner = follow(node.args[1] if node.target is aten.addmm.default else node.args[0])
+            if inner is not None and len(inner.dims) == 2:
+                cols = (Factor((node.name, 1), 1, int(node_val(node).shape[1])),)
+                out = Layout((inner.dims[0], canonical(cols)), inner.pinned, inner.fixed)
+            else:
+                out = None
+        elif node.op == "call_function" and (node.target in FORWARD + BACKWARD or _is_attention_piece(node)):
+            out = None
+        else:
+            inputs = [a for a in node.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
+            known = [follow(a) for a in inputs]
+            local = all(k is not None and k.pinned.axis == RANK_AXIS for k in known)
+            out = Layout.source(node_val(node).shape, node.name, cp) if local else None
+    except LayoutError:
+        out = None
+    memo[node] = out
+    return out
+
+
+def _is_attention_piece(node) -> bool:
+    src = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in FORWARD + BACKWARD
 
 
 def _incoming(node: torch.fx.Node, allow_broadcast: bool):
@@ -248,6 +363,11 @@ def _incoming(node: torch.fx.Node, allow_broadcast: bool):
     source, before = _walk_up(coll.input, pieces=False)
     if node_val(source) is None:
         raise LayoutError("no shape on the rank-local tensor")
+    sent = _provenance(source, cp)
+    if sent is not None and sent.pinned.axis != RANK_AXIS:
+        # An MoE combine: the rows it sends back are tokens an earlier all-to-all dispatched here.
+        raise LayoutError("the all_to_all sends rows another all_to_all brought here (a token dispatch "
+                          "and combine), not this rank's sequence")
     pre = apply_chain(Layout.source(node_val(source).shape, source.name, cp), before)
     post = [pre[-1].all_to_all(cp)]
     for n in after:
@@ -277,7 +397,7 @@ def _summed_over_heads(lay: Layout, node: torch.fx.Node, roles: dict) -> Layout:
     return Layout(kept, lay.pinned, lay.fixed)
 
 
-def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node) -> Layout:
+def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node, roles: dict | None = None) -> Layout:
     """The layout of the tracked tensor's elements in the result of a merge of gradients, or raise:
     ``add`` of same-shaped tensors (q, k and v were one tensor) or ``cat`` of equal pieces (the
     backward of a packed q/k/v cut by unbind, split or chunk)."""
@@ -290,9 +410,19 @@ def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node) -> Layout:
         return lay
     parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
     shapes = {tuple(node_val(p).shape) for p in parts}
-    if len(shapes) != 1:
-        raise LayoutError("cat of pieces of different shapes")
     dim = dim % len(lay.dims)
+    cut = canonical(lay.dims[dim])
+    # (a stack's new dim has no factor; a piece with one local head neither, but pieces differ)
+    along_heads = roles is not None and (bool(cut) or len(shapes) != 1) and all(_role_of(f, roles) == "h" for f in cut)
+    if len(shapes) != 1 and not along_heads:
+        raise LayoutError("cat of pieces of different shapes, not along the heads")
+    if along_heads:
+        # The gradients of q, k and v cut out of one fused heads dim, put back together: the
+        # merged tensor is what crosses, this rank's block of the fused heads.
+        total = int(node_val(node).shape[dim])
+        axis = ("cat", node.name)
+        dims = lay.dims[:dim] + ((Factor(axis, 1, total),),) + lay.dims[dim + 1:]
+        return Layout(dims, Factor(axis, total, lay.pinned.size), lay.fixed)
     piece = Factor(("piece", node.name), 1, len(parts))
     index = parts.index(tracked)
     dims = lay.dims[:dim] + (((piece,) + tuple(lay.dims[dim])),) + lay.dims[dim + 1:]
@@ -337,7 +467,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
                     pass
             elif user.target in _MERGE_OPS and _merges(user, n):
                 try:
-                    merged = _merged(lay, user, n)
+                    merged = _merged(lay, user, n, roles)
                 except LayoutError:
                     continue
                 visit(user, [], merged, user, merged, depth + 1)
@@ -361,6 +491,7 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
         # Roles of the merged or reduced tensor's own factors (pack layouts are built from them).
         flat = [f for dim in source_lay.dims for f in canonical(dim)]
         roles = {**{f: r for f in flat if (r := _role_of(f, roles))}, source_lay.pinned: "h"}
+        roles.update({f: "h" for f in flat if isinstance(f.axis, tuple) and f.axis[0] == "cat"})
     send = lay
     if _equal_split_cp(coll) != cp:
         raise LayoutError("return all_to_all on another group size")
@@ -390,9 +521,49 @@ def _outgoing(node: torch.fx.Node, start: Layout, roles: dict, cp: int):
         after.append(n)
     if not _gathered(lay, roles):
         raise LayoutError("return all_to_all does not give back the sequence slice with heads in order")
+    if _rows_sent_on(n, lay, roles, cp):
+        raise LayoutError("the rows that come back are sent on by rows by another all_to_all "
+                          "(a token dispatch's way back), not this rank's sequence")
     name = _layout_name(lay, roles) or "?"
     crossing = A2ACrossing(coll.node, coll.wait, before, after, name, send, roles, source, source_lay, coll.opaque)
     return crossing, coll.group_name
+
+
+def _rows_sent_on(node: torch.fx.Node, lay: Layout, roles: dict, cp: int) -> bool:
+    """Whether the tensor that came back is, through layout ops, pointwise ops and matmuls on
+    its rows, sent by another all-to-all whose chunks are blocks of its batch or sequence: the
+    way back of a token dispatch (an MoE expert's input gradient) rather than this rank's
+    sequence, which the next layer scatters by heads."""
+    stack, seen = [(node, lay)], 0
+    while stack and seen < 32:
+        n, cur = stack.pop()
+        seen += 1
+        for user in n.users:
+            try:
+                coll = collective_of(user)
+                if coll is not None and coll.input is n:
+                    dim0 = canonical(cur.dims[0]) if cur.dims else ()
+                    if dim0 and _role_of(dim0[0], roles) in ("b", "s"):
+                        return True
+                elif is_layout_op(user) and user.args[0] is n:
+                    stack.append((user, LAYOUT_OPS[user.target](cur, user)))
+                elif _pointwise_on(user, n):
+                    stack.append((user, cur))
+                elif user.target is aten.mm.default and user.args[0] is n and len(cur.dims) == 2:
+                    cols = (Factor((user.name, 1), 1, int(node_val(user).shape[1])),)
+                    stack.append((user, Layout((cur.dims[0], cols), cur.pinned, cur.fixed)))
+            except LayoutError:
+                continue
+    return False
+
+
+def _pointwise_on(user: torch.fx.Node, n: torch.fx.Node) -> bool:
+    """``user`` is pointwise and ``n`` one of its operands of its own shape (an activation's
+    backward ``where(mask, 0, grad)`` too)."""
+    if user.op != "call_function" or torch.Tag.pointwise not in getattr(user.target, "tags", ()):
+        return False
+    out, val = node_val(user), node_val(n)
+    return n in user.args and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and out.shape == val.shape
 
 
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
@@ -401,16 +572,19 @@ def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
     return Layout(lay.dims[:-1] + (head_dim,), lay.pinned)
 
 
-def _fresh_heads_layout(like: Layout, heads: int, head_dim: int, name: str, cp: int):
-    """Attention-side layout for k/v gradients: q's batch and sequence (a pack's tokens), heads
-    and head_dim of their own."""
-    h, d = (Factor((name, "h"), 1, heads),), (Factor((name, "d"), 1, head_dim),)
-    if len(like.dims) == 3:
-        dims = (like.dims[0], h, d)
-    else:
-        b, _, s, _ = like.dims
-        dims = (b, h, s, d)
-    return Layout(dims, Factor((name, "h"), heads, cp))
+def _fresh_heads_layouts(like: Layout, heads: int, head_dim: int, name: str, cp: int) -> list:
+    """Attention-side layouts for k/v gradients: q's batch and sequence (a pack's tokens), heads
+    and head_dim of their own, one per way this rank's heads may sit among all ``heads * cp``:
+    rank r's block (``r * heads + i``) first, then every split ``(outer, rank, inner)`` with a
+    smaller inner run down to one head in cp (``i * cp + r``)."""
+    axis, d = (name, "h"), (Factor((name, "d"), 1, head_dim),)
+    out = []
+    for inner in [heads] + [n for n in range(heads - 1, 0, -1) if heads % n == 0]:
+        outer = heads // inner
+        h = canonical((Factor(axis, inner * cp, outer), Factor(axis, 1, inner)))
+        dims = (like.dims[0], h, d) if len(like.dims) == 3 else (like.dims[0], h, like.dims[2], d)
+        out.append(Layout(dims, Factor(axis, inner, cp)))
+    return out
 
 
 def _roles_for(lay: Layout) -> dict:
@@ -443,12 +617,15 @@ def _forward_region(node, graph_kind) -> A2AMatch:
     q_cross, _, q_lay, cp, g = _incoming(args["query"], allow_broadcast=False)
     crossings["q"] = q_cross
     groups.add(g)
+    kv_lays = []
     for name in ("key", "value"):
-        c, _, _, cp_kv, g = _incoming(args[name], allow_broadcast=True)
+        c, _, lay, cp_kv, g = _incoming(args[name], allow_broadcast=True)
         if cp_kv != cp:
             raise LayoutError("q and k/v cross different group sizes")
         crossings[name[0]] = c
+        kv_lays.append(lay)
         groups.add(g)
+    _check_head_pairing(q_lay, kv_lays, cp)
     outs = tuple_outputs(node)
     if 0 not in outs:
         raise LayoutError("attention output unused")
@@ -469,18 +646,29 @@ def _backward_region(node, graph_kind) -> A2AMatch:
     go_cross, _, go_lay, cp, g = _incoming(args["grad_out"], allow_broadcast=False)
     groups = {g}
     outs = tuple_outputs(node)
-    outgoing = {}
+    outgoing, starts = {}, {}
     for idx, (name, like) in enumerate((("dq", "query"), ("dk", "key"), ("dv", "value"))):
         if idx not in outs:
             raise LayoutError(f"{name} unused")
         shape = node_val(args[like]).shape
         if name == "dq":
-            start = _with_head_dim(go_lay, args[like], ("dq", "d"))
+            candidates = [_with_head_dim(go_lay, args[like], ("dq", "d"))]
         else:
-            start = _fresh_heads_layout(go_lay, int(shape[1]), int(shape[-1]), name, cp)
-        c, g = _outgoing(outs[idx], start, _roles_for(start), cp)
-        outgoing[name] = c
+            # k and v arrive saved from the forward: which heads this rank holds shows only in
+            # where their gradients go back to. A block first (the usual split), then the others.
+            candidates = _fresh_heads_layouts(go_lay, int(shape[1]), int(shape[-1]), name, cp)
+        errors = []
+        for start in candidates:
+            try:
+                c, g = _outgoing(outs[idx], start, _roles_for(start), cp)
+                break
+            except LayoutError as e:
+                errors.append(e)
+        else:
+            raise errors[0]
+        outgoing[name], starts[name] = c, start
         groups.add(g)
+    _check_head_pairing(starts["dq"], [starts["dk"], starts["dv"]], cp)
     if len(groups) != 1:
         raise LayoutError("crossings use different process groups")
     return A2AMatch(
