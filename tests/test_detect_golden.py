@@ -160,3 +160,89 @@ rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: sequence
         self.assertExpectedInline(text, """\
 rejected forward _scaled_dot_product_flash_attention_for_cpu: sequence dim is not (source rank, local position)
 rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: sequence dim is not (source rank, local position)""")
+
+
+def program(cp, **fields):
+    """A generator program (tests/ulysses_programs.py) with these fields, and its graphs' regions."""
+    import ulysses_programs as up
+
+    fn, inputs = up.build(up.Spec(0, fields.pop("kind", "ulysses"), **fields), cp)
+    with fake_pg(cp):
+        graphs = aot_graphs(fn, *inputs)
+        return describe_regions(graphs), report_text(graphs)
+
+
+class TestHeadPartitions(TestCase):
+    """Which heads a rank holds is the program's choice; q's and k/v's must pair as on one device."""
+
+    def test_round_robin_heads_cp4(self):
+        text, _ = program(4, heads_order="round_robin", heads=2)
+        self.assertExpectedInline(text, """\
+forward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=8 causal
+  q        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  k        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  v        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  out      bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+backward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=8 causal
+  grad_out bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dq       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dk       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dv       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view""")
+
+    def test_fused_qkv_heads_cut_per_rank_gqa_cp2(self):
+        # Megatron-style: [B, S/cp, cp x (q | k | v heads of a rank), D] through ONE all-to-all
+        text, _ = program(2, source="fused_heads", gqa="sdpa", heads=2)
+        self.assertExpectedInline(text, """\
+forward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=2 causal
+  q        bshd: view -> view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> split_with_sizes -> getitem
+  k        bshd: view -> view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> split_with_sizes -> getitem
+  v        bshd: view -> view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> split_with_sizes -> getitem
+  out      bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+backward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=2 causal
+  grad_out bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dq       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view -> view
+  dk       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view -> view
+  dv       ?: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view -> view -> view""")
+
+    def test_kv_replicated_before_the_collective_fewer_heads_than_ranks_cp4(self):
+        text, _ = program(4, gqa="expand_before", heads=1)
+        self.assertExpectedInline(text, """\
+forward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
+  q        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  k        bshd: unsqueeze -> expand -> clone -> view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  v        bshd: unsqueeze -> expand -> clone -> view -> view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  out      bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view
+backward: a2a cp=4 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4 causal
+  grad_out bshd: view -> permute -> ALL_TO_ALL -> permute -> clone -> view
+  dq       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view
+  dk       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view -> view -> sum -> squeeze
+  dv       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> view -> view -> sum -> squeeze""")
+
+    def test_q_k_v_one_tensor_one_all_to_all_cp2(self):
+        text, _ = program(2, source="self_once", heads=2)
+        self.assertExpectedInline(text, """\
+forward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu Hq=4 Hkv=4 causal
+  q        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  k        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  v        bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  out      bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+backward: a2a cp=2 layout=bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=4 Hkv=4 causal
+  grad_out bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dq       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dk       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view
+  dv       bshd: view -> permute -> clone -> ALL_TO_ALL -> permute -> clone -> view""")
+
+    def test_kv_dealt_otherwise_than_q_say_why(self):
+        _, report = program(2, kind="kv_round_robin", heads=2)
+        self.assertExpectedInline(report, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: query and key/value heads pair otherwise than on one device (the ranks' head blocks of q and of k/v differ)
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: query and key/value heads pair otherwise than on one device (the ranks' head blocks of q and of k/v differ)""")
+
+
+class TestTokenDispatch(TestCase):
+    def test_moe_combine_feeding_attention_says_why(self):
+        # the expert output's heads split as a Ulysses scatter would, its rows tokens from elsewhere
+        _, report = program(2, kind="moe_combine", heads=2, batch=1)
+        self.assertExpectedInline(report, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: the all_to_all sends rows another all_to_all brought here (a token dispatch and combine), not this rank's sequence
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: the rows that come back are sent on by rows by another all_to_all (a token dispatch's way back), not this rank's sequence""")

@@ -71,3 +71,16 @@ def test_same_answer_compiled_on_gloo():
             assert r["max_rel_err"] < 1e-4, r
     rewritten = [r for r in results[0] if r["rewritten"].get("fused_a2a", 0) > 0]
     assert len(rewritten) >= len(picked) // 2, [(r["spec"], r["rewritten"]) for r in results[0]]
+
+
+if __name__ == "__main__":  # recall on other seeds: python tests/test_recall.py CP FIRST_SEED LAST_SEED
+    import sys
+
+    cp, first, last = (int(x) for x in sys.argv[1:4])
+    SEEDS = range(first, last)
+    stats, misses = survey(cp)
+    print(f"cp={cp} seeds {first}..{last - 1}: found {stats['found']} of {stats['valid']} valid, "
+          f"false positives {stats['false_positive']} of {stats['not_cp']} not CP")
+    print(dict(sorted(stats.items())))
+    for miss in misses:
+        print("miss:", miss)

@@ -231,8 +231,14 @@ def _check_head_pairing(q_lay: Layout, kv_lays, cp: int) -> None:
 
 
 def _role_of(f: Factor, roles: dict) -> str | None:
-    found = {r for g, r in roles.items() if g.overlaps(f) or (g == f)}
+    found = {r for g, r in roles.items() if _as_source(g).overlaps(f) or (g == f)}
     return found.pop() if len(found) == 1 else None
+
+
+def _as_source(g: Factor) -> Factor:
+    """A rank block over replicated heads as the run of source indices it covers."""
+    shared = replicated_block(g)
+    return g if shared == 1 else Factor(base_axis(g.axis), g.stride, g.size // shared)
 
 
 def _split_by_roles(f: Factor, roles: dict) -> list:
