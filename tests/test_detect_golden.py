@@ -246,3 +246,10 @@ class TestTokenDispatch(TestCase):
         self.assertExpectedInline(report, """\
 rejected forward _scaled_dot_product_flash_attention_for_cpu: the all_to_all sends rows another all_to_all brought here (a token dispatch and combine), not this rank's sequence
 rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: the rows that come back are sent on by rows by another all_to_all (a token dispatch's way back), not this rank's sequence""")
+
+    def test_moe_combine_dispatch_chunks_across_batch_and_tokens_cp4(self):
+        # 2 x 8 token rows in 4 chunks: the dispatch's split cuts across batch and sequence
+        _, report = program(4, kind="moe_combine", heads=1, batch=2)
+        self.assertExpectedInline(report, """\
+rejected forward _scaled_dot_product_flash_attention_for_cpu: the all_to_all sends rows another all_to_all brought here (a token dispatch and combine), not this rank's sequence
+rejected backward _scaled_dot_product_flash_attention_for_cpu_backward: the rows that come back are sent on by rows by another all_to_all (a token dispatch's way back), not this rank's sequence""")

@@ -20,7 +20,7 @@ gradients): then the reduced tensor is the crossing's source.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -331,7 +331,7 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
         coll = collective_at(node)
         if coll is not None:
             inner = follow(coll.input)
-            out = inner.all_to_all(_equal_split_cp(coll)) if inner is not None else None
+            out = None if inner is None else _received(inner, node, _equal_split_cp(coll))
         elif is_layout_op(node):
             inner = follow(node.args[0])
             out = LAYOUT_OPS[node.target](inner, node) if inner is not None else None
@@ -355,6 +355,16 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
         out = None
     memo[node] = out
     return out
+
+
+def _received(sent: Layout, node: torch.fx.Node, cp: int) -> Layout:
+    """What an all-to-all of ``sent`` delivers; where the algebra cannot follow the split (the
+    chunks cut across factors), rows from elsewhere all the same."""
+    try:
+        return sent.all_to_all(cp)
+    except LayoutError:
+        fresh = Layout.source(node_val(node).shape, node.name, cp)
+        return replace(fresh, pinned=Factor(("received", node.name), 1, cp))
 
 
 def _is_attention_piece(node) -> bool:
