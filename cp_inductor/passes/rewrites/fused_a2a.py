@@ -195,13 +195,12 @@ def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
     """Received ``[cp, S/cp, B, H, D]`` -> one copy into a ``[B, H, S, D]`` tensor (a pack's
     ``[T, H, D]``) with ``like``'s stride order (S = source rank x local position; ``part`` need
     not be one strided view)."""
-    if like.dim() == 3:
+    order = stride_order(like)  # over (B, H, S, D), or a pack's (T, H, D)
+    if like.dim() == 3:  # T = (rank, position) stays one dim
         cp_, s_l, _, h, d = part.meta["val"].shape
-        order = stride_order(like)  # over (T, H, D); T = (rank, position) stays one dim
         tokens_first = emit(aten.reshape.default, part, [cp_ * s_l, h, d])
         dense = emit(aten.clone.default, emit(aten.permute.default, tokens_first, order), memory_format=torch.contiguous_format)
         return emit(aten.permute.default, dense, [order.index(i) for i in range(3)])
-    order = stride_order(like)  # over (B, H, S, D)
     order5 = [j for i in order for j in ((2, 3) if i == 2 else (i + (i == 3),))]  # S -> (rank, pos)
     inverse5 = [order5.index(i) for i in range(5)]
     bh = emit(aten.permute.default, part, [2, 3, 0, 1, 4])  # [B, H, cp, S/cp, D]
