@@ -65,9 +65,10 @@ def _collective_kinds(graphs) -> dict:
     return {k: [t.split("#")[0] for t in rotations(gm).split() if t.startswith(("ce#", "nccl#"))] for k, gm in graphs.items()}
 
 
-@pytest.mark.parametrize("cp,program", [(2, "hand"), (4, "hand"), (2, "native_alltoall"), (4, "native_alltoall"),
+@pytest.mark.parametrize("cp,program", [(2, "hand"), pytest.param(4, "hand", marks=pytest.mark.wide), (2, "native_alltoall"),
+                                        pytest.param(4, "native_alltoall", marks=pytest.mark.wide),
                                         (4, "native_allgather"), (2, "native_causal_unbalanced"),
-                                        (4, "native_causal_unbalanced")])
+                                        pytest.param(4, "native_causal_unbalanced", marks=pytest.mark.wide)])
 def test_every_rank_decides_alike(cp, program):
     """Ring programs trace different graphs per rank (load balancing slices by rank; without it a
     causal rank 0 has no attention at its last step, so no region of its own carries its home
@@ -127,7 +128,8 @@ def _check_with_copy_engine_ops(rank, cp, kind):
     ]
 
 
-@pytest.mark.parametrize("cp,kind", [(2, "hand"), pytest.param(4, "hand", marks=pytest.mark.wide), (2, "native")])
+@pytest.mark.parametrize("cp,kind", [pytest.param(2, "hand", marks=pytest.mark.wide), pytest.param(4, "hand", marks=pytest.mark.wide),
+                                     (2, "native")])
 def test_numerics_gloo(cp, kind):
     for rank_results in run_on_ranks(_check_with_copy_engine_ops, cp, kind):
         for r in rank_results:

@@ -253,6 +253,7 @@ def test_numerics_gloo_copy_engine_ops():
     _assert_partitioned(run_on_ranks(_check_with_copy_engine_ops, 2, cases, None, "cp_inductor", "cpu", options)[0])
 
 
+@pytest.mark.wide
 def test_numerics_gloo_hand_written_and_backward_only():
     case = AttentionCase(layout="bshd", causal=True, heads_q=4, heads_kv=4)
     fn = functools.partial(variants.transpose_then_reshape, is_causal=True)

@@ -88,8 +88,10 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("cp,program", [(2, "hand"), (4, "hand"), (2, "alltoall"), (4, "alltoall"), (4, "allgather"),
-                                        (2, "alltoall_causal_unbalanced"), (4, "alltoall_causal_unbalanced")])
+@pytest.mark.parametrize("cp,program", [(2, "hand"), pytest.param(4, "hand", marks=pytest.mark.wide), (2, "alltoall"),
+                                        pytest.param(4, "alltoall", marks=pytest.mark.wide), (4, "allgather"),
+                                        (2, "alltoall_causal_unbalanced"),
+                                        pytest.param(4, "alltoall_causal_unbalanced", marks=pytest.mark.wide)])
 def test_every_rank_decides_alike(cp, program):
     fn, native = PROGRAMS[program]
     payloads = []
@@ -100,7 +102,7 @@ def test_every_rank_decides_alike(cp, program):
     assert "bf16" in payloads[0].split("backward:")[1], payloads[0]
 
 
-@pytest.mark.parametrize("program", ["hand", "native"])
+@pytest.mark.parametrize("program", [pytest.param("hand", marks=pytest.mark.wide), "native"])
 def test_same_bits_on_and_off(program):
     for r in run_on_ranks(same_bits_on_and_off, 2, program, "narrow_rotation", 2):
         assert r["applied"] == {False: 0, True: 1} and all(r["same"].values()), r

@@ -75,6 +75,7 @@ def _self_attention(rank, cp):
     return float((ye - yc).abs().max()), float((ge - gc).abs().max()), dict(counters["cp_inductor"])
 
 
+@pytest.mark.wide  # the recall generator's gloo sample runs q = k = v in CI
 def test_self_attention_on_one_tensor_cp2():
     # Forward: q, k, v share one all-to-all (skipped); backward: dq, dk, dv fused, then summed.
     for out_diff, grad_diff, rewritten in run_on_ranks(_self_attention, 2):
@@ -157,6 +158,7 @@ def _inplace_styles(rank, cp):
     }
 
 
+@pytest.mark.wide  # the recall generator's gloo sample runs in-place collectives in CI
 def test_inplace_collective_styles_cp2():
     for rank_results in run_on_ranks(_inplace_styles, 2):
         assert_cp_results(rank_results["inplace_bshd"], TOL, cp=2, check_layout=True)
@@ -208,6 +210,7 @@ def _casts(rank, cp):
     return check_cp_attention(rank, cp, [case], _bf16_attention), check_cp_attention(rank, cp, [not_causal], bf16_wire)
 
 
+@pytest.mark.wide  # the recall generator's gloo sample runs casts around the send in CI
 def test_casts_around_the_collective_cp2():
     for cast_around, wire in run_on_ranks(_casts, 2):
         # bf16 inside: the reference tolerance is bf16's; compiled vs eager much closer.

@@ -62,9 +62,14 @@ def test_same_answer_compiled_on_gloo():
     """A sample of valid programs, cp=2 on gloo: cp_inductor vs eager, output and every gradient."""
     specs = [s for s in (up.sample(seed, 2) for seed in range(200)) if s.kind == "ulysses"]
     picked = {}
-    for s in specs:  # one program per family, so packed / fused / self / proj / round-robin all run
+    for s in specs:  # one program per family: each source, round-robin heads, K/V expanded before
         form = s.heads_order if s.heads_order != "blocks" else s.gqa if s.gqa == "expand_before" else None
-        picked.setdefault(form or (s.source, s.gqa == "mha"), s)
+        picked.setdefault(form or s.source, s)
+    must = {"inplace": lambda s: s.collective == "inplace", "send_cast": lambda s: s.send_cast,
+            "enable_gqa": lambda s: s.gqa == "sdpa", "checkpoint": lambda s: s.checkpoint}
+    for name, has in must.items():
+        if not any(map(has, picked.values())):
+            picked[name] = next(filter(has, specs))
     results = run_on_ranks(up.check_programs, 2, list(picked.values()))
     for rank_results in results:
         for r in rank_results:

@@ -83,7 +83,7 @@ backward cp=4: only at cp = 2 is the home rotation the peer's only contribution
 forward a forward region: the rewrite returns dK/dV""")
 
 
-@pytest.mark.parametrize("program", ["hand", "native"])
+@pytest.mark.parametrize("program", [pytest.param("hand", marks=pytest.mark.wide), "native"])
 def test_same_bits_on_and_off_gloo(program):
     for r in run_on_ranks(same_bits_on_and_off, 2, program, "ring_grad_return", 4):
         assert r["applied"][False] == 0 and r["applied"][True] >= 1 and all(r["same"].values()), r

@@ -12,8 +12,12 @@ rank's output out. The choices each spec draws:
   unbound, or one tensor used as q = k = v;
 * GQA: none, ``enable_gqa``, K/V heads replicated by expand after the collective (HF's
   ``repeat_kv``), or replicated by ``repeat_interleave`` before it (Hkv < cp);
-* how heads are scattered (5-D helper style, yunchang's transpose, a flattened 1-D buffer) and
-  gathered back, with or without ``-1`` in the views;
+* how heads are scattered (5-D helper style, yunchang's transpose, a flattened 1-D buffer,
+  sequence and heads merged then split again with heads and head_dim merged in the buffer, or
+  heads dealt round-robin) and gathered back, with or without ``-1`` in the views;
+* q = k = v through one all-to-all or three; Megatron-style fused q|k|v heads through one
+  all-to-all, cut per rank; K/V replicated by ``expand`` before the collective; a cast to
+  float64 around the send;
 * the collective: functional (``all_to_all_single_autograd``) or ``dist.all_to_all_single`` into
   ``torch.empty_like`` inside an autograd.Function (DeepSpeed's and yunchang's way);
 * activation checkpointing around each layer;
@@ -100,6 +104,8 @@ def _later_forms(r: random.Random, spec: Spec) -> Spec:
     by expand before the collective, the send cast around the collective."""
     form = r.choice(("same", "same", "self_once", "fused_heads", "round_robin", "expand_before"))
     cast = r.random() < 0.25
+    if r.random() < 0.2 and spec.scatter == "five_d" and spec.heads_order == "blocks":
+        spec = replace(spec, scatter="resplit")
     if form == "self_once":
         spec = replace(spec, source="self_once", gqa="mha", tail="none", layers=1)
     elif form == "fused_heads":
@@ -177,6 +183,10 @@ def scatter(x, spec: Spec, cp: int, layout: str):
         send = x.reshape(b, s_l, cp, hl, d).transpose(0, 2).contiguous()  # [cp, S/cp, B, H/cp, D]
         recv = _a2a(spec, send).reshape(-1 if spec.infer else cp * s_l, b, h // cp, d)
         return recv.transpose(0, 1).contiguous().transpose(1, 2)
+    if spec.scatter == "resplit":  # sequence and heads merged, then split again around the rank
+        send = x.reshape(b, s_l * h, d).reshape(b, s_l, cp, hl, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = _a2a(spec, send.reshape(cp, b, s_l, -1))  # heads and head_dim merged in the buffer
+        return recv.reshape(cp, b, s_l, h // cp, d).permute(1, 3, 0, 2, 4).reshape(b, hl, cp * s_l, d)
     send = x.reshape(b, s_l, cp, hl, d).permute(2, 0, 1, 3, 4).contiguous()
     if spec.scatter == "flat":
         recv = _a2a(spec, send.view(-1)).view(cp, b, s_l, h // cp, d)
