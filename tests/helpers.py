@@ -257,8 +257,9 @@ def gather_schedule_in_code(codes) -> list[str]:
     names = {"all_gather_into_tensor": "gather", "reduce_scatter_tensor": "rs", "wait_tensor": "wait"}
     return [
         " ".join(names.get(c, "attn") for c in re.findall(
-            # our cuDNN backward is called by name on CUDA (extern_kernels.cp_inductor_cudnn_attention_backward)
-            r"(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor|_scaled_dot_product\w+|cudnn_attention_backward)(?:\.default)?\(", code))
+            r"(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor|_scaled_dot_product\w+|cudnn_attention_backward)\.default\(",
+            # our cuDNN backward is called by name on CUDA
+            code.replace("extern_kernels.cp_inductor_cudnn_attention_backward(", "cudnn_attention_backward.default(")))
         for code in codes
     ]
 
