@@ -11,6 +11,12 @@ source starts with ``pinned = RANK`` (the rank axis of the global sequence). An 
 so it swaps the outer cp-sized factor of dim 0 with ``pinned``: after a Ulysses scatter the head
 block is pinned and dim 0 enumerates source ranks, i.e. the sequence's outer factor.
 
+Two kinds of factor name a derived axis: ``("slice", axis, stride, offset)``, a run cut out of
+a factor that is no aligned block of it (q, k or v heads cut from a fused heads dim), and
+``("replicated", axis, k)``, a rank block over broadcast copies where k ranks hold each index
+(K/V heads replicated before the collective, fewer than cp). :func:`base_axis` gives the source
+axis of either.
+
 This is what lets detection check the algebra instead of one op sequence: any chain of
 reshape/permute/contiguous around any 4-D, 5-D or flattened all-to-all is accepted iff the
 layout that reaches attention is the Ulysses one.
