@@ -339,11 +339,7 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
             out = follow(node.args[0])
         elif node.target in _ROW_OPS:
             inner = follow(node.args[1] if node.target is aten.addmm.default else node.args[0])
-            if inner is not None and len(inner.dims) == 2:
-                cols = (Factor((node.name, 1), 1, int(node_val(node).shape[1])),)
-                out = Layout((inner.dims[0], canonical(cols)), inner.pinned, inner.fixed)
-            else:
-                out = None
+            out = _matmul_rows(inner, node) if inner is not None and len(inner.dims) == 2 else None
         elif node.op == "call_function" and (node.target in FORWARD + BACKWARD or _is_attention_piece(node)):
             out = None
         else:
@@ -355,6 +351,12 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
         out = None
     memo[node] = out
     return out
+
+
+def _matmul_rows(rows: Layout, node: torch.fx.Node) -> Layout:
+    """A matmul's result: the rows of ``rows``, columns of an axis of its own."""
+    cols = (Factor((node.name, 1), 1, int(node_val(node).shape[1])),)
+    return Layout((rows.dims[0], canonical(cols)), rows.pinned, rows.fixed)
 
 
 def _received(sent: Layout, node: torch.fx.Node, cp: int) -> Layout:
@@ -566,8 +568,7 @@ def _rows_sent_on(node: torch.fx.Node, lay: Layout, roles: dict, cp: int) -> boo
                 elif _pointwise_on(user, n):
                     stack.append((user, cur))
                 elif user.target is aten.mm.default and user.args[0] is n and len(cur.dims) == 2:
-                    cols = (Factor((user.name, 1), 1, int(node_val(user).shape[1])),)
-                    stack.append((user, Layout((cur.dims[0], cols), cur.pinned, cur.fixed)))
+                    stack.append((user, _matmul_rows(cur, user)))
             except LayoutError:
                 continue
     return False
