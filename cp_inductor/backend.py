@@ -86,8 +86,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
     inductor_patches.update(graph_passes(cfg, inductor_patches))
-    cudagraphs = inductor_patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
-    for route in pipeline.run_dynamo_passes(gm, cfg, cudagraphs=bool(cudagraphs)):
+    for route in pipeline.run_dynamo_passes(gm, cfg):
         record_varlen(route)
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.

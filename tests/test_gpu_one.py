@@ -283,9 +283,10 @@ def test_frontend_backward_op_matches_fp32(executor, monkeypatch):
     frontend's public ``execute``), against fp32 math: BHSD and BSHD q/k/v, GQA, dO in O's
     layout, in BSHD, and with a non-unit innermost stride (copied first), in one process."""
     import cp_inductor.lowerings.cudnn_backward as cb
+    import cp_inductor.lowerings.cudnn_graph as cg
 
     if executor == "public_execute":
-        monkeypatch.setattr(cb, "_raw_executor", lambda graph, handle: (None, None))
+        monkeypatch.setattr(cg, "raw_executor", lambda graph, handle: (None, None))
     monkeypatch.setattr(cb, "_plans", {})
     aten = torch.ops.aten
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -418,22 +419,23 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 def test_varlen_cuda_graph_replays_with_new_lengths():
-    """mode="reduce-overhead": captured once and replayed with other lengths (same document count
-    and bound, new cu_seqlens values), each replay right against fp32. The call stays on the
-    program's op (flash-2), with the reason: the frontend's ragged op fails cudagraph trees'
-    pool check."""
+    """mode="reduce-overhead": cuDNN's ragged attention captured by cudagraph trees and replayed
+    with other lengths (same document count and bound, new cu_seqlens values), then a pack with
+    one more document; each step right against fp32 for the output and every gradient."""
     import varlen_programs as vp
     from torch._dynamo.utils import counters
 
-    from cp_inductor.passes.analysis.varlen_calls import KEPT
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
     from cp_inductor.testing.train_step import _cudagraphs_recorded
 
     torch._dynamo.reset()
     counters.clear()
     cp_inductor.clear_report()
+    # mode="reduce-overhead" is triton.cudagraphs (torch.compile takes a mode or options, not both)
     fn = torch.compile(lambda q, k, v, cu: vp.torchtitan_style(q, k, v, cu, 2048), backend="cp_inductor",
-                       mode="reduce-overhead", fullgraph=True)
-    for step, lengths in enumerate([[512, 512, 1024], [1, 1000, 1047], [2000, 40, 8]]):
+                       fullgraph=True, options={"triton.cudagraphs": True, "cp_inductor.varlen_cudnn_min_size": 0})
+    packs = [[512, 512, 1024], [1, 1000, 1047], [2000, 40, 8], [2000, 40, 8], [1000, 24, 24, 1000]]
+    for step, lengths in enumerate(packs):
         q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=step)
         ins = [t.requires_grad_() for t in (q, k, v)]
         out = fn(*ins, cu)
@@ -444,8 +446,7 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
         want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
         errs = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
         assert max(errs) < 2e-2, (step, errs)
-    (route,) = cp_inductor.report().varlen
-    assert route.path == KEPT and "CUDA graphs" in route.reason, route
+    assert {r.path for r in cp_inductor.report().varlen} == {CUDNN_RAGGED}, cp_inductor.report().varlen
     assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
     torch._dynamo.reset()
 

@@ -116,12 +116,6 @@ class TestReasons(TestCase):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
                                   """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
 
-    def test_cuda_graphs(self):
-        gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
-        with reference_kernels():
-            (route,) = pipeline.run_dynamo_passes(gm, snapshot(), cudagraphs=True)
-        self.assertExpectedInline(route.reason.split("; ")[1], """varlen_cudnn: CUDA graphs (reduce-overhead): the cuDNN frontend's ragged op fails cudagraph trees' pool check""")
-
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
         (route,) = pipeline.run_dynamo_passes(gm, snapshot())
@@ -259,6 +253,37 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
     cu_q, cu_k, max_q, max_k = _bucketed("test", torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70)
     # 17 sequences -> 20: three empty sequences at the end; the bound 70 -> 80
     assert cu_q.tolist()[-5:] == [24, 25, 25, 25, 25] and len(cu_q) == 21 and cu_k is cu_q and (max_q, max_k) == (80, 80)
+
+
+def test_ragged_offsets_and_lengths_are_computed_on_device_once_per_stride():
+    """What the ragged graphs read per sequence: int32 lengths, and per tensor the int64 element
+    offset of the sequence's first token (cu_seqlens times the token stride), each product once."""
+    from cp_inductor.lowerings import cudnn_ragged as cr
+
+    cu_q, cu_k = torch.tensor([0, 3, 3, 10], dtype=torch.int32), torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    meta = cr._metadata(cu_q, cu_k, {"q": ("q", 64), "o": ("q", 64), "k": ("k", 16), "stats": ("q", 4)})
+    assert meta[cr._LEN_Q].flatten().tolist() == [3, 0, 7] and meta[cr._LEN_K].flatten().tolist() == [5, 1, 6]
+    assert meta[cr._LEN_Q].dtype == torch.int32 and meta[cr._OFF["q"]].dtype == torch.int64
+    assert meta[cr._OFF["q"]].flatten().tolist() == [0, 192, 192, 640] and meta[cr._OFF["o"]] is meta[cr._OFF["q"]]
+    assert meta[cr._OFF["k"]].flatten().tolist() == [0, 80, 96, 192]
+    assert meta[cr._OFF["stats"]].flatten().tolist() == [0, 12, 12, 40]
+    assert all(t.shape[1:] == (1, 1, 1) for t in meta.values())
+    shared = cr._metadata(cu_q, cu_q, {"q": ("q", 64), "k": ("k", 64)})
+    assert shared[cr._LEN_K] is shared[cr._LEN_Q] and shared[cr._OFF["k"]] is shared[cr._OFF["q"]]
+
+
+def test_the_log_sum_exp_is_re_padded_per_sequence_position():
+    """[T, H] per token -> [count, H, bound, 1]: token t of sequence i at row t - cu[i]; rows past
+    a sequence's length and the bucket's empty sequences are zero."""
+    from cp_inductor.lowerings.cudnn_ragged import padded_stats
+
+    lse = torch.arange(14.0).view(7, 2)  # 7 tokens, 2 heads
+    cu = torch.tensor([0, 3, 3, 7, 7])  # lengths 3, 0, 4, and an empty bucket sequence
+    padded = padded_stats(lse, cu, 4, 5)
+    assert padded.shape == (4, 2, 5, 1)
+    assert padded[0, :, :3, 0].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+    assert padded[2, 0, :, 0].tolist() == [6.0, 8.0, 10.0, 12.0, 0.0]
+    assert padded[1].abs().sum() == 0 and padded[3].abs().sum() == 0 and padded[0, :, 3:].abs().sum() == 0
 
 
 def test_small_packs_stay_on_flash_by_the_measured_cost_model():

@@ -49,11 +49,12 @@ still run, and the rewrite that emits them reports the reason instead.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 
 import torch
 import torch.distributed as dist
+
+from .outside_graph_pool import outside_graph_pool
 
 _FLAG_BYTES = 4
 _READY, _CONSUMED = 0, 1
@@ -179,10 +180,10 @@ class _Transport:
             # Grow a free area; peers may still pull from it: let every rank finish first.
             index = free[0]
             torch.cuda.synchronize()
-            _outside_graph_pool(dist.barrier, group=_group(self.group_name), device_ids=[torch.cuda.current_device()])
-            self.areas[index] = _outside_graph_pool(_Area, self.group_name, nbytes)
+            outside_graph_pool(dist.barrier, group=_group(self.group_name), device_ids=[torch.cuda.current_device()])
+            self.areas[index] = outside_graph_pool(_Area, self.group_name, nbytes)
             return index
-        self.areas.append(_outside_graph_pool(_Area, self.group_name, nbytes))
+        self.areas.append(outside_graph_pool(_Area, self.group_name, nbytes))
         return len(self.areas) - 1
 
     def start(self, x: torch.Tensor, slot: int) -> None:
@@ -251,21 +252,6 @@ class _Transport:
         out, done, _ = self.in_flight.pop(slot)
         torch.cuda.current_stream().wait_event(done)
         return out
-
-
-def _outside_graph_pool(fn, *args, **kwargs):
-    """``fn(...)`` on a helper thread: cudagraph trees' warm-up run sends every allocation of
-    the calling thread to the graphs' memory pool, and what an area allocates for good
-    (symmetric memory's peer-pointer tables, the barrier's tensor that the NCCL work keeps)
-    would be reported there as leaked and later overwritten by a replay."""
-    device = torch.cuda.current_device()
-
-    def run():
-        torch.cuda.set_device(device)
-        return fn(*args, **kwargs)
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(run).result()
 
 
 def _check(result) -> None:

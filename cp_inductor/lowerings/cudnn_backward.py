@@ -29,10 +29,12 @@ allocator, and it runs on torch's current stream without syncing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
+
+from .cudnn_graph import Plan, descriptor_ready, finish, io_type, new_graph
+from .cudnn_graph import handle as _handle
 
 aten = torch.ops.aten
 
@@ -61,51 +63,19 @@ def unavailable() -> str | None:
 
 
 # One cuDNN graph per (dtype, scale, causal, determinism, every operand's shape and strides),
-# built on first use; a handle per device, re-bound to torch's current stream on every call.
-_plans: dict[tuple, "_Plan"] = {}
-_handles: dict[int, object] = {}
+# built on first use.
+_plans: dict[tuple, Plan] = {}
 _UID = {"q": 1, "k": 2, "v": 3, "o": 4, "do": 5, "stats": 6, "dq": 7, "dk": 8, "dv": 9}
 _ORDER = tuple(_UID.values())
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    graph: object  # the frontend's built pygraph
-    workspace_bytes: int
-    # The built graph's C++ executor, called with raw device pointers: it skips the frontend's
-    # per-call buffer inspection (about 5 us), safe because the plan key fixes every shape and
-    # stride. None where this frontend release lacks it: the public ``execute`` then runs.
-    raw_execute: object | None
-    backend_handle: object | None
-
-
-# the stream each handle was last bound to: re-binding is skipped while it stays the same
-_bound_streams: dict[int, int] = {}
-
-
-def _handle(device_index: int):
-    import cudnn
-
-    handle = _handles.get(device_index)
-    if handle is None:
-        with torch.cuda.device(device_index):
-            handle = _handles[device_index] = cudnn.create_handle()
-    # the raw-stream query Inductor's generated code uses: a C call, no Stream object
-    stream = torch._C._cuda_getCurrentRawStream(device_index)
-    if _bound_streams.get(device_index) != stream:
-        cudnn.set_stream(handle=handle, stream=stream)
-        _bound_streams[device_index] = stream
-    return handle
-
-
-def _build(handle, tensors: dict, scale: float, is_causal: bool, deterministic: bool) -> _Plan:
+def _build(handle, tensors: dict, scale: float, is_causal: bool, deterministic: bool) -> Plan:
     """The frontend's graph for one signature: dO keeps its own strides (cuDNN reads any dense
     layout), the gradients take the strides of the buffers they will be written to."""
     import cudnn
 
-    io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[tensors["q"].dtype]
-    graph = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT)
+    io = io_type(tensors["q"].dtype)
+    graph = new_graph(handle, tensors["q"].dtype)
 
     def describe(name, dtype=io):
         t = tensors[name]
@@ -119,34 +89,11 @@ def _build(handle, tensors: dict, scale: float, is_causal: bool, deterministic: 
     for grad, name in zip(grads, ("dq", "dk", "dv")):
         t = tensors[name]
         grad.set_uid(_UID[name]).set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride())).set_data_type(io)
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    raw_execute, backend_handle = _raw_executor(graph, handle)
-    return _Plan(graph, max(graph.get_workspace_size(), 1), raw_execute, backend_handle)
-
-
-def _raw_executor(graph, handle):
-    # Private to the frontend (1.32): taken only when every piece is where 1.32 has it.
-    try:
-        from cudnn._handle import to_backend_handle
-
-        lowered = graph._lowered_graph
-        return lowered._execute, to_backend_handle(handle)
-    except (ImportError, AttributeError, TypeError):
-        return None, None
-
-
-def _descriptor_ready(stride: tuple, ptr: int) -> bool:
-    # cuDNN's attention descriptors want a unit innermost stride, no broadcast dims and
-    # 16-byte-aligned bases; anything else is copied first.
-    return stride[-1] == 1 and 0 not in stride and ptr % 16 == 0
+    return finish(graph, handle, _ORDER)
 
 
 def _copied_ready(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    if _descriptor_ready(t.stride(), t.data_ptr()):
+    if descriptor_ready(t.stride(), t.data_ptr()):
         return t
     if like is not None:  # dO: into O's layout, which is descriptor-ready by now
         return torch.empty_like(like).copy_(t)
@@ -155,12 +102,10 @@ def _copied_ready(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Te
 
 def _frontend_backward(grad_out, query, key, value, out, logsumexp, scale, is_causal):
     # Per call this is host work on the critical path of small steps, so it asks each tensor
-    # for its strides and address once: they are the plan key, the readiness check and the
-    # variant pack all at once.
+    # for its strides once: they are both the plan key and the readiness check.
     operands = (query, key, value, out, grad_out)
     strides = tuple(t.stride() for t in operands)
-    ptrs = [t.data_ptr() for t in operands]
-    if not (all(map(_descriptor_ready, strides, ptrs)) and logsumexp.is_contiguous()):
+    if not (all(descriptor_ready(s, t.data_ptr()) for s, t in zip(strides, operands)) and logsumexp.is_contiguous()):
         q, k, v, o = (_copied_ready(t) for t in (query, key, value, out))
         return _frontend_backward(_copied_ready(grad_out, like=o), q, k, v, o, logsumexp.contiguous(), scale, is_causal)
     # laid out as the fake promises Inductor: empty_like of the inputs
@@ -176,13 +121,7 @@ def _frontend_backward(grad_out, query, key, value, out, logsumexp, scale, is_ca
         tensors = {"q": query, "k": key, "v": value, "o": out, "do": grad_out, "stats": stats,
                    "dq": dq, "dk": dk, "dv": dv}
         plan = _plans[signature] = _build(handle, tensors, scale, is_causal, torch.are_deterministic_algorithms_enabled())
-    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=query.device)
-    if plan.raw_execute is not None:
-        variant_pack = dict(zip(_ORDER, (*ptrs, stats.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())))
-        plan.raw_execute(variant_pack, workspace.data_ptr(), plan.backend_handle, None, None, None)
-    else:
-        plan.graph.execute([query, key, value, out, grad_out, stats, dq, dk, dv], workspace, handle=handle,
-                           tensor_uids=_ORDER)
+    plan.run((query, key, value, out, grad_out, stats, dq, dk, dv), query.device, handle)
     return dq, dk, dv
 
 

@@ -11,12 +11,11 @@ Causal masking follows flash-attention's varlen convention: a query row sees the
 own position counted from the END of its sequence (bottom-right), which is plain top-left causal
 when the query and key lengths agree.
 
-CUDA runs through the cuDNN frontend's torch ops (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``,
-``pip install "cp_inductor[cudnn]"``), which build and cache a ragged cuDNN graph per shape
-bucket and keep the work on device (no host read of the lengths). Recorded by cudagraph trees
-they fail its memory-pool check (not understood yet), so the rewrite keeps CUDA-graph compiles
-off this op. The frontend is imported on first use. CPU runs a per-sequence SDPA reference,
-used by the tests (``reference_kernels``).
+CUDA runs cuDNN's ragged attention through graphs of our own built with the cuDNN frontend's
+graph API (``cudnn_ragged``, ``pip install "cp_inductor[cudnn]"``), one per shape bucket, with
+the work on device (no host read of the lengths) and capturable in CUDA graphs. The frontend is
+imported on first use. CPU runs a per-sequence SDPA reference, used by the tests
+(``reference_kernels``).
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import contextlib
 import functools
 
 import torch
+
+from . import cudnn_ragged
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -50,11 +51,6 @@ def _frontend_unavailable() -> str | None:
     reason = graph_api_unavailable()
     if reason is not None:
         return reason
-    try:
-        import cudnn.sdpa.fwd.torch_op  # noqa: F401 - registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd
-        from cudnn.sdpa.packed_lse import prepare_padded_lse  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: keep the program's op
-        return f"this nvidia-cudnn-frontend has no ragged attention ops ({type(e).__name__}: {e}); 1.32 or newer has them"
     import cudnn
 
     if cudnn.backend_version() < 90500:
@@ -152,25 +148,24 @@ def _cuda_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
     bottom_right = is_causal and cu_q is not cu_k
     signature = _signature("forward", q, k, v, is_causal, bottom_right)
     cu_q, cu_k, max_q, max_k = _bucketed(signature, cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
-    out, stats = torch.ops.cudnn.sdpa_fwd(
-        q, k, v, scale, is_causal=is_causal, causal_bottom_right=bottom_right,
-        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
-    return out, stats.view(q.shape[:2])
+    return cudnn_ragged.forward(q, k, v, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, scale, is_causal, bottom_right)
+
+
+def _token_bound(tokens: int) -> int:
+    # The backward's graph is sized by the token totals (they size cuDNN's fp32 dq accumulator,
+    # an upper bound): rounded to 64 only, since packs usually keep their total from step to step
+    # and a coarser bucket would cost accumulator memory.
+    return -(-int(tokens) // 64) * 64
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, is_causal):
-    from cudnn.sdpa.packed_lse import prepare_padded_lse
-
     bottom_right = is_causal and cu_q is not cu_k
     signature = _signature("backward", q, k, v, is_causal, bottom_right)
     cu_q, cu_k, max_q, max_k = _bucketed(signature, cu_q, cu_k if cu_k is not cu_q else None, max_q, max_k)
-    # the backward reads the log-sum-exp padded per sequence, [B, H, max_q, 1]; on device
-    padded = prepare_padded_lse(lse, cu_q, max_q)
-    dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
-        grad_out, q, k, v, out, padded, scale, is_causal=is_causal, causal_bottom_right=bottom_right,
-        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
-        is_deterministic=torch.are_deterministic_algorithms_enabled())
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dq, dk, dv = cudnn_ragged.backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, _token_bound(q.shape[0]),
+        _token_bound(k.shape[0]), scale, is_causal, bottom_right)
+    return dq, dk, dv
 
 
 def _sequence_probs(q, k, scale, is_causal):

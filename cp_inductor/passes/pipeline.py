@@ -131,9 +131,8 @@ HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass
 VARLEN_LOWERINGS = (uniform_thd, varlen_cudnn)
 
 
-def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot, cudagraphs: bool = False) -> list:
-    """The whole-graph passes on the graph Dynamo hands the backend (``cudagraphs``: the compile
-    captures CUDA graphs); returns the report's lines. Our errors keep the program's ops (and
+def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
+    """The whole-graph passes on the graph Dynamo hands the backend; returns the report's lines. Our errors keep the program's ops (and
     raise under ``strict``)."""
     try:
         calls, known = varlen_calls.find(gm.graph), varlen_calls.find_known(gm)
@@ -141,7 +140,6 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot, cudagraphs:
         internal_error(e, cfg)
         return []
     for call in calls:
-        call.cudagraphs = cudagraphs
         reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
         if reason is not None:
             call.reasons["varlen"] = reason

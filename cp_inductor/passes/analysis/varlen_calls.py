@@ -69,7 +69,6 @@ class VarlenCall:
     path: str = KEPT
     reasons: dict = field(default_factory=dict)  # rewrite -> why it did not take the call
     repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
-    cudagraphs: bool = False  # the compile captures CUDA graphs (mode="reduce-overhead")
     style: str = "local"  # "a2a": an all-to-all delivers its tokens (Ulysses over the pack)
 
     @property

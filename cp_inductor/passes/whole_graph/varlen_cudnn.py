@@ -41,10 +41,6 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
         return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {varlen_attention.MAX_HEAD_DIM})"
     if q.device.type == "cuda" and q.dtype not in varlen_attention.DTYPES:
         return f"dtype {q.dtype} (cuDNN takes float16 and bfloat16)"
-    if call.cudagraphs:
-        # Recorded by cudagraph trees, the frontend's ragged ops fail its pool check ("storage
-        # data ptrs are not allocated in pool"), even alone in a fresh process: not understood yet.
-        return "CUDA graphs (reduce-overhead): the cuDNN frontend's ragged op fails cudagraph trees' pool check"
     if q.device.type == "cuda" and (size := _size(q)) < cfg.varlen_cudnn_min_size:
         return (f"cost model: {size} tokens x query heads x head_dim is below varlen_cudnn_min_size="
                 f"{cfg.varlen_cudnn_min_size}, where cuDNN's ragged attention measured slower than flash-2 "
