@@ -2,6 +2,7 @@
 all-gather) registered as its attention function, the way users plug CP into HF models. Its
 q/k/v reach attention through HF's own projections, `view(B, S, -1, D)`, RoPE and transposes."""
 
+import pytest
 import torch
 import transformers
 from expecttest import TestCase
@@ -106,6 +107,22 @@ def test_allgather_llama_every_layer_found_and_training_step_matches_eager():
         assert r["regions"] == [("backward", "allgather"), ("forward", "allgather")], r
 
 
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
+def test_ring_llama_every_step_of_every_layer_found(cp):
+    """A hand-written ring registered in HF Llama, zigzag positions, fake process group: one ring
+    region per step of every layer's ring, in both graphs (strict: no error)."""
+    import collections
+
+    with fake_pg(cp), cp_inductor.config.patch(strict=True):
+        model = tiny_llama(attention="cp_ring")
+        ids = torch.randint(0, 64, (2, 8))
+        pos = torch.cat([torch.arange(4), torch.arange(4) + 4 * (2 * cp - 1)]).unsqueeze(0)  # rank 0's chunks
+        text = report_text(aot_graphs(lambda ids, pos: model(input_ids=ids, position_ids=pos, labels=ids).loss, ids, pos))
+    rows = collections.Counter(line.split(" applied=")[0] for line in text.splitlines())
+    assert rows == {f"forward ring cp={cp} bhsd": 2 * cp, f"backward ring cp={cp} bshd": 2 * cp}, text
+
+
+@pytest.mark.wide  # the ring's gloo numerics run in CI (test_ring.py), its Llama graphs above
 def test_ring_llama_training_step_matches_eager():
     """A hand-written ring registered in HF Llama (zigzag positions): a training step on gloo
     compiled with cp_inductor matches eager, and the ring is found in both graphs."""
