@@ -418,6 +418,42 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
 
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
+    """aten's flash forward called on a pack (cum_seq_q given), compiled with cp_inductor, runs
+    cuDNN's ragged attention: output and every gradient against fp32, no worse than the same
+    program in eager (aten's flash kernels)."""
+    import varlen_programs as vp
+
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+
+    def program(q, k, v):
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, causal, False)[0]
+
+    q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    grad = torch.randn_like(q)
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    want = vp.sequence_reference(*ref_in, cu, causal)
+    want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
+
+    def errors(fn):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        got = [out, *torch.autograd.grad(out, ins, grad)]
+        return [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+
+    eager = errors(program)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
+                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
+    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED], cp_inductor.report().varlen
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
+    torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 def test_varlen_cuda_graph_replays_with_new_lengths():
     """mode="reduce-overhead": cuDNN's ragged attention captured by cudagraph trees and replayed
     with other lengths (same document count and bound, new cu_seqlens values), then a pack with

@@ -3,6 +3,8 @@ on the graph Dynamo hands the backend, where it can, with the reason in the repo
 cannot. CPU: the op's per-sequence reference stands in for cuDNN (``reference_kernels``); the
 GPU tier runs cuDNN (tests/test_gpu_one.py)."""
 
+import functools
+
 import pytest
 import torch
 from expecttest import TestCase
@@ -73,6 +75,51 @@ add(getitem_3, sum_1)""")
         assert not routes[0].detail.endswith("dropped")
 
 
+def aten_flash_varlen(q, k, v, cu, m, causal=True, dropout=0.0):
+    """A direct call of aten's flash forward on a pack (nested-jagged SDPA's route): CUDA only in
+    eager, so on CPU only its rewritten graph runs."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, dropout, causal, False)[0]
+
+
+def rewritten_while_compiling(fn, *args, **cfg):
+    """The passes run inside the backend, which then runs the rewritten graph (the program's own
+    op may have no kernel here: unless a call moved, nothing runs and the output is None)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        with reference_kernels():
+            seen["routes"] = pipeline.run_dynamo_passes(gm, snapshot(cfg))
+        seen["gm"] = gm
+        if all(r.path == varlen_calls.KEPT for r in seen["routes"]):
+            return lambda *inputs: [None]
+        return gm.forward
+
+    torch._dynamo.reset()
+    with reference_kernels():
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return seen["gm"], seen["routes"], out
+
+
+class TestAtenFlashVarlen(TestCase):
+    def test_moves_onto_the_ragged_op(self):
+        q, k, v, cu, m = vp.pack([3, 7, 1], 4, 2, 16)
+        gm, routes, out = rewritten_while_compiling(aten_flash_varlen, q, k, v, cu, m)
+        self.assertExpectedInline(calls(gm), """varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, l_cu_, 7, 7, 0.25, True)""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
+varlen attention _flash_attention_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
+
+    def test_dropout_keeps_the_program_op(self):
+        _, (route,), _ = rewritten_while_compiling(functools.partial(aten_flash_varlen, dropout=0.1), *vp.pack([4, 4], 2, 2, 16))
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attention_forward: local, thd, lengths unknown, causal: kept: varlen: dropout 0.1""")
+
+    def test_the_dense_form_is_not_a_varlen_call(self):
+        q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+        _, routes, _ = rewritten_while_compiling(
+            lambda q, k, v: torch.ops.aten._flash_attention_forward(q, k, v, None, None, 8, 8, 0.0, True, False)[0], q, k, v)
+        assert routes == []
+
+
 class TestKnownOps(TestCase):
     def test_flash_attn_varlen_is_named_and_kept(self):
         made = vp.flash_attn_like_op()
@@ -122,16 +169,19 @@ class TestReasons(TestCase):
         self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
+@pytest.mark.parametrize("program", ["torchtitan", "aten_flash"])
 @pytest.mark.parametrize("causal,heads_kv,lengths", [(True, 2, [1, 9, 130, 5]), (False, 4, [64, 1, 31])])
-def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths):
+def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths, program):
     """cp_inductor on the reference kernels, against per-sequence fp64 SDPA: the output and
-    every gradient (GQA with the repeat dropped; a 1-token document; lengths off 128)."""
+    every gradient (GQA, with torchtitan's repeat dropped; a 1-token document; lengths off 128),
+    for varlen_attn and for aten's flash forward called on the pack."""
+    attention = vp.torchtitan_style if program == "torchtitan" else aten_flash_varlen
     q, k, v, cu, m = vp.pack(lengths, 4, heads_kv, 16, dtype=torch.float32, seed=len(lengths))
     inputs = [t.requires_grad_() for t in (q, k, v)]
     torch._dynamo.reset()
     cp_inductor.clear_report()
     with reference_kernels():
-        fn = torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, causal), backend="cp_inductor", fullgraph=True)
+        fn = torch.compile(lambda q, k, v: attention(q, k, v, cu, m, causal), backend="cp_inductor", fullgraph=True)
         out = fn(*inputs)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, inputs, grad)

@@ -3,6 +3,7 @@ arguments read by the op's schema names (which differ between torch versions: 2.
 ``enable_gqa`` and no paged-inference arguments), the checks every lowering of them shares, and
 the K/V head repeat a program makes only to feed them.
 
+The calls: ``torch_attn::_varlen_attn`` and aten's flash forward given ``cum_seq_q``.
 Used by the rewrites that lower them, in pipeline order: ``uniform_thd`` (equal lengths to dense
 SDPA), then ``varlen_cudnn`` (any lengths to cuDNN's ragged SDPA).
 """
@@ -32,10 +33,8 @@ class KnownVarlen:
     why_kept: str
 
 
-# To make another varlen op visible, add a row; to lower it, teach the lowerings its arguments.
+# To make another varlen op visible, add a row; to lower it, teach ``_normalized`` its arguments.
 KNOWN_VARLEN = (
-    KnownVarlen("aten::_flash_attention_forward", "cum_seq_q",
-                "aten's flash varlen op (nested tensors, direct calls): not lowered yet"),
     KnownVarlen("flash_attn::_flash_attn_varlen_forward", "cu_seqlens_q",
                 "flash-attn's varlen op, inside its own autograd.Function: not lowered yet"),
 )
@@ -48,13 +47,40 @@ def _qualname(target) -> str | None:
     return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
 
 
+# aten's flash-attention forward, called directly: varlen when cum_seq_q is given; its dense form
+# is left to the dense passes.
+ATEN_FLASH = "aten::_flash_attention_forward"
+
+
 def _varlen_ops() -> tuple:
+    ops = (torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_forward.default)
     try:
-        import torch.nn.attention.varlen  # noqa: F401 - defines torch_attn::_varlen_attn
+        from torch.nn.attention import varlen  # noqa: F401 - defines torch_attn::_varlen_attn
     except ImportError:
-        return ()
+        return ops
     packet = getattr(torch.ops.torch_attn, "_varlen_attn", None)
-    return () if packet is None else (packet, packet.default)
+    return ops if packet is None else (*ops, packet, packet.default)
+
+
+def _normalized(node: torch.fx.Node) -> dict | None:
+    """The call's arguments under ``torch_attn::_varlen_attn``'s schema names (aten's flash op
+    renamed; its dropout, ALiBi and debug-mask arguments kept for the checks), or None for a
+    dense call of aten's op."""
+    args = _bind(node)
+    if _qualname(node.target) != ATEN_FLASH:
+        return args
+    if args.get("cum_seq_q") is None:
+        return None
+    left, right = args.get("window_size_left"), args.get("window_size_right")
+    window = None if left in (None, -1) and right in (None, -1) else [-1 if left is None else left, -1 if right is None else right]
+    cu_k = args.get("cum_seq_k")
+    return {
+        "query": args["query"], "key": args["key"], "value": args["value"], "cu_seq_q": args["cum_seq_q"],
+        "cu_seq_k": args["cum_seq_q"] if cu_k is None else cu_k, "max_q": args["max_q"], "max_k": args["max_k"],
+        "is_causal": args["is_causal"], "scale": args.get("scale"), "window_size": window,
+        **{name: args.get(name) for name in ("seqused_k", "block_table", "num_splits", "alibi_slopes")},
+        "dropout_p": args.get("dropout_p", 0.0), "return_debug_mask": args.get("return_debug_mask", False),
+    }
 
 
 @dataclass
@@ -114,12 +140,15 @@ def _style(query: torch.fx.Node) -> str:
 
 
 def find(graph: torch.fx.Graph) -> list[VarlenCall]:
-    """The varlen calls of ``graph`` our lowerings take (``torch_attn::_varlen_attn``)."""
+    """The varlen calls of ``graph`` our lowerings take (``torch_attn::_varlen_attn``, aten's
+    flash forward with ``cum_seq_q``)."""
     ops = _varlen_ops()
     calls = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target in ops:
-            args = _bind(node)
+            args = _normalized(node)
+            if args is None:
+                continue
             causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
             style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
             calls.append(VarlenCall(node, node.name, args, causal, style=style))
@@ -154,6 +183,12 @@ def shared_reason(call: VarlenCall) -> str | None:
     for name in ("seqused_k", "block_table", "num_splits"):
         if a.get(name) is not None:
             return f"{name} is given (paged or split-KV inference)"
+    if a.get("dropout_p"):
+        return f"dropout {a['dropout_p']}"
+    if a.get("alibi_slopes") is not None:
+        return "ALiBi slopes are given"
+    if a.get("return_debug_mask"):
+        return "the program asks for the debug attention mask"
     users = {u.args[1] for u in call.node.users if u.target is operator.getitem}
     if users - {0} or len(users) != len(call.node.users):
         return "the program reads the log-sum-exp or the RNG state"

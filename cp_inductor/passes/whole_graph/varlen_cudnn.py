@@ -1,8 +1,8 @@
 """Packed-sequence (THD) attention onto cuDNN's ragged SDPA, on the graph Dynamo hands the backend.
 
 torchtitan's ``VarlenAttention`` and anyone calling ``torch.nn.attention.varlen.varlen_attn``
-reach ``torch_attn::_varlen_attn``, which runs flash-attention 2 and needs K/V heads repeated
-for GQA. cuDNN's ragged attention takes the same pack about 1.6x faster on H200, GQA as is
+reach ``torch_attn::_varlen_attn`` (others call ``aten._flash_attention_forward`` on the pack,
+taken the same way), which runs flash-attention 2 and needs K/V heads repeated for GQA. cuDNN's ragged attention takes the same pack about 1.6x faster on H200, GQA as is
 (``docs/rewrites/varlen_cudnn.md``)::
 
     k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
