@@ -14,6 +14,11 @@ many short ones), alternating over rounds in one process, fwd+bwd medians of:
 
 ``--varying-steps N``: N steps whose lengths and document counts change every step.
 
+``--block``: a torchtitan Llama block (dim 4096, SwiGLU 14336, rotary, varlen attention with K/V
+repeated) per pack, fwd+bwd over the input and every weight, arms ``eager``, ``inductor``,
+``cp_off``, ``cp_on``; next to it attention alone under default Inductor and cp_inductor, so the
+table says attention's share of the block's time and what the rewrite saves of the step.
+
 ``--ulysses`` (under ``torchrun``, NCCL) or ``--fake-rank R/CP`` (one rank's compute on
 PyTorch's fake group, whose collectives move nothing): Ulysses over the pack (DeepSpeed ALST's
 form, ``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
@@ -94,6 +99,93 @@ def arms_for(lengths, head_dim, causal=True):
         arms["cp_uniform"] = step(torch.compile(titan, backend="cp_inductor", fullgraph=True,
                                                 options={"cp_inductor.uniform_thd": "promised"}))
     return arms
+
+
+DIM, FFN = 4096, 14336  # Llama-3-8B's widths: Hq32 x D128 = 4096
+
+
+class TitanBlock(torch.nn.Module):
+    """torchtitan's Llama block on a pack (bf16): RMSNorm, q/k/v projections (Hq32 Hkv8), rotary
+    embedding, varlen attention with K/V repeated to the query heads, output projection, RMSNorm,
+    SwiGLU feed-forward; residuals around both."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = torch.nn.Linear(DIM, HQ * head_dim, bias=False)
+        self.wkv = torch.nn.Linear(DIM, 2 * HKV * head_dim, bias=False)
+        self.wo = torch.nn.Linear(HQ * head_dim, DIM, bias=False)
+        self.w13 = torch.nn.Linear(DIM, 2 * FFN, bias=False)
+        self.w2 = torch.nn.Linear(FFN, DIM, bias=False)
+        self.norms = torch.nn.ModuleList([torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)])
+
+    def rope(self, x, positions):
+        half = self.head_dim // 2
+        freq = positions[:, None].float() * (10000.0 ** (-torch.arange(half, device=x.device) / half))
+        cos, sin = freq.cos()[:, None, :].to(x.dtype), freq.sin()[:, None, :].to(x.dtype)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+    def forward(self, x, positions, cu, max_len):
+        h = self.norms[0](x)
+        q = self.wq(h).view(-1, HQ, self.head_dim)
+        k, v = self.wkv(h).view(-1, 2, HKV, self.head_dim).unbind(1)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        x = x + self.wo(vp.torchtitan_style(q, k, v, cu, max_len).flatten(1))
+        gate, up = self.w13(self.norms[1](x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+def block_arms_for(lengths, head_dim):
+    """``--block``: one TitanBlock step (fwd+bwd, weights and input) per arm."""
+    import cp_inductor  # noqa: F401 - registers the backend
+
+    torch.manual_seed(0)
+    block = TitanBlock(head_dim).to("cuda", torch.bfloat16)
+    _, _, _, cu, m = vp.pack(lengths, 1, 1, 8, device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+    x = torch.randn(sum(lengths), DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    params = [x, *block.parameters()]
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(x, positions, cu, m), params, grad)
+
+    torch._dynamo.reset()
+    return {
+        "eager": step(block),
+        "inductor": step(torch.compile(block, backend="inductor", fullgraph=True)),
+        "cp_off": step(torch.compile(block, backend="cp_inductor", fullgraph=True, options={"cp_inductor.varlen_cudnn": False})),
+        "cp_on": step(torch.compile(block, backend="cp_inductor", fullgraph=True)),
+    }
+
+
+def blocks(a) -> list[dict]:
+    """The block step per pack, next to attention alone in the same process: how much of the
+    block's time attention is, and what the rewrite saves of the whole step."""
+    names = ("eager", "inductor", "cp_off", "cp_on")
+    print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names)
+          + " | attention alone inductor/on | attention share | block on/inductor")
+    rows = []
+    for tokens in a.tokens:
+        for head_dim in a.head_dim:
+            for kind in a.kinds:
+                lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
+                attention, _ = measure_arms({n: f for n, f in arms_for(lengths, head_dim).items() if n in ("inductor", "cp_on")},
+                                            a.rounds, lambda fn: device_ms(fn, a.iters))
+                times, peaks = measure_arms(block_arms_for(lengths, head_dim), a.rounds, lambda fn: device_ms(fn, a.iters))
+                row = {"block": True, "tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
+                       **{f"{n}_ms": t for n, t in times.items()}, **{f"{n}_peak_gib": p for n, p in peaks.items()},
+                       "attention_inductor_ms": attention["inductor"], "attention_cp_on_ms": attention["cp_on"]}
+                row["attention_share"] = attention["inductor"] / times["inductor"]
+                row["on_vs_inductor"] = times["inductor"] / times["cp_on"]
+                rows.append(row)
+                print(f"{tokens:>6} {head_dim:>4} {kind:>8} | " + " ".join(f"{times[n]:9.2f}" for n in names)
+                      + f" | {attention['inductor']:.2f}/{attention['cp_on']:.2f} | {row['attention_share']:.2f}"
+                      f" | {row['on_vs_inductor']:.3f}x", flush=True)
+                write_rows(a.json, a, rows)
+    return rows
 
 
 def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
@@ -186,6 +278,7 @@ def main() -> int:
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
     ap.add_argument("--ulysses", action="store_true", help="Ulysses over the pack on NCCL (under torchrun)")
+    ap.add_argument("--block", action="store_true", help="a torchtitan block step per pack, next to attention alone")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
@@ -197,6 +290,9 @@ def main() -> int:
         return ulysses(a)
 
     print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
+    if a.block:
+        blocks(a)
+        return 0
     rows = []
     print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on")
