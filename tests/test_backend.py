@@ -14,12 +14,14 @@ from cp_inductor.parallel import ulysses_attention
 from helpers import fake_pg
 
 
-def test_found_by_name_without_import_and_apart_from_the_helpers():
-    """In a fresh process: torch finds the backend by name without an import, compiles with it,
-    and the backend and its passes loaded none of the helpers users and tests run
-    (``cp_inductor.testing``, ``cp_inductor.parallel``)."""
+def test_in_a_fresh_process_found_by_name_apart_from_the_helpers_and_forkable():
+    """In one fresh process: torch finds the backend by name without an import and compiles
+    with it; the backend and its passes loaded none of the helpers users and tests run
+    (``cp_inductor.testing``, ``cp_inductor.parallel``). Then the gloo fork server's warm-up
+    (``testing.rank_warmup``) builds Inductor's patterns and starts no thread: one alive at the
+    fork (tqdm's monitor, which building the patterns starts) would leave the ranks broken."""
     code = (
-        "import sys, torch\n"
+        "import os, sys, threading, torch\n"
         "assert 'cp_inductor' in torch._dynamo.list_backends()\n"
         "assert 'cp_inductor' not in sys.modules\n"
         "f = torch.compile(lambda x: x.sin() * 2, backend='cp_inductor')\n"
@@ -27,9 +29,19 @@ def test_found_by_name_without_import_and_apart_from_the_helpers():
         "torch.testing.assert_close(f(x), x.sin() * 2)\n"
         "import cp_inductor.backend, cp_inductor.passes.pipeline\n"
         "print(sorted(m for m in sys.modules if m.startswith(('cp_inductor.testing', 'cp_inductor.parallel'))))\n"
+        "torch._dynamo.reset()\n"
+        "from torch._inductor.fx_passes import joint_graph\n"
+        "joint_graph.lazy_init.cache_clear()\n"
+        "import tqdm\n"
+        "if tqdm.tqdm.monitor is not None:\n"  # the compile above started it: stop it, as in a fresh server
+        "    tqdm.tqdm.monitor.exit(); tqdm.tqdm.monitor.join(); tqdm.tqdm.monitor = None\n"
+        "tqdm.tqdm.monitor_interval = 10\n"
+        "before = (len(os.listdir('/proc/self/task')), threading.active_count())\n"
+        "import cp_inductor.testing.rank_warmup\n"
+        "print(before == (len(os.listdir('/proc/self/task')), threading.active_count()), joint_graph.lazy_init.cache_info().currsize)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True 1"], proc.stdout + proc.stderr
 
 
 def test_a_config_snapshot_is_read_only():

@@ -52,8 +52,8 @@ def _worker(rank, cp, port, fn, args, queue, backend):
 # process, not once per rank and launch (seconds each on a small machine). Those modules read
 # environment variables when imported, so the server serves only launches whose environment is
 # the one it started with; any other launch spawns its ranks afresh. The imports start no thread;
-# the last sets up what every rank's first compile would (``rank_warmup``: a rank's first compile
-# measured 3 s without it, 1 s with it; a 2-rank launch of two tiny compiles 3.9 s against 1.5 s).
+# the last sets up what every rank's first compile would (``rank_warmup``: a 2-rank launch of two
+# tiny compiles measured 3.9 s without it, 1.5 s with it).
 # NCCL launches (GPU machines, where the imports are cheap next to the run) always spawn: no
 # forked rank inherits anything a CUDA-aware import might have set up.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "cp_inductor",
