@@ -378,6 +378,24 @@ def _varlen_missing():
     return torch.cuda.is_available() and unavailable(torch.device("cuda")) is not None
 
 
+def _errors_against_fp32(q, k, v, cu, causal, grad):
+    """``errors(fn)``: the relative errors of ``fn(q, k, v)``'s output and of every gradient
+    (output gradient ``grad``) against the fp32 per-sequence reference of the pack."""
+    import varlen_programs as vp
+
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    want = vp.sequence_reference(*ref_in, cu, causal)
+    want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
+
+    def errors(fn):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        got = [out, *torch.autograd.grad(out, ins, grad)]
+        return [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+
+    return errors
+
+
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 @pytest.mark.parametrize("causal", [True, False])
@@ -393,15 +411,7 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
     lengths = [1, 300, 77, 1024, 1, 129]
     q, k, v, cu, m = vp.pack(lengths, 8, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=head_dim)
     grad = torch.randn(q.shape[:2] + v.shape[2:], device="cuda", dtype=torch.bfloat16)
-    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-    want = vp.sequence_reference(*ref_in, cu, causal)
-    want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
-
-    def errors(fn):
-        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*ins)
-        got = [out, *torch.autograd.grad(out, ins, grad)]
-        return [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
 
     flash = errors(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, causal))
     torch._dynamo.reset()
@@ -432,15 +442,7 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
 
     q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=3)
     grad = torch.randn_like(q)
-    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-    want = vp.sequence_reference(*ref_in, cu, causal)
-    want = [want, *torch.autograd.grad(want, ref_in, grad.double())]
-
-    def errors(fn):
-        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*ins)
-        got = [out, *torch.autograd.grad(out, ins, grad)]
-        return [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
+    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
 
     eager = errors(program)
     torch._dynamo.reset()

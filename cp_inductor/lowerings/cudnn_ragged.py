@@ -19,11 +19,11 @@ faster reading it padded per sequence, so it is re-padded on device first. Measu
 ``benchmarks/results/h200_ragged_op_2026-12-01.json``):
 
     T, D, lengths         forward: ours / frontend op   backward: ragged / padded / frontend op
-    32K 128 random               2.84 / 2.87                     8.43 / 8.22 / 8.41
-    32K 128 one long + 64        4.08 / 4.19                    12.53 / 14.23 / 13.93
-    64K 128 random              15.57 / 15.94                   45.49 / 44.38 / 44.69
-    32K 256 random               8.49 / 9.58                    45.72 / 41.26 / 41.59
-    32K 256 8 x 4K               3.63 / 3.91                    19.22 / 16.86 / 17.22
+    32K 128 random               2.91 / 3.02                     8.45 / 8.65 / 8.71
+    32K 128 one long + 64        4.22 / 4.42                    12.15 / 14.42 / 14.16
+    64K 128 random              15.94 / 15.96                   45.57 / 44.47 / 44.46
+    32K 256 random               9.70 / 9.84                    46.01 / 41.83 / 41.80
+    32K 256 8 x 4K               3.54 / 4.24                    19.15 / 17.21 / 17.33
 
 Graphs are built on a helper thread (``outside_graph_pool``): built inside cudagraph trees'
 warm-up run, the forward's log-sum-exp was then missing from the graphs' pool at the

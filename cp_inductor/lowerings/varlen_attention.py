@@ -45,7 +45,7 @@ def reference_kernels():
 
 
 @functools.cache
-def _frontend_unavailable() -> str | None:
+def _cuda_unavailable() -> str | None:
     from .cudnn_backward import unavailable as graph_api_unavailable  # CUDA, the frontend, its graph API
 
     reason = graph_api_unavailable()
@@ -61,7 +61,7 @@ def _frontend_unavailable() -> str | None:
 def unavailable(device: torch.device) -> str | None:
     """Why this op cannot run on ``device`` in this process, or None."""
     if device.type == "cuda":
-        return _frontend_unavailable()
+        return _cuda_unavailable()
     if device.type == "cpu" and _cpu_reference:
         return None
     return f"{device.type}: only CUDA runs cuDNN's ragged attention"
