@@ -120,15 +120,76 @@ varlen attention _flash_attention_forward: local, thd, lengths unknown, causal: 
         assert routes == []
 
 
-class TestKnownOps(TestCase):
-    def test_flash_attn_varlen_is_named_and_kept(self):
-        made = vp.flash_attn_like_op()
-        if made is None:
-            pytest.skip("flash-attn itself defines flash_attn::_flash_attn_varlen_forward here")
-        _, func = made
+class TestFlashAttn(TestCase):
+    """flash-attn's ``flash_attn_varlen_func`` (its ops registered here under flash-attn's
+    schemas: CI has no flash-attn) moves onto the ragged op, autograd.Function and all."""
+
+    def setUp(self):
+        if vp.flash_attn_like() is None:
+            pytest.skip("flash-attn itself defines its ops here")
+
+    def test_the_autograd_function_moves_onto_the_ragged_op(self):
+        q, k, v, cu, m = vp.pack([3, 7, 1], 4, 2, 16)
+        gm, routes, out = rewritten_while_compiling(vp.flash_attn_style, q.requires_grad_(), k, v, cu, m)
+        # Dynamo's autograd_function_apply and the Function's forward / backward subgraphs are gone
+        self.assertExpectedInline(calls(gm), """\
+clone(l_cu_)
+varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, arg, 7, 7, 0.25, True)""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
+varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        assert not [name for name, _ in gm.named_children()]
+        assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
+
+    def test_without_grad_the_op_called_directly_moves(self):
+        """No grad: Dynamo inlines the Function's forward, so the op is called directly."""
+        q, k, v, cu, m = vp.pack([3, 7, 1], 4, 2, 16)
+        gm, (route,), _ = rewritten_while_compiling(vp.flash_attn_style, q, k, v, cu, m)
+        self.assertExpectedInline(calls(gm), """\
+clone(l_cu_)
+varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+
+    def test_a_later_release_s_namespace_too(self):
+        if vp.flash_attn_like("flashattn") is None:  # registered before compiling
+            pytest.skip("flash-attn itself defines its ops here")
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
-        gm = dynamo_graph(lambda q, k, v: func.apply(q, k, v, cu, m, True), q.requires_grad_(), k, v)
-        self.assertExpectedInline("\n".join(r.line() for r in pipeline.run_dynamo_passes(gm, snapshot())), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: flash-attn's varlen op, inside its own autograd.Function: not lowered yet""")
+        _, (route,), _ = rewritten_while_compiling(functools.partial(vp.flash_attn_style, namespace="flashattn"),
+                                                   q.requires_grad_(), k, v, cu, m)
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+
+    def test_head_dim_padding_keeps_the_function(self):
+        q, k, v, cu, m = vp.pack([4, 4], 2, 2, 12)
+        _, (route,), _ = rewritten_while_compiling(vp.flash_attn_style, q.requires_grad_(), k, v, cu, m)
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: the autograd.Function's forward also runs pad (flash-attn pads a head_dim off 8)""")
+
+    def test_softcap_keeps_the_function(self):
+        def softcapped(q, k, v, cu, m):
+            return flash_attn_varlen_func(q, k, v, cu, cu.clone(), m, m, causal=True, softcap=30.0)
+
+        flash_attn_varlen_func = vp.flash_attn_like()
+
+        q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
+        _, (route,), _ = rewritten_while_compiling(softcapped, q.requires_grad_(), k, v, cu, m)
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: softcap 30.0""")
+
+    def test_a_function_with_another_backward_is_kept(self):
+        """A Function whose forward is flash-attn's but whose backward is its own (a straight-
+        through trick, say) is not attention's gradient: ours cannot stand in for it."""
+        ops = torch.ops.flash_attn
+
+        class StraightThrough(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, cu_q, cu_k, m):
+                return ops._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, m, m, 0.0, 0.25, True)[0]
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad, None, None, None, None, None
+
+        q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
+        gm = dynamo_graph(lambda q, k, v: StraightThrough.apply(q, k, v, cu, cu.clone(), m), q.requires_grad_(), k, v)
+        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: the autograd.Function's backward does not call flash_attn::_flash_attn_varlen_backward""")
 
 
 class TestReasons(TestCase):
@@ -169,13 +230,16 @@ class TestReasons(TestCase):
         self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
-@pytest.mark.parametrize("program", ["torchtitan", "aten_flash"])
+PROGRAMS = {"torchtitan": vp.torchtitan_style, "aten_flash": aten_flash_varlen, "flash_attn": vp.flash_attn_style}
+
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
 @pytest.mark.parametrize("causal,heads_kv,lengths", [(True, 2, [1, 9, 130, 5]), (False, 4, [64, 1, 31])])
 def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths, program):
     """cp_inductor on the reference kernels, against per-sequence fp64 SDPA: the output and
     every gradient (GQA, with torchtitan's repeat dropped; a 1-token document; lengths off 128),
-    for varlen_attn and for aten's flash forward called on the pack."""
-    attention = vp.torchtitan_style if program == "torchtitan" else aten_flash_varlen
+    for varlen_attn, aten's flash forward called on the pack and flash-attn's Function."""
+    attention = PROGRAMS[program]
     q, k, v, cu, m = vp.pack(lengths, 4, heads_kv, 16, dtype=torch.float32, seed=len(lengths))
     inputs = [t.requires_grad_() for t in (q, k, v)]
     torch._dynamo.reset()

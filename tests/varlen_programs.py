@@ -82,52 +82,112 @@ def sequence_reference(q, k, v, cu, causal):
     return torch.cat(outs)
 
 
-@functools.cache
-def flash_attn_like_op():
-    """``flash_attn::_flash_attn_varlen_forward`` under flash-attn's schema (CI has no
-    flash-attn), on the per-sequence reference, and a caller wrapping it in an autograd.Function
-    as ``flash_attn_varlen_func`` does. None where flash-attn itself defines the op."""
-    if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_varlen_forward"):
-        return None
-    lib = torch.library.Library("flash_attn", "FRAGMENT")
-    lib.define(
-        "_flash_attn_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
-        "SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
-        "bool return_softmax=False, Tensor? block_table=None, Tensor? leftpad_k=None, Tensor? seqused_k=None, "
-        "bool zero_tensors=False) -> (Tensor, Tensor, Tensor, Tensor)")
+FLASH_ATTN_FORWARD = (
+    "_flash_attn_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
+    "SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+    "bool return_softmax=False, Tensor? block_table=None, Tensor? leftpad_k=None, Tensor? seqused_k=None, "
+    "bool zero_tensors=False) -> (Tensor, Tensor, Tensor, Tensor)")
+FLASH_ATTN_BACKWARD = (
+    "_flash_attn_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+    "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, SymInt window_size_left, "
+    "SymInt window_size_right, float softcap, Tensor? alibi_slopes, bool deterministic, Tensor? rng_state=None, "
+    "bool zero_tensors=False) -> Tensor")
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
+
+_flash_attn_made: dict = {}
+
+
+def flash_attn_like(namespace: str = "flash_attn"):
+    """flash-attn's varlen attention as CI can have it (no flash-attn there): its two custom ops
+    under flash-attn's schemas in ``namespace`` (``flash_attn`` in the 2.7/2.8 wheels,
+    ``flashattn`` later), and ``flash_attn_varlen_func`` around them in an autograd.Function
+    shaped as flash-attn's own (head_dim padded to a multiple of 8, the backward op writing dq,
+    dk and dv in place). The kernels: the per-sequence reference on CPU, aten's flash-2 on CUDA.
+    None where flash-attn itself defines the ops. Call it before compiling: it registers ops."""
+    if namespace in _flash_attn_made:
+        return _flash_attn_made[namespace]
+    if hasattr(getattr(torch.ops, namespace), "_flash_attn_varlen_forward"):
+        return None
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(FLASH_ATTN_FORWARD)
+    lib.define(FLASH_ATTN_BACKWARD)
+
+    def forward_cpu(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
         out, lse = reference(q, k, v, cu_q, cu_k, scale, causal)
         return out, lse.transpose(0, 1).contiguous(), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
-    def fake(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
+    def backward_cpu(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args, **kwargs):
+        for into, grad in zip((dq, dk, dv), reference_backward(dout, q, k, v, cu_q, cu_k, scale, causal)):
+            into.copy_(grad)
+        return lse.new_empty(lse.shape)
+
+    def forward_cuda(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args):
+        out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                                                                       False, scale=scale)
+        return out, lse, q.new_empty(0), rng
+
+    def backward_cuda(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args, **kwargs):
+        rng = kwargs.get("rng_state", args[5] if len(args) > 5 else None)
+        grads = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p,
+                                                         causal, rng, rng.new_empty(0), scale=scale)
+        for into, grad in zip((dq, dk, dv), grads):
+            into.copy_(grad)
+        return lse.new_empty(lse.shape)
+
+    def forward_fake(q, k, v, cu_q, cu_k, *args):
         return (torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32), q.new_empty(0),
                 q.new_empty(2, dtype=torch.int64))
 
-    lib.impl("_flash_attn_varlen_forward", forward, "CPU")
-    torch.library.register_fake("flash_attn::_flash_attn_varlen_forward", fake, lib=lib)
-    # the backward as an op too (as flash-attn has it): Dynamo then traces no host reads
-    lib.define("_test_varlen_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor cu, bool causal) -> (Tensor, Tensor, Tensor)")
-    lib.impl("_test_varlen_backward", lambda g, q, k, v, cu, causal: reference_backward(g, q, k, v, cu, cu, q.shape[-1] ** -0.5, causal), "CPU")
-    torch.library.register_fake("flash_attn::_test_varlen_backward",
-                                lambda g, q, k, v, cu, causal: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), lib=lib)
+    for name, cpu, cuda in (("_flash_attn_varlen_forward", forward_cpu, forward_cuda),
+                            ("_flash_attn_varlen_backward", backward_cpu, backward_cuda)):
+        lib.impl(name, cpu, "CPU")
+        lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"{namespace}::_flash_attn_varlen_forward", forward_fake, lib=lib)
+    torch.library.register_fake(f"{namespace}::_flash_attn_varlen_backward",
+                                lambda dout, q, k, v, out, lse, *args, **kwargs: lse.new_empty(lse.shape), lib=lib)
+    ops = getattr(torch.ops, namespace)
 
-    class VarlenFunc(torch.autograd.Function):
+    class FlashAttnVarlenFunc(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, cu, max_len, causal):
-            out, lse, _, _ = torch.ops.flash_attn._flash_attn_varlen_forward(
-                q, k, v, cu, cu, max_len, max_len, 0.0, q.shape[-1] ** -0.5, causal)
-            ctx.save_for_backward(q, k, v, cu)
-            ctx.causal = causal
-            return out
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window_size, softcap):
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            head_dim = q.shape[-1]
+            if head_dim % 8:
+                q, k, v = (F.pad(t, [0, 8 - head_dim % 8]) for t in (q, k, v))
+            out_padded, lse, _, rng = ops._flash_attn_varlen_forward(
+                q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal=causal, window_size_left=window_size[0],
+                window_size_right=window_size[1], softcap=softcap)
+            ctx.save_for_backward(q, k, v, out_padded, lse, cu_q, cu_k, rng)
+            ctx.args = (max_q, max_k, dropout_p, scale, causal, *window_size, softcap)
+            return out_padded[..., :head_dim]
 
         @staticmethod
-        def backward(ctx, grad):
-            q, k, v, cu = ctx.saved_tensors
-            return (*torch.ops.flash_attn._test_varlen_backward(grad, q, k, v, cu, ctx.causal), None, None, None)
+        def backward(ctx, dout):
+            q, k, v, out, lse, cu_q, cu_k, rng = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            ops._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *ctx.args, None, False,
+                                            rng_state=rng)
+            head_dim = dout.shape[-1]
+            return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], *([None] * 9)
 
-    return lib, VarlenFunc
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+        return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                         softmax_scale, causal, window_size, softcap)
+
+    flash_attn_varlen_func.lib = lib  # the registrations live as long as the function
+    _flash_attn_made[namespace] = flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def flash_attn_style(q, k, v, cu, max_len, causal=True, namespace="flash_attn"):
+    """A program calling flash-attn's ``flash_attn_varlen_func`` on the pack, GQA as is. ``cu``
+    goes in as a copy for the keys: torch 2.13's Dynamo breaks the graph where one tensor fills
+    two inputs of an autograd.Function (torch 2.11's does not). ``flash_attn_like(namespace)``
+    must have run before compiling."""
+    return _flash_attn_made[namespace](q, k, v, cu, cu.clone(), max_len, max_len, causal=causal)
 
 
 def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None):

@@ -135,11 +135,13 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     """The whole-graph passes on the graph Dynamo hands the backend; returns the report's lines. Our errors keep the program's ops (and
     raise under ``strict``)."""
     try:
-        calls, known = varlen_calls.find(gm.graph), varlen_calls.find_known(gm)
+        calls = varlen_calls.find(gm)
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
         internal_error(e, cfg)
         return []
     for call in calls:
+        if call.reasons:  # kept on reading it (flash-attn's Function in a form we do not take)
+            continue
         reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
         if reason is not None:
             call.reasons["varlen"] = reason
@@ -154,7 +156,8 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     if any(c.path != varlen_calls.KEPT for c in calls):
         gm.graph.lint()
         gm.recompile()
-    return [c.route() for c in calls + known]
+        gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
+    return [c.route() for c in calls]
 
 
 def _apply_or_undo(gm: torch.fx.GraphModule, lowering, call, cfg) -> str | None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .op_schema import qualname
+
 c10d = torch.ops._c10d_functional
 
 
@@ -48,12 +50,6 @@ class Collective:
     opaque: str | None  # why our rewrites cannot replace it, or None
 
 
-def _qualname(target) -> str | None:
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    return None
-
-
 def collective_at(node) -> Collective | None:
     """The all-to-all whose received tensor ``node`` is (a wait, or a known op), or None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
@@ -64,7 +60,7 @@ def collective_at(node) -> Collective | None:
             inp, out_splits, in_splits, group = src.args[:4]
             return Collective(src, node, inp, group, (out_splits, in_splits), None)
         return None
-    known = _BY_NAME.get(_qualname(node.target))
+    known = _BY_NAME.get(qualname(node.target))
     if known is None:
         return None
     return Collective(
@@ -80,6 +76,6 @@ def collective_of(node) -> Collective | None:
     if node.target is c10d.all_to_all_single.default:
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         return collective_at(waits[0]) if len(waits) == 1 else None
-    if _qualname(node.target) in _BY_NAME:
+    if qualname(node.target) in _BY_NAME:
         return collective_at(node)
     return None

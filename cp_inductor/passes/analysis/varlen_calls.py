@@ -3,7 +3,9 @@ arguments read by the op's schema names (which differ between torch versions: 2.
 ``enable_gqa`` and no paged-inference arguments), the checks every lowering of them shares, and
 the K/V head repeat a program makes only to feed them.
 
-The calls: ``torch_attn::_varlen_attn`` and aten's flash forward given ``cum_seq_q``.
+The calls: ``torch_attn::_varlen_attn``, aten's flash forward given ``cum_seq_q``, and
+flash-attn's varlen op inside its autograd.Function (``flash_attn_calls``), all read under
+``torch_attn::_varlen_attn``'s argument names.
 Used by the rewrites that lower them, in pipeline order: ``uniform_thd`` (equal lengths to dense
 SDPA), then ``varlen_cudnn`` (any lengths to cuDNN's ragged SDPA).
 """
@@ -18,34 +20,12 @@ import torch.fx
 
 from ...lowerings import varlen_attention
 from ...reporting import VarlenRoute
+from . import flash_attn_calls
 from .collectives import KNOWN_ALL_TO_ALLS
 from .graph_walk import Walk
+from .op_schema import bind, qualname
 
 KEPT = "kept"
-
-
-@dataclass(frozen=True)
-class KnownVarlen:
-    """A varlen attention op the report names though no lowering takes it yet, and why."""
-
-    qualname: str  # "namespace::name"
-    cum_seq_arg: str  # the argument that is None when the op is not varlen
-    why_kept: str
-
-
-# To make another varlen op visible, add a row; to lower it, teach ``_normalized`` its arguments.
-KNOWN_VARLEN = (
-    KnownVarlen("flash_attn::_flash_attn_varlen_forward", "cu_seqlens_q",
-                "flash-attn's varlen op, inside its own autograd.Function: not lowered yet"),
-)
-_KNOWN = {k.qualname: k for k in KNOWN_VARLEN}
-
-
-def _qualname(target) -> str | None:
-    if isinstance(target, torch._ops.OpOverloadPacket):  # not every packet has a default overload
-        return target._qualified_op_name
-    return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
-
 
 # aten's flash-attention forward, called directly: varlen when cum_seq_q is given; its dense form
 # is left to the dense passes.
@@ -67,7 +47,7 @@ def _normalized(node: torch.fx.Node) -> dict | None:
     renamed; its dropout, ALiBi and debug-mask arguments kept for the checks), or None for a
     dense call of aten's op."""
     args = _bind(node)
-    if _qualname(node.target) != ATEN_FLASH:
+    if qualname(node.target) != ATEN_FLASH:
         return args
     if args.get("cum_seq_q") is None:
         return None
@@ -110,11 +90,7 @@ class VarlenCall:
 
 
 def _bind(node: torch.fx.Node) -> dict:
-    target = node.target if isinstance(node.target, torch._ops.OpOverload) else node.target.default
-    arguments = target._schema.arguments
-    bound = {a.name: a.default_value for a in arguments if a.has_default_value()}
-    bound.update(zip((a.name for a in arguments), node.args))
-    bound.update(node.kwargs)
+    bound = bind(node)
     if "cu_seq_q" in bound and bound.get("cu_seq_k") is None:
         bound["cu_seq_k"] = bound["cu_seq_q"]
     return bound
@@ -133,44 +109,33 @@ def _style(query: torch.fx.Node) -> str:
     """"a2a" when an all-to-all delivers the query within a few ops (the post-grad detector then
     proves the region, or says why not), else "local": the report's first word on the call."""
     def is_all_to_all(n):
-        return n.op == "call_function" and _qualname(n.target) in _ALL_TO_ALLS
+        return n.op == "call_function" and qualname(n.target) in _ALL_TO_ALLS
 
     above = Walk([query], lambda n: () if is_all_to_all(n) else n.all_input_nodes, limit=_NEAR)
     return "a2a" if any(is_all_to_all(n) for n in above) else "local"
 
 
-def find(graph: torch.fx.Graph) -> list[VarlenCall]:
-    """The varlen calls of ``graph`` our lowerings take (``torch_attn::_varlen_attn``, aten's
-    flash forward with ``cum_seq_q``)."""
+def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
+    """The varlen calls of ``gm``: ``torch_attn::_varlen_attn``, aten's flash forward with
+    ``cum_seq_q``, and flash-attn's varlen op (in its autograd.Function or called directly;
+    one the lowerings cannot take is kept with its reason)."""
     ops = _varlen_ops()
     calls = []
-    for node in graph.nodes:
+    for node in gm.graph.nodes:
+        name, reasons = node.name, {}
         if node.op == "call_function" and node.target in ops:
             args = _normalized(node)
+        elif (flash := flash_attn_calls.read_function(gm, node)) is not None:
+            name, args = flash.name, flash.args
             if args is None:
-                continue
-            causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
-            style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
-            calls.append(VarlenCall(node, node.name, args, causal, style=style))
-    return calls
-
-
-def find_known(gm: torch.fx.GraphModule) -> list[VarlenCall]:
-    """The other varlen calls (``KNOWN_VARLEN``) of ``gm`` and of the subgraphs it calls (an
-    autograd.Function's body, which Dynamo keeps as a subgraph), each kept with its reason."""
-    calls = []
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
+                args, reasons = {"is_causal": flash.is_causal}, {"varlen": flash.why_kept}
+        else:
             continue
-        for node in module.graph.nodes:
-            known = _KNOWN.get(_qualname(node.target)) if node.op == "call_function" else None
-            if known is None:
-                continue
-            args = _bind(node)
-            if args.get(known.cum_seq_arg) is None:  # the dense form of the same op
-                continue
-            causal = bool(args.get("causal", args.get("is_causal", False)))
-            calls.append(VarlenCall(node, node.name, args, causal, reasons={"varlen": known.why_kept}))
+        if args is None:
+            continue
+        causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
+        style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
+        calls.append(VarlenCall(node, name, args, causal, reasons=reasons, style=style))
     return calls
 
 
@@ -180,9 +145,11 @@ def shared_reason(call: VarlenCall) -> str | None:
     window = list(a.get("window_size") or [-1, -1])
     if window not in ([-1, -1], [-1, 0]):
         return f"sliding window {window} (only none or causal)"
-    for name in ("seqused_k", "block_table", "num_splits"):
+    for name in ("seqused_k", "block_table", "num_splits", "leftpad_k"):
         if a.get(name) is not None:
             return f"{name} is given (paged or split-KV inference)"
+    if a.get("softcap"):
+        return f"softcap {a['softcap']}"
     if a.get("dropout_p"):
         return f"dropout {a['dropout_p']}"
     if a.get("alibi_slopes") is not None:
@@ -237,7 +204,11 @@ def replace(gm: torch.fx.GraphModule, call: VarlenCall, build, path: str) -> Non
     for user in list(call.node.users):  # getitem 0: the output
         user.replace_all_uses_with(out)
         gm.graph.erase_node(user)
+    bodies = [a for a in call.node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
     gm.graph.erase_node(call.node)
+    for body in bodies:  # an autograd.Function's forward and backward subgraphs
+        if not body.users:
+            gm.graph.erase_node(body)
     call.repeat_dropped = k is not call.args["key"]
     for dead in ((call.args["key"], call.args["value"]) if call.repeat_dropped else ()):
         if not dead.users:
