@@ -2,8 +2,9 @@
 
     python benchmarks/bench_thd.py --json out.json [--tokens 32768 65536] [--head-dim 128 256]
 
-Per pack (T tokens, Hq32 Hkv8, bf16, causal; lengths equal, random, or one long document among
-many short ones), alternating over rounds in one process, fwd+bwd medians of:
+Per pack (T tokens, Hq32 Hkv8, bf16, causal or, with ``--masks full``, not; lengths equal,
+random, or one long document among many short ones), alternating over rounds in one process,
+fwd+bwd medians of:
 
 - ``eager``: torchtitan's form, K/V repeated to the query heads, ``varlen_attn`` (flash-2);
 - ``inductor``: the same compiled with default Inductor;
@@ -12,7 +13,8 @@ many short ones), alternating over rounds in one process, fwd+bwd medians of:
 - ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN;
 - ``cp_uniform`` (equal lengths): cp_inductor with ``uniform_thd="promised"`` (dense SDPA).
 
-``--varying-steps N``: N steps whose lengths and document counts change every step.
+``--varying-steps N``: N steps whose lengths and document counts change every step (``--kinds``
+with no kind: only those).
 
 ``--block``: a torchtitan Llama block (dim 4096, SwiGLU 14336, rotary, varlen attention with K/V
 repeated) per pack, fwd+bwd over the input and every weight, arms ``eager``, ``inductor``,
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
 import sys
 
 import torch
@@ -165,7 +168,7 @@ def blocks(a) -> list[dict]:
     block's time attention is, and what the rewrite saves of the whole step."""
     names = ("eager", "inductor", "cp_off", "cp_on")
     print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names)
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
           + " | attention alone inductor/on | attention share | block on/inductor")
     rows = []
     for tokens in a.tokens:
@@ -230,11 +233,14 @@ def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
 
 
 def varying(tokens: int, head_dim: int, steps: int, iters: int) -> list[dict]:
-    """Lengths (and document counts, 6-12) new at every step, compiled once per backend: the last
-    third of the steps against one of them repeated at fixed lengths, with Dynamo's graph count
-    and the cuDNN graphs the frontend built in that third (bucketing keeps them few)."""
-    from cudnn.sdpa.fwd import torch_op
+    """Lengths (and document counts, 6-12) new at every step, compiled once per backend. The last
+    third of the steps, each timed once as it comes, against the same packs each timed again
+    (``iters`` runs) once every graph is built: what changing lengths cost beyond the packs' own
+    work. With Dynamo's graph count and the cuDNN graphs built in that third, on the step's path
+    ("waited") and in the background."""
     from torch._dynamo.utils import counters
+
+    from cp_inductor.lowerings import cudnn_ragged
 
     rng = random.Random(tokens)
     packs = [vp.pack(lengths_for("random", tokens, seed=i, docs=rng.randint(6, 12)), HQ, HKV, head_dim,
@@ -251,19 +257,25 @@ def varying(tokens: int, head_dim: int, steps: int, iters: int) -> list[dict]:
             ins = [t.requires_grad_() for t in (q, k, v)]
             return torch.autograd.grad(fn(*ins, cu, m), ins, grad)
 
-        warm = 2 * steps // 3  # Dynamo makes the lengths dynamic, the buckets fill
+        warm = 2 * steps // 3  # Dynamo makes the lengths dynamic, the first graphs get built
         for pack in packs[:warm]:
             step(pack)
-        graphs_before = len(torch_op._graph_cache)
-        per_step = [device_ms(lambda p=p: step(p), 1, warmup=0) for p in packs[warm:]]
-        fixed = device_ms(lambda: step(packs[warm]), iters)
-        row = {"tokens": tokens, "head_dim": head_dim, "backend": backend, "varying_ms": statistics.median(per_step),
-               "fixed_ms": fixed, "dynamo_graphs": counters["stats"]["unique_graphs"],
-               "frontend_graphs_built_in_steady_state": len(torch_op._graph_cache) - graphs_before}
-        row["varying_vs_fixed"] = row["varying_ms"] / fixed
-        print(f"varying lengths T{tokens} D{head_dim} {backend}: {row['varying_ms']:.2f} ms per step, fixed "
-              f"{fixed:.2f} ms ({row['varying_vs_fixed']:.3f}), Dynamo graphs {row['dynamo_graphs']}, cuDNN graphs "
-              f"built in steady state {row['frontend_graphs_built_in_steady_state']}", flush=True)
+        before = dict(cudnn_ragged.builds)
+        as_they_come = [device_ms(lambda p=p: step(p), 1, warmup=0) for p in packs[warm:]]
+        built = {k: cudnn_ragged.builds[k] - before[k] for k in before}
+        while cudnn_ragged._pending:
+            time.sleep(0.01)
+        again = [device_ms(lambda p=p: step(p), iters, warmup=1) for p in packs[warm:]]
+        row = {"tokens": tokens, "head_dim": head_dim, "backend": backend, "steps_timed": len(again),
+               "varying_ms": statistics.median(as_they_come), "fixed_ms": statistics.median(again),
+               "varying_vs_fixed": sum(as_they_come) / sum(again), "slowest_step_ms": max(as_they_come),
+               "dynamo_graphs": counters["stats"]["unique_graphs"],
+               "cudnn_graphs_waited_in_steady_state": built["waited"],
+               "cudnn_graphs_built_in_background_in_steady_state": built["background"]}
+        print(f"varying lengths T{tokens} D{head_dim} {backend}: median {row['varying_ms']:.2f} ms per step, the same "
+              f"packs again {row['fixed_ms']:.2f} ms (total {row['varying_vs_fixed']:.3f}x, slowest step "
+              f"{row['slowest_step_ms']:.2f} ms), Dynamo graphs {row['dynamo_graphs']}, cuDNN graphs in steady state: "
+              f"{built['waited']} waited for, {built['background']} in the background", flush=True)
         rows.append(row)
     return rows
 
@@ -272,10 +284,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
     ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--kinds", nargs="+", default=["equal", "random", "one_long"])
+    ap.add_argument("--kinds", nargs="*", default=["equal", "random", "one_long"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
+    ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"],
+                    help="causal, and/or full (no mask) attention")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
     ap.add_argument("--ulysses", action="store_true", help="Ulysses over the pack on NCCL (under torchrun)")
     ap.add_argument("--block", action="store_true", help="a torchtitan block step per pack, next to attention alone")
@@ -294,21 +308,22 @@ def main() -> int:
         blocks(a)
         return 0
     rows = []
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
-            for kind in a.kinds:
+            for kind, mask in ((k, m) for k in a.kinds for m in a.masks):
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                times, peaks = measure_arms(arms_for(lengths, head_dim), a.rounds, lambda fn: device_ms(fn, a.iters))
-                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
+                times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal"), a.rounds,
+                                            lambda fn: device_ms(fn, a.iters))
+                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "mask": mask, "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
                 cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
-                print(f"{tokens:>6} {head_dim:>4} {kind:>8} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
+                print(f"{tokens:>6} {head_dim:>4} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
                       f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
                 write_rows(a.json, a, rows)
     if a.varying_steps:

@@ -286,7 +286,7 @@ def test_frontend_backward_op_matches_fp32(executor, monkeypatch):
     import cp_inductor.lowerings.cudnn_graph as cg
 
     if executor == "public_execute":
-        monkeypatch.setattr(cg, "raw_executor", lambda graph, handle: (None, None))
+        monkeypatch.setattr(cg, "raw_executor", lambda graph: None)
     monkeypatch.setattr(cb, "_plans", {})
     aten = torch.ops.aten
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -452,6 +452,83 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
     assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED], cp_inductor.report().varlen
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
     torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal):
+    """flash-attn's ``flash_attn_varlen_func`` (its ops under flash-attn's schemas, on aten's
+    flash-2 kernels: flash-attn is not on the GPU machine), GQA as is, compiled with cp_inductor:
+    the autograd.Function moves onto cuDNN's ragged attention; output and every gradient against
+    fp32, no worse than the Function in eager."""
+    import varlen_programs as vp
+
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+
+    if vp.flash_attn_like() is None:
+        pytest.skip("flash-attn itself defines its ops here")
+    q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    grad = torch.randn_like(q)
+    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
+
+    def program(q, k, v):
+        return vp.flash_attn_style(q, k, v, cu, m, causal)
+
+    eager = errors(program)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
+                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
+    print("eager", eager, "cp_inductor", ours)
+    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED], cp_inductor.report().varlen
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
+    torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+def test_a_graph_built_in_the_background_runs_on_the_callers_stream(monkeypatch):
+    """A pack whose bucket has no graph runs on a covering one while its own builds on a
+    background thread (on cuDNN's build handle); then its own runs, on the caller's handle:
+    inside a CUDA-graph capture on a side stream, right against fp32 in each phase, with no
+    build waited for after the first."""
+    import time
+
+    import varlen_programs as vp
+
+    from cp_inductor.lowerings import cudnn_ragged
+    from cp_inductor.lowerings import varlen_attention as va
+
+    monkeypatch.setattr(va, "_built", {})
+    monkeypatch.setattr(cudnn_ragged, "_forward_plans", {})
+    monkeypatch.setattr(cudnn_ragged, "_backward_plans", {})
+    builds = dict(cudnn_ragged.builds)
+
+    def step(lengths, seed):
+        q, k, v, cu, m = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=seed)
+        grad = torch.randn_like(q)
+        errors = _errors_against_fp32(q, k, v, cu, True, grad)
+        return errors(lambda q, k, v: torch.ops.cp_inductor.varlen_attention(q, k, v, cu, cu, m, m, 128 ** -0.5, True)[0])
+
+    assert max(step([1024, 1000, 24], 0)) < 2e-2  # nothing built: built and waited for
+    waited = cudnn_ragged.builds["waited"] - builds["waited"]
+    # the same token total (it sizes the backward's graph too); bound 896 runs on the 1024 graph
+    assert max(step([896, 896, 256], 1)) < 2e-2
+    deadline = time.time() + 30
+    while cudnn_ragged._pending and time.time() < deadline:
+        time.sleep(0.05)
+    assert cudnn_ragged.builds["background"] - builds["background"] == 2  # forward and backward
+    q, k, v, cu, m = vp.pack([256, 896, 896], 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out, _ = torch.ops.cp_inductor.varlen_attention(q, k, v, cu, cu, m, m, 128 ** -0.5, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = vp.sequence_reference(q.float(), k.float(), v.float(), cu, True)
+    assert float((out.double() - want.double()).norm() / want.double().norm()) < 2e-2
+    assert cudnn_ragged.builds["waited"] - builds["waited"] == waited == 2
 
 
 @needs_gpu

@@ -3,6 +3,7 @@ on the graph Dynamo hands the backend, where it can, with the reason in the repo
 cannot. CPU: the op's per-sequence reference stands in for cuDNN (``reference_kernels``); the
 GPU tier runs cuDNN (tests/test_gpu_one.py)."""
 
+import contextlib
 import functools
 
 import pytest
@@ -364,7 +365,8 @@ def test_buckets_waste_at_most_an_eighth_and_stay_few():
     buckets = [bucket(n) for n in values]
     assert all(n <= b <= n * 5 / 4 for n, b in zip(values, buckets))
     assert len(set(bucket(n) for n in range(4097, 8193))) == 4
-    cu_q, cu_k, max_q, max_k = _bucketed("test", torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70)
+    cu_q, cu_k, max_q, max_k = _bucketed("test", torch.tensor([0, 3, 10] + [10 + i for i in range(1, 16)]), None, 70, 70,
+                                           build_later=None)  # nothing built covers it: no use
     # 17 sequences -> 20: three empty sequences at the end; the bound 70 -> 80
     assert cu_q.tolist()[-5:] == [24, 25, 25, 25, 25] and len(cu_q) == 21 and cu_k is cu_q and (max_q, max_k) == (80, 80)
 
@@ -413,18 +415,42 @@ def test_small_packs_stay_on_flash_by_the_measured_cost_model():
     assert [r is None or not r.startswith("cost model") for r in reasons] == [False, True, True], reasons
 
 
-def test_a_new_bucket_first_runs_on_a_covering_graph_then_gets_its_own(monkeypatch):
-    """Lengths that change every step: a bucket with no graph yet runs once on the smallest built
-    one within twice its count and bound, and is built when it comes again; beyond twice, or for
-    another signature, it is built at once."""
+def test_a_new_bucket_runs_on_a_covering_graph_while_its_own_builds(monkeypatch):
+    """Lengths that change every step: a bucket with no graph yet runs on the smallest built one
+    within twice its count and bounds while its own builds in the background, and on its own
+    once that is done; beyond twice, for another signature, or under deterministic algorithms,
+    its own is built and waited for."""
     from cp_inductor.lowerings import varlen_attention as va
 
     monkeypatch.setattr(va, "_built", {})
-    monkeypatch.setattr(va, "_requested", {})
-    runs = [va._shape_for("sig", shape) for shape in [(8, 4096, 4096), (6, 3072, 3072), (6, 3072, 3072), (2, 1024, 1024)]]
-    assert runs == [(8, 4096, 4096), (8, 4096, 4096), (6, 3072, 3072), (2, 1024, 1024)]
-    assert va._shape_for("other", (6, 3072, 3072)) == (6, 3072, 3072)
-    assert va._shape_for("sig", (5, 2048, 2048)) == (6, 3072, 3072)  # the smaller of the two covering
+    pending = []
+
+    def run(signature, shape):
+        return va._shape_for(signature, shape, lambda shape, done: pending.append((shape, done)))
+
+    assert run("sig", (8, 4096, 4096)) == (8, 4096, 4096) and not pending  # nothing covers it: built now
+    assert run("sig", (6, 3072, 3072)) == (8, 4096, 4096)
+    assert [shape for shape, _ in pending] == [(6, 3072, 3072)]
+    assert run("sig", (6, 3072, 3072)) == (8, 4096, 4096)  # still building
+    pending[0][1]()  # the background build finished
+    assert run("sig", (6, 3072, 3072)) == (6, 3072, 3072)
+    assert run("sig", (2, 1024, 1024)) == (2, 1024, 1024)  # beyond twice
+    assert run("other", (6, 3072, 3072)) == (6, 3072, 3072)
+    assert run("sig", (5, 2048, 2048)) == (6, 3072, 3072)  # the smaller of the two covering
+    with torch_deterministic():
+        assert run("sig", (5, 1536, 1536)) == (5, 1536, 1536)
+    # asked again while building: the builder (cudnn_ragged) skips a graph already being built
+    assert [shape for shape, _ in pending] == [(6, 3072, 3072), (6, 3072, 3072), (5, 2048, 2048)]
+
+
+@contextlib.contextmanager
+def torch_deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):
