@@ -5,6 +5,7 @@ GPU tier runs cuDNN (tests/test_gpu_one.py)."""
 
 import contextlib
 import functools
+import time
 
 import pytest
 import torch
@@ -490,3 +491,51 @@ def test_a_per_call_promise_goes_dense_and_checks_itself():
         with pytest.raises(RuntimeError):
             run(q, k, v, unequal)
     torch._dynamo.reset()
+
+
+def test_ragged_plans_are_keyed_and_built_once_whoever_builds_them(monkeypatch):
+    """cudnn_ragged's plumbing without cuDNN: forward and backward build one plan per key with
+    the tensors' geometry (waited for), a background build of the same key is then skipped, and
+    a key built in the background is used without waiting."""
+    from cp_inductor.lowerings import cudnn_graph, cudnn_ragged
+
+    built = []
+
+    class FakePlan:
+        uids = ()
+
+        def run(self, buffers, device, h):
+            pass
+
+    def builder(direction):
+        def build(h, dtype, *args):
+            built.append((direction, h, dtype, args))
+            return FakePlan()
+        return build
+
+    monkeypatch.setattr(cudnn_ragged, "_build_forward", builder("forward"))
+    monkeypatch.setattr(cudnn_ragged, "_build_backward", builder("backward"))
+    monkeypatch.setattr(cudnn_ragged, "handle", lambda device: "caller's handle")
+    monkeypatch.setattr(cudnn_graph, "build", lambda fn, device, *args: fn("build handle", *args))
+    monkeypatch.setattr(cudnn_ragged, "outside_graph_pool", lambda fn, *args: fn(*args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name in ("_forward_plans", "_backward_plans"):
+        monkeypatch.setattr(cudnn_ragged, name, {})
+    monkeypatch.setattr(cudnn_ragged, "builds", {"waited": 0, "background": 0})
+    q, k, v, cu, m = vp.pack([3, 5], 4, 2, 16, dtype=torch.bfloat16)
+    for _ in range(2):
+        out, lse = cudnn_ragged.forward(q, k, v, cu, cu, 2, 64, 64, 0.25, True, False)
+        cudnn_ragged.backward(out, q, k, v, out, lse, cu, cu, 2, 64, 64, 64, 64, 0.25, True, False)
+    assert [(d, h, dtype) for d, h, dtype, _ in built] == [("forward", "build handle", torch.bfloat16),
+                                                           ("backward", "build handle", torch.bfloat16)]
+    assert built[0][3] == (((4, 16), (64, 16)), ((2, 16), (32, 16)), ((2, 16), (32, 16)), 2, 64, 64, 0.25, True, False)
+    assert cudnn_ragged.builds == {"waited": 2, "background": 0}
+    done = []
+    cudnn_ragged.build_forward_later(lambda: done.append(1), q, k, v, 2, 64, 64, 0.25, True, False)  # built: skipped
+    cudnn_ragged.build_forward_later(lambda: done.append(2), q, k, v, 2, 128, 128, 0.25, True, False)
+    deadline = time.time() + 10
+    while not done and time.time() < deadline:
+        time.sleep(0.01)
+    assert done == [2] and cudnn_ragged.builds == {"waited": 2, "background": 1}
+    cudnn_ragged.forward(q, k, v, cu, cu, 2, 128, 128, 0.25, True, False)
+    assert len(built) == 3 and cudnn_ragged.builds["waited"] == 2

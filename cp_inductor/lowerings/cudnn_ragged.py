@@ -83,16 +83,17 @@ def _geometry(t: torch.Tensor) -> tuple:
     return ((heads, dim), (heads * dim, dim))
 
 
-def _plan(plans: dict, key: tuple, build, *args) -> Plan:
-    """The plan for ``key``, built now (on a helper thread: see the module's note) if missing."""
+def _plan(plans: dict, key: tuple, build: tuple) -> Plan:
+    """The plan for ``key``, built now (on a helper thread: see the module's note) if missing.
+    ``build``: the builder and its arguments but the handle."""
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = outside_graph_pool(cudnn_graph.build, build, torch.cuda.current_device(), *args)
+        plan = plans[key] = outside_graph_pool(cudnn_graph.build, build[0], torch.cuda.current_device(), *build[1:])
         builds["waited"] += 1
     return plan
 
 
-def _build_later(plans: dict, key: tuple, done, build, *args) -> None:
+def _build_later(plans: dict, key: tuple, build: tuple, done) -> None:
     """Build the plan for ``key`` on a background thread, then call ``done()``; the caller goes on
     meanwhile (on a covering graph). A key built or being built is left alone."""
     if key in plans or key in _pending:
@@ -102,7 +103,7 @@ def _build_later(plans: dict, key: tuple, done, build, *args) -> None:
 
     def run():
         try:
-            plans[key] = cudnn_graph.build(build, device, *args)
+            plans[key] = cudnn_graph.build(build[0], device, *build[1:])
             builds["background"] += 1
             done()
         finally:
@@ -142,8 +143,7 @@ def _forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_ri
 
 def build_forward_later(done, q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right) -> None:
     """``forward``'s graph for these bounds, built in the background; ``done()`` once it is."""
-    key, build = _forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right)
-    _build_later(_forward_plans, key, done, *build)
+    _build_later(_forward_plans, *_forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right), done)
 
 
 def forward(q, k, v, cu_q, cu_k, count, bound_q, bound_k, scale, is_causal, bottom_right):
@@ -211,9 +211,8 @@ def _backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, to
 def build_backward_later(done, q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
                          bottom_right) -> None:
     """``backward``'s graph for these bounds, built in the background; ``done()`` once it is."""
-    key, build = _backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
-                                 bottom_right)
-    _build_later(_backward_plans, key, done, *build)
+    _build_later(_backward_plans, *_backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k,
+                                                   scale, is_causal, bottom_right), done)
 
 
 def backward(grad_out, q, k, v, out, lse, cu_q, cu_k, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
