@@ -109,6 +109,7 @@ def bucket(n: int, smallest: int = 1) -> int:
 # runs must not depend on a build's timing), its own is built and waited for.
 _built: dict[tuple, set] = {}
 _COVER = 2
+_BUILD_COVERED = True  # build a covered bucket's own graph (in the background); False: never
 
 
 def _shape_for(signature: tuple, shape: tuple, build_later) -> tuple:
@@ -119,7 +120,8 @@ def _shape_for(signature: tuple, shape: tuple, build_later) -> tuple:
         return shape
     covering = [s for s in built if all(x <= y <= _COVER * x for x, y in zip(shape, s))]
     if covering and not torch.are_deterministic_algorithms_enabled():
-        build_later(shape, lambda: built.add(shape))
+        if _BUILD_COVERED:
+            build_later(shape, lambda: built.add(shape))
         return min(covering, key=lambda s: s[0] * s[1] * s[2])
     built.add(shape)
     return shape
