@@ -233,19 +233,16 @@ def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
 
 
 # How a pack whose bucket has no cuDNN graph runs (varlen_attention's cover rule): on a covering
-# graph while its own builds in the background (the default), on a covering graph for good, or
-# on its own graph, built and waited for.
-POLICIES = {"background": {"_COVER": 2, "_BUILD_COVERED": True}, "never": {"_COVER": 2, "_BUILD_COVERED": False},
-            "wait": {"_COVER": 1, "_BUILD_COVERED": True}}
+# graph (the default), or on its own, built at once (the cover off).
+POLICIES = {"cover": {"_COVER": 2}, "wait": {"_COVER": 1}}
 
 
 def varying(tokens: int, head_dim: int, steps: int, iters: int, policies) -> list[dict]:
     """Lengths (and document counts, 6-12) new at every step, compiled once per backend (and per
     cover policy). The last third of the steps, each timed once as it comes, against the same
     packs each timed again (``iters`` runs) once every graph is built: what changing lengths cost
-    beyond the packs' own work. With Dynamo's graph count, the cuDNN graphs built in that third
-    (on the step's path, "waited", and in the background), and per step its time, its host time
-    (the call's return, kernels queued) and the builds it started."""
+    beyond the packs' own work. With Dynamo's graph count, the cuDNN graphs built in that third,
+    and per step its time, its host time (the call's return, kernels queued) and its builds."""
     from torch._dynamo.utils import counters
 
     from cp_inductor.lowerings import cudnn_ragged
@@ -262,6 +259,7 @@ def varying(tokens: int, head_dim: int, steps: int, iters: int, policies) -> lis
         for name, value in POLICIES.get(policy, {}).items():
             setattr(va, name, value)
         va._built.clear()
+        va._covered_runs.clear()
         cudnn_ragged._forward_plans.clear()
         cudnn_ragged._backward_plans.clear()
         fn = torch.compile(vp.torchtitan_style, backend=backend, fullgraph=True)
@@ -278,8 +276,7 @@ def varying(tokens: int, head_dim: int, steps: int, iters: int, policies) -> lis
         per_step = []
         for p in packs[warm:]:
             torch.cuda.synchronize()
-            counts = dict(cudnn_ragged.builds)
-            started = len(cudnn_ragged._pending)
+            counts = sum(cudnn_ragged.builds.values())
             host = [0.0]
 
             def timed(p=p):
@@ -288,27 +285,23 @@ def varying(tokens: int, head_dim: int, steps: int, iters: int, policies) -> lis
                 host[0] = (time.perf_counter() - t0) * 1e3
 
             ms = device_ms(timed, 1, warmup=0)
-            per_step.append({"ms": ms, "host_ms": host[0], "waited": cudnn_ragged.builds["waited"] - counts["waited"],
-                             "pending_after": len(cudnn_ragged._pending), "pending_before": started})
-        built = {k: cudnn_ragged.builds[k] - before[k] for k in before}
-        while cudnn_ragged._pending:
-            time.sleep(0.01)
+            per_step.append({"ms": ms, "host_ms": host[0], "builds": sum(cudnn_ragged.builds.values()) - counts})
+        built = sum(cudnn_ragged.builds.values()) - sum(before.values())
         again = [device_ms(lambda p=p: step(p), iters, warmup=1) for p in packs[warm:]]
         as_they_come = [s["ms"] for s in per_step]
         row = {"tokens": tokens, "head_dim": head_dim, "backend": backend, "policy": policy, "steps_timed": len(again),
                "varying_ms": statistics.median(as_they_come), "fixed_ms": statistics.median(again),
                "varying_vs_fixed": sum(as_they_come) / sum(again), "slowest_step_ms": max(as_they_come),
                "dynamo_graphs": counters["stats"]["unique_graphs"],
-               "cudnn_graphs_waited_in_steady_state": built["waited"],
-               "cudnn_graphs_built_in_background_in_steady_state": built["background"],
+               "cudnn_graphs_built_in_steady_state": built,
                "steps": [{**s, "again_ms": a} for s, a in zip(per_step, again)]}
         print(f"varying lengths T{tokens} D{head_dim} {backend} {policy or ''}: median {row['varying_ms']:.2f} ms per step, "
               f"the same packs again {row['fixed_ms']:.2f} ms (total {row['varying_vs_fixed']:.3f}x, slowest step "
-              f"{row['slowest_step_ms']:.2f} ms), Dynamo graphs {row['dynamo_graphs']}, cuDNN graphs in steady state: "
-              f"{built['waited']} waited for, {built['background']} in the background", flush=True)
+              f"{row['slowest_step_ms']:.2f} ms), Dynamo graphs {row['dynamo_graphs']}, cuDNN graphs built in steady "
+              f"state {built}", flush=True)
         for i, s in enumerate(row["steps"]):
-            print(f"  step {i}: {s['ms']:.2f} ms (again {s['again_ms']:.2f}), host {s['host_ms']:.2f} ms, waited "
-                  f"{s['waited']}, building {s['pending_before']} -> {s['pending_after']}")
+            print(f"  step {i}: {s['ms']:.2f} ms (again {s['again_ms']:.2f}), host {s['host_ms']:.2f} ms, cuDNN graphs "
+                  f"built {s['builds']}")
         rows.append(row)
     return rows
 
@@ -321,7 +314,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
-    ap.add_argument("--policies", nargs="+", default=["background"], choices=list(POLICIES),
+    ap.add_argument("--policies", nargs="+", default=["cover"], choices=list(POLICIES),
                     help="--varying-steps: how a pack whose bucket has no cuDNN graph runs")
     ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"],
                     help="causal, and/or full (no mask) attention")

@@ -10,7 +10,6 @@ captures see them as any other kernel.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
@@ -44,13 +43,13 @@ class Plan:
     # per-call buffer inspection (about 5 us), safe because the plan key fixes every shape and
     # stride. None where this frontend release lacks it: the public ``execute`` then runs.
     raw_execute: object | None
+    backend_handle: object | None
 
     def run(self, buffers, device: torch.device, h) -> None:
-        """Run on ``h``'s stream (the handle that runs a plan need not be the one that built it)."""
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
         if self.raw_execute is not None:
             pack = {uid: t.data_ptr() for uid, t in zip(self.uids, buffers)}
-            self.raw_execute(pack, workspace.data_ptr(), _backend_handle(h), None, None, None)
+            self.raw_execute(pack, workspace.data_ptr(), self.backend_handle, None, None, None)
         else:
             self.graph.execute(list(buffers), workspace, handle=h, tensor_uids=self.uids)
 
@@ -64,48 +63,19 @@ def finish(graph, h, uids: tuple) -> Plan:
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
-    return Plan(graph, max(graph.get_workspace_size(), 1), tuple(uids), raw_executor(graph))
+    raw_execute, backend_handle = raw_executor(graph, h)
+    return Plan(graph, max(graph.get_workspace_size(), 1), tuple(uids), raw_execute, backend_handle)
 
 
-def raw_executor(graph):
+def raw_executor(graph, h):
     # Private to the frontend (1.32): taken only when every piece is where 1.32 has it.
     try:
-        from cudnn._handle import to_backend_handle  # noqa: F401 - what _backend_handle needs
-
-        return graph._lowered_graph._execute
-    except (ImportError, AttributeError):
-        return None
-
-
-_backend_handles: dict[int, object] = {}
-
-
-def _backend_handle(h):
-    backend = _backend_handles.get(id(h))
-    if backend is None:
         from cudnn._handle import to_backend_handle
 
-        backend = _backend_handles[id(h)] = to_backend_handle(h)
-    return backend
-
-
-# Graphs are built on a handle of their own, one build at a time: a build can then run on a
-# background thread while the calling thread runs plans on its stream's handle (cuDNN handles
-# must not be used by two threads at once). A build does not hold the GIL for long: measured on
-# H200, a 0.08 s build on a helper thread left the main thread's Python running.
-_build_lock = threading.Lock()
-_build_handles: dict[int, object] = {}
-
-
-def build(fn, device_index: int, *args):
-    """``fn(build_handle, *args)`` under the build lock, on this device's build handle."""
-    import cudnn
-
-    with _build_lock, torch.cuda.device(device_index):
-        h = _build_handles.get(device_index)
-        if h is None:
-            h = _build_handles[device_index] = cudnn.create_handle()
-        return fn(h, *args)
+        lowered = graph._lowered_graph
+        return lowered._execute, to_backend_handle(h)
+    except (ImportError, AttributeError, TypeError):
+        return None, None
 
 
 def io_type(dtype: torch.dtype):

@@ -39,9 +39,6 @@ from __future__ import annotations
 
 import torch
 
-import threading
-
-from . import cudnn_graph
 from .cudnn_graph import Plan, descriptor_ready, finish, handle, io_type, new_graph
 from .outside_graph_pool import outside_graph_pool
 
@@ -50,8 +47,7 @@ PADDED_STATS_FROM_HEAD_DIM = 256
 
 _forward_plans: dict[tuple, Plan] = {}
 _backward_plans: dict[tuple, Plan] = {}
-_pending: set = set()  # keys being built in the background
-builds = {"waited": 0, "background": 0}  # graphs built so far: on the caller's path, and not
+builds = {"forward": 0, "backward": 0}  # graphs built so far (the benchmarks count them)
 
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _LEN_Q, _LEN_K = 10, 11
@@ -76,40 +72,7 @@ def _column(graph, name, uid, n, dtype):
 
 
 def _geometry(t: torch.Tensor) -> tuple:
-    """(heads, dim), (token stride, head stride) of ``t`` as the graph reads it: after ``_ready``."""
-    if descriptor_ready(t.stride(), t.data_ptr()):
-        return (tuple(t.shape[1:]), tuple(t.stride()[:2]))
-    heads, dim = t.shape[1:]
-    return ((heads, dim), (heads * dim, dim))
-
-
-def _plan(plans: dict, key: tuple, build: tuple) -> Plan:
-    """The plan for ``key``, built now (on a helper thread: see the module's note) if missing.
-    ``build``: the builder and its arguments but the handle."""
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = outside_graph_pool(cudnn_graph.build, build[0], torch.cuda.current_device(), *build[1:])
-        builds["waited"] += 1
-    return plan
-
-
-def _build_later(plans: dict, key: tuple, build: tuple, done) -> None:
-    """Build the plan for ``key`` on a background thread, then call ``done()``; the caller goes on
-    meanwhile (on a covering graph). A key built or being built is left alone."""
-    if key in plans or key in _pending:
-        return
-    _pending.add(key)
-    device = torch.cuda.current_device()
-
-    def run():
-        try:
-            plans[key] = cudnn_graph.build(build[0], device, *build[1:])
-            builds["background"] += 1
-            done()
-        finally:
-            _pending.discard(key)
-
-    threading.Thread(target=run, name="cp_inductor-cudnn-build", daemon=True).start()
+    return (tuple(t.shape[1:]), tuple(t.stride()[:2]))
 
 
 def _mask(is_causal: bool, bottom_right: bool) -> dict:
@@ -134,26 +97,20 @@ def _metadata(cu_q, cu_k, strides: dict) -> dict:
     return out
 
 
-def _forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right) -> tuple:
-    """The forward's plan key and what builds it."""
-    geometry = (q.dtype, _geometry(q), _geometry(k), _geometry(v))
-    return (q.device, *geometry, scale, is_causal, bottom_right, count, bound_q, bound_k), (
-        _build_forward, *geometry, count, bound_q, bound_k, scale, is_causal, bottom_right)
-
-
-def build_forward_later(done, q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right) -> None:
-    """``forward``'s graph for these bounds, built in the background; ``done()`` once it is."""
-    _build_later(_forward_plans, *_forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right), done)
-
-
 def forward(q, k, v, cu_q, cu_k, count, bound_q, bound_k, scale, is_causal, bottom_right):
     q, k, v = _ready(q), _ready(k), _ready(v)
     t_q, h_q = q.shape[:2]
     d_v = v.shape[2]
     out = q.new_empty(t_q, h_q, d_v)
     stats = q.new_empty(t_q, h_q, dtype=torch.float32)
+    signature = (q.dtype, q.device, _geometry(q), _geometry(k), _geometry(v), scale, is_causal, bottom_right,
+                 count, bound_q, bound_k)
     h = handle(q.get_device())
-    plan = _plan(_forward_plans, *_forward_build(q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right))
+    plan = _forward_plans.get(signature)
+    if plan is None:
+        plan = _forward_plans[signature] = outside_graph_pool(
+            _build_forward, h, q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right)
+        builds["forward"] += 1
     meta = _metadata(cu_q, cu_k, {"q": ("q", q.stride(0)), "k": ("k", k.stride(0)), "v": ("k", v.stride(0)),
                                   "o": ("q", h_q * d_v), "stats": ("q", h_q)})
     tensors = {_Q: q, _K: k, _V: v, _O: out, _STATS: stats, **meta}
@@ -161,21 +118,21 @@ def forward(q, k, v, cu_q, cu_k, count, bound_q, bound_k, scale, is_causal, bott
     return out, stats
 
 
-def _build_forward(h, dtype, geo_q, geo_k, geo_v, count, bound_q, bound_k, scale, is_causal, bottom_right) -> Plan:
+def _build_forward(h, q, k, v, count, bound_q, bound_k, scale, is_causal, bottom_right) -> Plan:
     import cudnn
 
-    io = io_type(dtype)
-    g = new_graph(h, dtype)
-    q_t = _describe(g, "q", _Q, geo_q, count, bound_q, io)
-    k_t = _describe(g, "k", _K, geo_k, count, bound_k, io)
-    v_t = _describe(g, "v", _V, geo_v, count, bound_k, io)
+    io = io_type(q.dtype)
+    g = new_graph(h, q.dtype)
+    q_t = _describe(g, "q", _Q, _geometry(q), count, bound_q, io)
+    k_t = _describe(g, "k", _K, _geometry(k), count, bound_k, io)
+    v_t = _describe(g, "v", _V, _geometry(v), count, bound_k, io)
     for t, name in ((q_t, "q"), (k_t, "k"), (v_t, "v")):
         t.set_ragged_offset(_column(g, f"offset_{name}", _OFF[name], count + 1, cudnn.data_type.INT64))
     o_t, stats_t = g.sdpa(
         name="ragged_attention", q=q_t, k=k_t, v=v_t, generate_stats=True, attn_scale=scale, use_padding_mask=True,
         seq_len_q=_column(g, "len_q", _LEN_Q, count, cudnn.data_type.INT32),
         seq_len_kv=_column(g, "len_k", _LEN_K, count, cudnn.data_type.INT32), **_mask(is_causal, bottom_right))
-    h_q, d_v = geo_q[0][0], geo_v[0][1]
+    h_q, d_v = q.shape[1], v.shape[2]
     o_t.set_uid(_O).set_output(True).set_dim([count, h_q, bound_q, d_v]).set_data_type(io)
     o_t.set_stride([bound_q * h_q * d_v, d_v, h_q * d_v, 1])
     o_t.set_ragged_offset(_column(g, "offset_o", _OFF["o"], count + 1, cudnn.data_type.INT64))
@@ -197,33 +154,22 @@ def padded_stats(lse: torch.Tensor, cu_q: torch.Tensor, count: int, bound: int) 
     return padded
 
 
-def _backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
-                    bottom_right) -> tuple:
-    """The backward's plan key and what builds it."""
-    padded = q.shape[2] >= PADDED_STATS_FROM_HEAD_DIM
-    geometry = (q.dtype, tuple(_geometry(t) for t in (q, k, v, out, grad_out)))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    return (q.device, *geometry, scale, is_causal, bottom_right, deterministic, padded, count, bound_q, bound_k, total_q,
-            total_k), (_build_backward, *geometry, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
-                       bottom_right, deterministic, padded)
-
-
-def build_backward_later(done, q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
-                         bottom_right) -> None:
-    """``backward``'s graph for these bounds, built in the background; ``done()`` once it is."""
-    _build_later(_backward_plans, *_backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k,
-                                                   scale, is_causal, bottom_right), done)
-
-
 def backward(grad_out, q, k, v, out, lse, cu_q, cu_k, count, bound_q, bound_k, total_q, total_k, scale, is_causal,
              bottom_right):
     q, k, v, out, grad_out = (_ready(t) for t in (q, k, v, out, grad_out))
     padded = q.shape[2] >= PADDED_STATS_FROM_HEAD_DIM
     stats = padded_stats(lse, cu_q, count, bound_q) if padded else lse.contiguous()
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    signature = (q.dtype, q.device, _geometry(q), _geometry(k), _geometry(v), _geometry(out), _geometry(grad_out),
+                 scale, is_causal, bottom_right, deterministic, padded, count, bound_q, bound_k, total_q, total_k)
     h = handle(q.get_device())
-    plan = _plan(_backward_plans, *_backward_build(q, k, v, out, grad_out, count, bound_q, bound_k, total_q, total_k,
-                                                   scale, is_causal, bottom_right))
+    plan = _backward_plans.get(signature)
+    if plan is None:
+        plan = _backward_plans[signature] = outside_graph_pool(
+            _build_backward, h, (q, k, v, out, grad_out), count, bound_q, bound_k, total_q, total_k, scale, is_causal, bottom_right,
+            deterministic, padded)
+        builds["backward"] += 1
     h_q, h_k, d = q.shape[1], k.shape[1], q.shape[2]
     strides = {"q": ("q", q.stride(0)), "k": ("k", k.stride(0)), "v": ("k", v.stride(0)), "o": ("q", out.stride(0)),
                "do": ("q", grad_out.stride(0)), "dq": ("q", h_q * d), "dk": ("k", h_k * d), "dv": ("k", dv.stride(0))}
@@ -235,19 +181,20 @@ def backward(grad_out, q, k, v, out, lse, cu_q, cu_k, count, bound_q, bound_k, t
     return dq, dk, dv
 
 
-def _build_backward(h, dtype, geometries, count, bound_q, bound_k, total_q, total_k, scale, is_causal, bottom_right,
+def _build_backward(h, operands, count, bound_q, bound_k, total_q, total_k, scale, is_causal, bottom_right,
                     deterministic, padded) -> Plan:
     import cudnn
 
-    io = io_type(dtype)
-    g = new_graph(h, dtype)
+    q, k, v, out, grad_out = operands
+    io = io_type(q.dtype)
+    g = new_graph(h, q.dtype)
     int64 = cudnn.data_type.INT64
     described = {}
-    for name, uid, geometry, bound in zip(("q", "k", "v", "o", "do"), (_Q, _K, _V, _O, _DO), geometries,
-                                          (bound_q, bound_k, bound_k, bound_q, bound_q)):
-        described[name] = _describe(g, name, uid, geometry, count, bound, io)
+    for name, uid, t, bound in (("q", _Q, q, bound_q), ("k", _K, k, bound_k), ("v", _V, v, bound_k),
+                                ("o", _O, out, bound_q), ("do", _DO, grad_out, bound_q)):
+        described[name] = _describe(g, name, uid, _geometry(t), count, bound, io)
         described[name].set_ragged_offset(_column(g, f"offset_{name}", _OFF[name], count + 1, int64))
-    h_q = geometries[0][0][0]
+    h_q = q.shape[1]
     if padded:
         stats = g.tensor(name="stats", dim=[count, h_q, bound_q, 1], stride=[h_q * bound_q, bound_q, 1, 1],
                          data_type=cudnn.data_type.FLOAT, uid=_STATS)
@@ -262,9 +209,8 @@ def _build_backward(h, dtype, geometries, count, bound_q, bound_k, total_q, tota
         seq_len_kv=_column(g, "len_k", _LEN_K, count, cudnn.data_type.INT32),
         max_total_seq_len_q=total_q, max_total_seq_len_kv=total_k, use_deterministic_algorithm=deterministic,
         **_mask(is_causal, bottom_right))
-    for grad, name, uid, geometry, bound in zip(grads, ("dq", "dk", "dv"), (_DQ, _DK, _DV), geometries,
-                                                (bound_q, bound_k, bound_k)):
-        heads, dim = geometry[0]
+    for grad, name, uid, like, bound in zip(grads, ("dq", "dk", "dv"), (_DQ, _DK, _DV), (q, k, v), (bound_q, bound_k, bound_k)):
+        heads, dim = like.shape[1:]
         grad.set_uid(uid).set_output(True).set_dim([count, heads, bound, dim]).set_data_type(io)
         grad.set_stride([bound * heads * dim, dim, heads * dim, 1])
         grad.set_ragged_offset(_column(g, f"offset_{name}", _OFF[name], count + 1, int64))
