@@ -6,7 +6,8 @@ Per pack (T tokens, Hq32 Hkv8, bf16, causal or, with ``--masks full``, not; leng
 random, or one long document among many short ones), alternating over rounds in one process,
 fwd+bwd medians of:
 
-- ``eager``: torchtitan's form, K/V repeated to the query heads, ``varlen_attn`` (flash-2);
+- ``eager``: torchtitan's form, K/V repeated to the query heads, ``varlen_attn`` (flash-2), or
+  with ``--programs flash_attn`` flash-attn's ``flash_attn_varlen_func`` (GQA as is);
 - ``inductor``: the same compiled with default Inductor;
 - ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on;
 - ``floor``: the cuDNN frontend's ragged op called directly on unrepeated K/V (no compiler);
@@ -64,15 +65,18 @@ def lengths_for(kind: str, tokens: int, seed: int, docs: int = DOCS) -> list[int
     return [long, *short]
 
 
-def arms_for(lengths, head_dim, causal=True):
+def arms_for(lengths, head_dim, causal=True, program="torchtitan"):
     import cp_inductor  # noqa: F401 - registers the backend
 
     q, k, v, cu, m = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
     ins = [t.requires_grad_() for t in (q, k, v)]
     grad = torch.randn(q.shape[:2] + v.shape[2:], device="cuda", dtype=torch.bfloat16)
+    attention = PROGRAMS[program]
+    if program == "flash_attn":
+        vp.flash_attn_like()  # registers its ops before compiling
 
     def titan(q, k, v):
-        return vp.torchtitan_style(q, k, v, cu, m, causal)
+        return attention(q, k, v, cu, m, causal)
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(*ins), ins, grad)
@@ -104,6 +108,10 @@ def arms_for(lengths, head_dim, causal=True):
     return arms
 
 
+# How the program reaches attention: torchtitan's varlen_attn with K/V repeated, or flash-attn's
+# flash_attn_varlen_func with GQA as is (its ops under flash-attn's schemas on aten's flash-2
+# kernels, the ones flash-attn ships: tests/varlen_programs.py; flash-attn is not installed).
+PROGRAMS = {"torchtitan": vp.torchtitan_style, "flash_attn": vp.flash_attn_style}
 DIM, FFN = 4096, 14336  # Llama-3-8B's widths: Hq32 x D128 = 4096
 
 
@@ -168,7 +176,7 @@ def blocks(a) -> list[dict]:
     block's time attention is, and what the rewrite saves of the whole step."""
     names = ("eager", "inductor", "cp_off", "cp_on")
     print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
+    print(f"{'program':>10} {'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
           + " | attention alone inductor/on | attention share | block on/inductor")
     rows = []
     for tokens in a.tokens:
@@ -316,6 +324,8 @@ def main() -> int:
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
     ap.add_argument("--policies", nargs="+", default=["cover"], choices=list(POLICIES),
                     help="--varying-steps: how a pack whose bucket has no cuDNN graph runs")
+    ap.add_argument("--programs", nargs="+", default=["torchtitan"], choices=list(PROGRAMS),
+                    help="how the program calls varlen attention")
     ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"],
                     help="causal, and/or full (no mask) attention")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
@@ -336,22 +346,23 @@ def main() -> int:
         blocks(a)
         return 0
     rows = []
-    print(f"{'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
+    print(f"{'program':>10} {'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
-            for kind, mask in ((k, m) for k in a.kinds for m in a.masks):
+            for program, kind, mask in ((p, k, m) for p in a.programs for k in a.kinds for m in a.masks):
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal"), a.rounds,
-                                            lambda fn: device_ms(fn, a.iters))
-                row = {"tokens": tokens, "head_dim": head_dim, "lengths": kind, "mask": mask, "docs": lengths,
+                times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal", program=program),
+                                            a.rounds, lambda fn: device_ms(fn, a.iters))
+                row = {"program": program, "tokens": tokens, "head_dim": head_dim, "lengths": kind, "mask": mask,
+                       "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
                 cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
-                print(f"{tokens:>6} {head_dim:>4} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
+                print(f"{program:>10} {tokens:>6} {head_dim:>4} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
                       f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
                 write_rows(a.json, a, rows)
     if a.varying_steps:
