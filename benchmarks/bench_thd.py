@@ -28,7 +28,8 @@ form, ``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-al
 attention over all T tokens), per iteration the slowest rank's time, peak memory the largest
 rank's; arms
 ``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
-``cp_a2a``, ``cp_cudnn``, ``cp_on``), and ``floor`` (the frontend's ragged op on this rank's
+``cp_a2a``, ``cp_cudnn``, ``cp_on``; ``cp_views``: cp_on with fused_a2a's unpack as views of the
+received buffer), and ``floor`` (the frontend's ragged op on this rank's
 share: all T tokens, HQ/CP query and HKV/CP K/V heads).
 
 Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
@@ -227,6 +228,8 @@ def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
         "cp_a2a": step(compiled(varlen_cudnn=False)),
         "cp_cudnn": step(compiled(fused_a2a=False)),
         "cp_on": step(compiled()),
+        # fused_a2a's other unpack: attention reads q, k, v as views of the received buffer
+        "cp_views": step(compiled(fused_a2a_unpack="views")),
     }
     share = [t[:, : t.shape[1] // cp].detach().clone().requires_grad_() for t in (q, k, v)]
     full_grad = torch.randn(share[0].shape, device="cuda", dtype=torch.bfloat16)
@@ -420,7 +423,7 @@ def ulysses(a) -> int:
     writer = rank == 0 or bool(a.fake_rank)  # a fake rank is the only process
     say = print if writer else (lambda *args, **kwargs: None)
     say(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
-    names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on", "floor")
+    names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on", "cp_views", "floor")
     where = "fake group: no communication" if a.fake_rank else "NCCL, slowest rank"
     say(f"Ulysses over the pack, rank {rank} of {cp} ({where}), Hq{HQ} Hkv{HKV}, fwd+bwd ms")
     say(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names) + " | on/inductor on/floor | peak GiB inductor/on")
