@@ -107,3 +107,31 @@ def test_numerics_gloo(cp, heads_kv, causal, on_reference_op):
         assert regions == [("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], regions
         assert len(set(lines)) == 1 and ": a2a, thd," in lines[0], lines
         assert lines[0].endswith("cudnn_ragged") == on_reference_op, lines
+
+
+def test_on_gpus_a_pack_keeps_its_all_to_alls_by_the_measured_cost():
+    """fused_a2a's unpack choice for a pack whose attention runs on CUDA: skipped with the
+    measured reason (one rank's compute was slower than the program's own unpack by more than
+    the collectives saved); forced by config, it applies."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cp_inductor.config_snapshot import snapshot
+    from cp_inductor.lowerings import varlen_attention  # noqa: F401 - defines the op
+    from cp_inductor.passes.rewrites.shared.ulysses_buffers import PACKED_SKIP, unpack_choice
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = [torch.empty(4096, 8, 128, device="cuda", dtype=torch.bfloat16),
+                *(torch.empty(4096, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)),
+                torch.empty(5, device="cuda", dtype=torch.int32)]
+    nodes = []
+    for name, val in zip(("q", "k", "v", "cu"), vals):
+        nodes.append(graph.placeholder(name))
+        nodes[-1].meta["val"] = val
+    q, k, v, cu = nodes
+    attention = graph.call_function(torch.ops.cp_inductor.varlen_attention.default, (q, k, v, cu, cu, 2048, 2048, 0.1, True))
+    region = SimpleNamespace(attention=attention, is_causal=True)
+    assert (unpack_choice(region, snapshot()).choice, unpack_choice(region, snapshot()).reason) == ("skip", PACKED_SKIP)
+    assert unpack_choice(region, snapshot({"fused_a2a_unpack": "copy"})).choice == "copy"

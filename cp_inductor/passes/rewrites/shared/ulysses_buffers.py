@@ -21,6 +21,16 @@ from ...detect.a2a import A2ACrossing, A2AMatch
 aten = torch.ops.aten
 
 
+# Packed sequences on GPUs: one rank's compute of Ulysses over a pack (H200, fake group, rank 0 of
+# cp = 2, T64K, 8 random documents, cuDNN ragged attention; bench_thd.py --fake-rank, JSON
+# benchmarks/results/h200_thd_ulysses_unpack_fake_rank0of2_2026-12-02.json): the program's own
+# unpack 27.18 / 52.14 ms at D128 / D256, fused_a2a with one copy 27.65 / 53.01, with views
+# 28.16 / 53.71. The 0.5-0.9 ms it adds exceed what its 4 fewer collectives save (about 0.16 ms,
+# SAVED_COLLECTIVE_MS), so packs keep their all-to-alls unless the config forces an unpack.
+PACKED_SKIP = ("packed sequences: fused_a2a measured 1.7% slower per rank than the program's own unpack "
+               "(H200, T64K D128/D256), more than its 4 fewer collectives save; fused_a2a_unpack='copy' forces it")
+
+
 def unpack_choice(region: A2AMatch, cfg) -> UnpackChoice:
     """Views of the received buffer, one copy out of it, or no rewrite ("skip")
     (``cfg.fused_a2a_unpack``; "auto": the cost model on this rank's attention shapes, views
@@ -36,8 +46,7 @@ def unpack_choice(region: A2AMatch, cfg) -> UnpackChoice:
         # The map is measured on GPUs; elsewhere (the CPU tests) the full rewrite is the default.
         return UnpackChoice("views", f"no cost map for {q.device.type}")
     if q.dim() == 3:
-        # Not measured for packs: attention keeps its own layout, only packs and collectives fuse.
-        return UnpackChoice("copy", "packed sequences: no cost map, one copy into attention's layout")
+        return UnpackChoice("skip", PACKED_SKIP)
     b, hq, s, d = (int(x) for x in q.shape)
     return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
 
