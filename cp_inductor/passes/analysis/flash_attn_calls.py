@@ -133,7 +133,8 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
     extra = [n for n in forward.graph.nodes if not _inert(n, call)]
     if extra:
         what = extra[0].target if extra[0].op != "call_function" else getattr(extra[0].target, "__name__", extra[0].target)
-        read.why_kept = f"the autograd.Function's forward also runs {what} (flash-attn pads a head_dim off 8)"
+        why = " (flash-attn pads a head_dim off 8)" if what == "pad" else ""
+        read.why_kept = f"the autograd.Function's forward also runs {what}{why}"
         return read
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     operands = list(node.args[2:])
