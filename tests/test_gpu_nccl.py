@@ -379,8 +379,9 @@ def test_thd_ulysses_nccl_bf16(mode):
     """Ulysses over a pack (DeepSpeed ALST's form) at cp = 2 on NCCL, bf16, causal, GQA (Hq16
     Hkv4): compiled with cp_inductor against the fp64 per-sequence reference and no worse than
     eager (flash-2 varlen), for the output and every gradient, over three packs of 4096 tokens
-    whose lengths change every step through one compiled program; fused_a2a in both graphs.
-    Under CUDA graphs the call stays flash-2 (varlen_cudnn says why)."""
+    whose lengths change every step through one compiled program. Regions in both graphs, whose
+    all-to-alls stay the program's (fused_a2a's measured skip for packs on GPUs). With a mode
+    (torch.compile takes no options then) the cost model keeps these small packs on flash-2."""
     import varlen_programs as vp
 
     packs = [[1000, 3000, 96], [1, 2047, 2048], [512] * 8]
@@ -389,6 +390,6 @@ def test_thd_ulysses_nccl_bf16(mode):
     for per_pack, regions, lines in results:
         for ours, eager in per_pack:
             assert all(ours[n] < max(2 * eager[n], TOL) for n in ours), (ours, eager)
-        assert regions == [("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], regions
+        assert regions == [("backward", "thd", ()), ("forward", "thd", ())], regions
         assert lines and all(": a2a, thd," in line for line in lines), lines
         assert all(line.endswith("cudnn_ragged") == (mode is None) for line in lines), lines

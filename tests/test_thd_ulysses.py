@@ -92,16 +92,17 @@ def test_report_names_the_call_a2a():
     assert [r.line().split(":")[1].strip().split(",")[0] for r in routes] == ["a2a"], [r.line() for r in routes]
 
 
-@pytest.mark.parametrize("cp,heads_kv,causal,on_reference_op", [
-    (2, 4, True, False),  # torch's varlen op on the tests' CPU kernels
-    (2, 4, True, True),  # lowered to cp_inductor's op (its CPU reference), K/V repeat dropped
-    (4, 8, False, True),
+@pytest.mark.parametrize("cp,heads_kv,causal,on_reference_op,attention", [
+    (2, 4, True, False, "varlen_attn"),  # torch's varlen op on the tests' CPU kernels
+    (2, 4, True, True, "varlen_attn"),  # lowered to cp_inductor's op (its CPU reference), K/V repeat dropped
+    (4, 8, False, True, "varlen_attn"),
+    (2, 4, True, True, "flash_attn"),  # ALST's own call: flash-attn's Function, lowered
 ])
-def test_numerics_gloo(cp, heads_kv, causal, on_reference_op):
+def test_numerics_gloo(cp, heads_kv, causal, on_reference_op, attention):
     # A second pack of the same size with other lengths runs through the same compiled program.
     more = [[16, 2, 1, 13]]
     for packs, regions, lines in run_on_ranks(vp.check_ulysses_thd, cp, LENGTHS, 8, heads_kv, causal, on_reference_op,
-                                              "cpu", torch.float32, more):
+                                              "cpu", torch.float32, more, None, attention):
         for errors, _ in packs:
             assert max(errors.values()) < 1e-5, errors
         assert regions == [("backward", "thd", ("fused_a2a",)), ("forward", "thd", ("fused_a2a",))], regions

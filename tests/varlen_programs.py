@@ -190,11 +190,12 @@ def flash_attn_style(q, k, v, cu, max_len, causal=True, namespace="flash_attn"):
     return _flash_attn_made[namespace](q, k, v, cu, cu.clone(), max_len, max_len, causal=causal)
 
 
-def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None):
+def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None, attention="varlen_attn"):
     """DeepSpeed ALST's Ulysses over a pack: this rank holds T/cp tokens with every head; one
     all-to-all per tensor gives it every token of its H/cp heads, varlen attention runs over the
     whole pack with the global cu_seqlens, and the output goes back the same way. GQA: K/V heads
-    repeated after the all-to-all, as torchtitan feeds varlen_attn."""
+    repeated after the all-to-all, as torchtitan feeds varlen_attn; ``attention="flash_attn"``:
+    flash-attn's ``flash_attn_varlen_func`` (as ALST calls it), GQA as is."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch.nn.attention.varlen import varlen_attn
@@ -214,25 +215,30 @@ def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None):
 
     window = (-1, 0) if causal else (-1, -1)
     q, k, v = gather_tokens(q), gather_tokens(k), gather_tokens(v)
+    if attention == "flash_attn":
+        return scatter_tokens(flash_attn_style(q, k, v, cu, max_len, causal))
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return scatter_tokens(varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window))
 
 
 def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference_op, device="cpu",
-                      dtype=torch.float32, more_lengths=(), mode=None):
+                      dtype=torch.float32, more_lengths=(), mode=None, attention="varlen_attn"):
     """One rank: ``ulysses_thd`` compiled with cp_inductor (and run eagerly) against per-sequence
     fp64 SDPA on the whole pack, for the output and every gradient of this rank's tokens.
     ``on_reference_op`` (CPU): varlen attention lowered to cp_inductor's op, its CPU reference
     standing in for cuDNN, else torch's varlen op on the tests' CPU kernels. ``more_lengths``:
     further packs of the same token count, new lengths each step, through the same compiled
-    program. Returns per pack (errors, eager's errors), then the regions and varlen lines."""
+    program. ``attention``: as ``ulysses_thd``'s. Returns per pack (errors, eager's errors), then
+    the regions and varlen lines."""
     import contextlib
 
     import cp_inductor
     from cp_inductor.lowerings.varlen_attention import reference_kernels
 
     register_cpu_kernels()
+    if attention == "flash_attn":
+        flash_attn_like()  # its ops, registered before compiling
     if device == "cuda":
         torch.cuda.set_device(rank)
     torch._dynamo.reset()
@@ -250,7 +256,7 @@ def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference
         cu_dev, bound = cu.to(device), sum(lengths)  # one bound for every pack: no recompile for it
 
         def program(a, b, c, cu):
-            return ulysses_thd(a, b, c, cu, bound, causal)
+            return ulysses_thd(a, b, c, cu, bound, causal, attention=attention)
 
         if compiled is None:
             # small packs on purpose: the cost model would keep them on flash-2 on GPUs (under
