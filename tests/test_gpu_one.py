@@ -396,6 +396,21 @@ def _errors_against_fp32(q, k, v, cu, causal, grad):
     return errors
 
 
+def _eager_and_compiled_against_fp32(program, q, k, v, cu, causal):
+    """``program(q, k, v)`` in eager and compiled with cp_inductor: each one's errors against
+    fp32 (``_errors_against_fp32``), and the compiled one's varlen report lines. Small packs on
+    purpose: the cost model would keep them on flash-2 (varlen_cudnn_min_size), so it is off."""
+    errors = _errors_against_fp32(q, k, v, cu, causal, torch.randn_like(q))
+    eager = errors(program)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
+                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
+    routes = cp_inductor.report().varlen
+    torch._dynamo.reset()
+    return eager, ours, routes
+
+
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 @pytest.mark.parametrize("causal", [True, False])
@@ -410,20 +425,11 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
 
     lengths = [1, 300, 77, 1024, 1, 129]
     q, k, v, cu, m = vp.pack(lengths, 8, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=head_dim)
-    grad = torch.randn(q.shape[:2] + v.shape[2:], device="cuda", dtype=torch.bfloat16)
-    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
-
-    flash = errors(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, causal))
-    torch._dynamo.reset()
-    cp_inductor.clear_report()
-    # small packs on purpose: the cost model would keep them on flash-2 (varlen_cudnn_min_size)
-    ours = errors(torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, causal), backend="cp_inductor",
-                                fullgraph=True, options={"cp_inductor.varlen_cudnn_min_size": 0}))
-    routes = cp_inductor.report().varlen
+    flash, ours, routes = _eager_and_compiled_against_fp32(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, causal),
+                                                           q, k, v, cu, causal)
     print("flash", flash, "cp_inductor", ours, [r.line() for r in routes])
     assert [r.path for r in routes] == [CUDNN_RAGGED] and ("dropped" in routes[0].detail) == (heads_kv < 8)
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, flash)), (ours, flash)
-    torch._dynamo.reset()
 
 
 @needs_gpu
@@ -441,17 +447,9 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
         return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, causal, False)[0]
 
     q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=3)
-    grad = torch.randn_like(q)
-    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
-
-    eager = errors(program)
-    torch._dynamo.reset()
-    cp_inductor.clear_report()
-    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
-                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
-    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED], cp_inductor.report().varlen
+    eager, ours, routes = _eager_and_compiled_against_fp32(program, q, k, v, cu, causal)
+    assert [r.path for r in routes] == [CUDNN_RAGGED], routes
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
-    torch._dynamo.reset()
 
 
 @needs_gpu
@@ -469,21 +467,11 @@ def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal):
     if vp.flash_attn_like() is None:
         pytest.skip("flash-attn itself defines its ops here")
     q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=5)
-    grad = torch.randn_like(q)
-    errors = _errors_against_fp32(q, k, v, cu, causal, grad)
-
-    def program(q, k, v):
-        return vp.flash_attn_style(q, k, v, cu, m, causal)
-
-    eager = errors(program)
-    torch._dynamo.reset()
-    cp_inductor.clear_report()
-    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
-                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
+    eager, ours, routes = _eager_and_compiled_against_fp32(lambda q, k, v: vp.flash_attn_style(q, k, v, cu, m, causal),
+                                                           q, k, v, cu, causal)
     print("eager", eager, "cp_inductor", ours)
-    assert [r.path for r in cp_inductor.report().varlen] == [CUDNN_RAGGED], cp_inductor.report().varlen
+    assert [r.path for r in routes] == [CUDNN_RAGGED], routes
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
-    torch._dynamo.reset()
 
 
 @needs_gpu
