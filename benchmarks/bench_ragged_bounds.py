@@ -6,17 +6,19 @@ Per pack (Hq32 Hkv8, bf16, causal; 8 random documents at T32K / T64K and D128 / 
 document among 64 short at T32K), forward and backward of ``cudnn_ragged`` on the pack's own
 bucket and on graphs with longer bounds (x1.25, x1.5, x2, the token total) and twice the
 sequence count (empty sequences appended): what ``varlen_attention``'s cover rule pays when a
-pack runs on a graph built for another. Medians of CUDA-event times, ms.
+pack runs on a graph built for another. Every graph is built first; then medians over rounds
+(each variant once per round, the order reversed every other round) of CUDA-event times, ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 from bench_thd import HKV, HQ, lengths_for
-from common import device_ms, write_rows
+from common import device_ms, fill_free_memory, write_rows
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
 import varlen_programs as vp  # noqa: E402
@@ -37,14 +39,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    print(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
     rows = []
     print(f"{'lengths':>8} {'T':>6} {'D':>4} {'graph':>20} {'count':>5} {'bound':>6} | fwd ms  bwd ms  total  vs exact")
     for kind, tokens, head_dim in CASES:
         lengths = lengths_for(kind, tokens, seed=0)
         q, k, v, cu, longest = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=1)
         grad = torch.randn_like(q)
-        exact_total = None
+        calls = {}
         for name, count, bound in variants(len(lengths), bucket(longest, 64), tokens, bucket):
             cu_run = torch.cat([cu, cu[-1:].expand(count - len(lengths))]) if count > len(lengths) else cu
             args = (cu_run, cu_run, count, bound, bound)
@@ -52,12 +56,24 @@ def main() -> int:
             def forward(args=args):
                 return cudnn_ragged.forward(q, k, v, *args, head_dim ** -0.5, True, False)
 
-            out, lse = forward()
+            out, lse = forward()  # builds the graphs before any timing
 
             def backward(args=args, out=out, lse=lse):
                 return cudnn_ragged.backward(grad, q, k, v, out, lse, *args, tokens, tokens, head_dim ** -0.5, True, False)
 
-            fwd, bwd = device_ms(forward, a.iters), device_ms(backward, a.iters)
+            backward()
+            calls[name] = (count, bound, forward, backward)
+        # every variant timed once per round, the order reversed every other round: no variant
+        # is always the first timed (clocks, caches)
+        times = {name: ([], []) for name in calls}
+        for r in range(a.rounds):
+            for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                _, _, forward, backward = calls[name]
+                times[name][0].append(device_ms(forward, a.iters))
+                times[name][1].append(device_ms(backward, a.iters))
+        exact_total = None
+        for name, (count, bound, _, _) in calls.items():
+            fwd, bwd = (statistics.median(t) for t in times[name])
             exact_total = exact_total or fwd + bwd
             row = {"lengths": kind, "tokens": tokens, "head_dim": head_dim, "graph": name, "docs": len(lengths),
                    "count": count, "bound": bound, "longest": longest, "fwd_ms": fwd, "bwd_ms": bwd,
@@ -65,7 +81,7 @@ def main() -> int:
             rows.append(row)
             print(f"{kind:>8} {tokens:>6} {head_dim:>4} {name:>20} {count:>5} {bound:>6} | {fwd:6.2f} {bwd:7.2f} "
                   f"{fwd + bwd:6.2f} {row['vs_exact']:8.3f}", flush=True)
-            write_rows(a.json, a, rows)
+        write_rows(a.json, a, rows)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_thd.py --json out.json [--tokens 32768 65536] [--head-dim 128 256]
 
-Per pack (T tokens, Hq32 Hkv8, bf16, causal or, with ``--masks full``, not; lengths equal,
+Per pack (T tokens, Hq32 Hkv8 or, with ``--kv-heads 32``, MHA; bf16, causal or, with ``--masks full``, not; lengths equal,
 random, or one long document among many short ones), alternating over rounds in one process,
 fwd+bwd medians of:
 
@@ -66,10 +66,10 @@ def lengths_for(kind: str, tokens: int, seed: int, docs: int = DOCS) -> list[int
     return [long, *short]
 
 
-def arms_for(lengths, head_dim, causal=True, program="torchtitan"):
+def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV):
     import cp_inductor  # noqa: F401 - registers the backend
 
-    q, k, v, cu, m = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
+    q, k, v, cu, m = vp.pack(lengths, HQ, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
     ins = [t.requires_grad_() for t in (q, k, v)]
     grad = torch.randn(q.shape[:2] + v.shape[2:], device="cuda", dtype=torch.bfloat16)
     attention = PROGRAMS[program]
@@ -177,7 +177,7 @@ def blocks(a) -> list[dict]:
     block's time attention is, and what the rewrite saves of the whole step."""
     names = ("eager", "inductor", "cp_off", "cp_on")
     print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
-    print(f"{'program':>10} {'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
+    print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
           + " | attention alone inductor/on | attention share | block on/inductor")
     rows = []
     for tokens in a.tokens:
@@ -331,6 +331,8 @@ def main() -> int:
                     help="how the program calls varlen attention")
     ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"],
                     help="causal, and/or full (no mask) attention")
+    ap.add_argument("--kv-heads", type=int, nargs="+", default=[HKV],
+                    help="K/V heads of the main table (32 = MHA, 8 = GQA with 4 query heads each)")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
     ap.add_argument("--ulysses", action="store_true", help="Ulysses over the pack on NCCL (under torchrun)")
     ap.add_argument("--block", action="store_true", help="a torchtitan block step per pack, next to attention alone")
@@ -349,15 +351,18 @@ def main() -> int:
         blocks(a)
         return 0
     rows = []
-    print(f"{'program':>10} {'T':>6} {'D':>4} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
+    print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
-            for program, kind, mask in ((p, k, m) for p in a.programs for k in a.kinds for m in a.masks):
+            for program, kind, mask, kv_heads in ((p, k, m, h) for p in a.programs for k in a.kinds for m in a.masks
+                                                  for h in a.kv_heads):
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal", program=program),
+                times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal", program=program,
+                                                     kv_heads=kv_heads),
                                             a.rounds, lambda fn: device_ms(fn, a.iters))
-                row = {"program": program, "tokens": tokens, "head_dim": head_dim, "lengths": kind, "mask": mask,
+                row = {"program": program, "tokens": tokens, "head_dim": head_dim, "kv_heads": kv_heads, "lengths": kind,
+                       "mask": mask,
                        "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()},
                        **{f"{n}_peak_gib": p for n, p in peaks.items()}}
@@ -365,7 +370,7 @@ def main() -> int:
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
                 cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
-                print(f"{program:>10} {tokens:>6} {head_dim:>4} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
+                print(f"{program:>10} {tokens:>6} {head_dim:>4} {kv_heads:>3} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
                       f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
                 write_rows(a.json, a, rows)
     if a.varying_steps:

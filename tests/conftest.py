@@ -29,9 +29,15 @@ def triton_interpret(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def cold_fx_graph_cache(monkeypatch):
-    """The passes must run (a warm FX-graph cache would skip them); spawned workers inherit it.
-    The warm-cache test turns it back on for itself."""
+    """The passes must run: a warm FX-graph cache (a second run on one machine) would skip them,
+    and the tests that count rewrites would see none. Off in this process (torch read the
+    variable when it was imported, so it is patched) and in spawned workers (they read the
+    variable); the warm-cache test turns the variable back on for its workers."""
+    import torch._inductor.config as inductor_config
+
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    with inductor_config.patch(fx_graph_cache=False):
+        yield
 
 
 # Our own bugs must fail the tests, not turn into "internal error" skip reasons (spawned workers
