@@ -185,7 +185,7 @@ def blocks(a) -> list[dict]:
             for kind in a.kinds:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
                 attention, _ = measure_arms({n: f for n, f in arms_for(lengths, head_dim).items() if n in ("inductor", "cp_on")},
-                                            a.rounds, lambda fn: device_ms(fn, a.iters))
+                                            a.rounds, lambda fn: device_ms(fn, a.iters, calls=a.calls))
                 times, peaks = measure_arms(block_arms_for(lengths, head_dim), a.rounds, lambda fn: device_ms(fn, a.iters))
                 row = {"block": True, "tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()}, **{f"{n}_peak_gib": p for n, p in peaks.items()},
@@ -324,6 +324,9 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="*", default=["equal", "random", "one_long"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=1,
+                    help="steps timed back to back per measurement (> 1: the host queues the next step while the "
+                         "GPU runs this one, as in training, so no arm's launch latency is timed)")
     ap.add_argument("--varying-steps", type=int, default=0, help="also run this many steps of changing lengths")
     ap.add_argument("--policies", nargs="+", default=["cover"], choices=list(POLICIES),
                     help="--varying-steps: how a pack whose bucket has no cuDNN graph runs")
@@ -360,7 +363,7 @@ def main() -> int:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
                 times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal", program=program,
                                                      kv_heads=kv_heads),
-                                            a.rounds, lambda fn: device_ms(fn, a.iters))
+                                            a.rounds, lambda fn: device_ms(fn, a.iters, calls=a.calls))
                 row = {"program": program, "tokens": tokens, "head_dim": head_dim, "kv_heads": kv_heads, "lengths": kind,
                        "mask": mask,
                        "docs": lengths,
