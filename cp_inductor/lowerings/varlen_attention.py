@@ -102,10 +102,11 @@ def bucket(n: int, smallest: int = 1) -> int:
 
 # Bucketed (sequence count, bound q, bound k) shapes whose graphs are built, per call signature.
 # A pack whose own bucket has no graph runs on the smallest built one that covers it within
-# twice the count and twice the bounds: a few empty thread blocks, at most 3.5% of the kernels'
-# time measured (H200, T32K, bounds x2; 0.3% at T64K). Its own graph is built only once it has
-# run ``_BUILD_AFTER`` times so: a build (0.1-0.2 s, and the frontend holds the GIL meanwhile,
-# so it stalls the step even on another thread) costs what 3.5% of a 14 ms step does over about
+# twice the count and twice the bounds: a few empty thread blocks, at most 4% of the kernels'
+# time measured (H200, D256 with count and bounds x2; within 1% at T64K; benchmarks/
+# bench_ragged_bounds.py). Its own graph is built only once it has run ``_BUILD_AFTER`` times
+# so: a build (0.1-0.2 s, and the frontend holds the GIL meanwhile, so it stalls the step even
+# on another thread) costs what 4% of a 14 ms step does over about
 # 300 steps. Lengths that change every step then stop costing builds as soon as the packs seen
 # are covered, and a bucket that keeps coming gets its own graph. Where nothing built covers the
 # pack, or under deterministic algorithms (which graph runs must not depend on history), its own
