@@ -454,20 +454,23 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
 
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
-@pytest.mark.parametrize("causal", [True, False])
-def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal):
+@pytest.mark.parametrize("causal,form,heads_kv", [(True, "func", 2), (False, "func", 2), (True, "packed", 8),
+                                                   (False, "packed", 2)])
+def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal, form, heads_kv):
     """flash-attn's ``flash_attn_varlen_func`` (its ops under flash-attn's schemas, on aten's
-    flash-2 kernels: flash-attn is not on the GPU machine), GQA as is, compiled with cp_inductor:
-    the autograd.Function moves onto cuDNN's ragged attention; output and every gradient against
-    fp32, no worse than the Function in eager."""
+    flash-2 kernels: flash-attn is not on the GPU machine), GQA as is, and its packed forms
+    (q, k, v as views of one tensor: qkv-packed with MHA, kv-packed with GQA), compiled with
+    cp_inductor: the autograd.Function moves onto cuDNN's ragged attention; output and every
+    gradient against fp32, no worse than the Function in eager."""
     import varlen_programs as vp
 
     from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
 
     if vp.flash_attn_like() is None:
         pytest.skip("flash-attn itself defines its ops here")
-    q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=5)
-    eager, ours, routes = _eager_and_compiled_against_fp32(lambda q, k, v: vp.flash_attn_style(q, k, v, cu, m, causal),
+    q, k, v, cu, m = vp.pack([1, 300, 77, 1024, 129], 8, heads_kv, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    program = vp.flash_attn_style if form == "func" else vp.flash_attn_packed_style
+    eager, ours, routes = _eager_and_compiled_against_fp32(lambda q, k, v: program(q, k, v, cu, m, causal),
                                                            q, k, v, cu, causal)
     print("eager", eager, "cp_inductor", ours)
     assert [r.path for r in routes] == [CUDNN_RAGGED], routes

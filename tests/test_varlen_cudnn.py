@@ -5,6 +5,7 @@ GPU tier runs cuDNN (tests/test_gpu_one.py)."""
 
 import contextlib
 import functools
+import operator
 
 import pytest
 import torch
@@ -40,6 +41,19 @@ def calls(gm) -> str:
         if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) != "getitem":
             args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
             out.append(f"{getattr(n.target, '__name__', n.target)}({args})")
+    return "\n".join(out)
+
+
+def calls_and_views(gm) -> str:
+    """``calls``, with the views taken by indexing (``x[:, 0]``) written out."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple):
+            index = ", ".join(":" if i == slice(None) else repr(i) for i in n.args[1])
+            out.append(f"{n.name} = {n.args[0].name}[{index}]")
+        elif n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) != "getitem":
+            args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
+            out.append(f"{n.name} = {getattr(n.target, '__name__', n.target)}({args})")
     return "\n".join(out)
 
 
@@ -158,6 +172,40 @@ varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
                                                    q.requires_grad_(), k, v, cu, m)
         self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
 
+    def test_the_qkv_packed_function_moves_with_its_views(self):
+        """flash_attn_varlen_qkvpacked_func: q, k, v are views of one [T, 3, H, D] input; the
+        same views are taken outside the Function, autograd through them packs the gradient."""
+        q, k, v, cu, m = vp.pack([3, 7, 1], 2, 2, 16)
+        gm, (route,), out = rewritten_while_compiling(vp.flash_attn_packed_style, q.requires_grad_(), k, v, cu, m)
+        self.assertExpectedInline(calls_and_views(gm), """\
+arg = stack([l_q_, l_k_, l_v_])
+getitem_1 = arg[:, 0]
+getitem_2 = arg[:, 1]
+getitem_3 = arg[:, 2]
+varlen_attention_default = varlen_attention.default(getitem_1, getitem_2, getitem_3, l_cu_, l_cu_, 7, 7, 0.25, True)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
+
+    def test_the_kv_packed_function_moves_gqa_as_is(self):
+        q, k, v, cu, m = vp.pack([3, 7, 1], 4, 2, 16)
+        gm, (route,), _ = rewritten_while_compiling(vp.flash_attn_packed_style, q.requires_grad_(), k, v, cu, m)
+        self.assertExpectedInline(calls_and_views(gm), """\
+arg = stack([l_k_, l_v_])
+arg_1 = clone(l_cu_)
+getitem_1 = arg[:, 0]
+getitem_2 = arg[:, 1]
+varlen_attention_default = varlen_attention.default(l_q_, getitem_1, getitem_2, l_cu_, arg_1, 7, 7, 0.25, True)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+
+    def test_a_packed_function_that_stays_leaves_no_views_behind(self):
+        q, k, v, cu, m = vp.pack([3, 7, 1], 2, 2, 16)
+        gm, (route,), _ = rewritten_while_compiling(vp.flash_attn_packed_style, q.requires_grad_(), k, v, cu, m,
+                                                    varlen_cudnn=False)
+        self.assertExpectedInline(calls_and_views(gm), """\
+arg = stack([l_q_, l_k_, l_v_])
+autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, arg, l_cu_)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
+
     def test_head_dim_padding_keeps_the_function(self):
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 12)
         _, (route,), _ = rewritten_while_compiling(vp.flash_attn_style, q.requires_grad_(), k, v, cu, m)
@@ -231,7 +279,8 @@ class TestReasons(TestCase):
         self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
 
 
-PROGRAMS = {"torchtitan": vp.torchtitan_style, "aten_flash": aten_flash_varlen, "flash_attn": vp.flash_attn_style}
+PROGRAMS = {"torchtitan": vp.torchtitan_style, "aten_flash": aten_flash_varlen, "flash_attn": vp.flash_attn_style,
+            "flash_attn_packed": vp.flash_attn_packed_style}
 
 
 @pytest.mark.parametrize("program", list(PROGRAMS))
@@ -239,8 +288,11 @@ PROGRAMS = {"torchtitan": vp.torchtitan_style, "aten_flash": aten_flash_varlen, 
 def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths, program):
     """cp_inductor on the reference kernels, against per-sequence fp64 SDPA: the output and
     every gradient (GQA, with torchtitan's repeat dropped; a 1-token document; lengths off 128),
-    for varlen_attn, aten's flash forward called on the pack and flash-attn's Function."""
+    for varlen_attn, aten's flash forward called on the pack, flash-attn's Function and its
+    packed forms (q, k, v in one tensor with MHA, k and v in one with GQA)."""
     attention = PROGRAMS[program]
+    if program.startswith("flash_attn") and vp.flash_attn_like() is None:  # its ops, registered before compiling
+        pytest.skip("flash-attn itself defines its ops here")
     q, k, v, cu, m = vp.pack(lengths, 4, heads_kv, 16, dtype=torch.float32, seed=len(lengths))
     inputs = [t.requires_grad_() for t in (q, k, v)]
     torch._dynamo.reset()

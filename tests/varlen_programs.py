@@ -177,7 +177,59 @@ def flash_attn_like(namespace: str = "flash_attn"):
         return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                          softmax_scale, causal, window_size, softcap)
 
+    class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
+        """flash-attn's packed form: q, k, v as views of one [T, 3, H, D] input, one gradient for it."""
+
+        @staticmethod
+        def forward(ctx, qkv, cu, max_len, dropout_p, scale, causal):
+            scale = qkv.shape[-1] ** -0.5 if scale is None else scale
+            q, k, v = qkv[:, 0].detach(), qkv[:, 1].detach(), qkv[:, 2].detach()
+            out, lse, _, rng = ops._flash_attn_varlen_forward(q, k, v, cu, cu, max_len, max_len, dropout_p, scale,
+                                                              causal=causal)
+            ctx.save_for_backward(q, k, v, out, lse, cu, rng)
+            ctx.args = (max_len, max_len, dropout_p, scale, causal, -1, -1, 0.0)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse, cu, rng = ctx.saved_tensors
+            dqkv = torch.empty(q.shape[:-2] + (3, *q.shape[-2:]), dtype=q.dtype, device=q.device)
+            ops._flash_attn_varlen_backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu, cu, *ctx.args,
+                                            None, False, rng_state=rng)
+            return dqkv, None, None, None, None, None
+
+    class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
+        """flash-attn's K/V-packed form: k, v as views of one [T, 2, H_kv, D] input."""
+
+        @staticmethod
+        def forward(ctx, q, kv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal):
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            k, v = kv[:, 0].detach(), kv[:, 1].detach()
+            out, lse, _, rng = ops._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale,
+                                                              causal=causal)
+            ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng)
+            ctx.args = (max_q, max_k, dropout_p, scale, causal, -1, -1, 0.0)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse, cu_q, cu_k, rng = ctx.saved_tensors
+            dq = torch.empty_like(q)
+            dkv = torch.empty(k.shape[:-2] + (2, *k.shape[-2:]), dtype=k.dtype, device=k.device)
+            ops._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dkv[:, 0], dkv[:, 1], cu_q, cu_k, *ctx.args,
+                                            None, False, rng_state=rng)
+            return dq, dkv, None, None, None, None, None, None, None
+
+    def qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False):
+        return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal)
+
+    def kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                 causal=False):
+        return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                                 softmax_scale, causal)
+
     flash_attn_varlen_func.lib = lib  # the registrations live as long as the function
+    flash_attn_varlen_func.qkvpacked, flash_attn_varlen_func.kvpacked = qkvpacked, kvpacked
     _flash_attn_made[namespace] = flash_attn_varlen_func
     return flash_attn_varlen_func
 
@@ -188,6 +240,17 @@ def flash_attn_style(q, k, v, cu, max_len, causal=True, namespace="flash_attn"):
     two inputs of an autograd.Function (torch 2.11's does not). ``flash_attn_like(namespace)``
     must have run before compiling."""
     return _flash_attn_made[namespace](q, k, v, cu, cu.clone(), max_len, max_len, causal=causal)
+
+
+def flash_attn_packed_style(q, k, v, cu, max_len, causal=True, namespace="flash_attn"):
+    """A program calling flash-attn's packed forms on the pack, as projects whose projection
+    writes q, k, v into one tensor do: ``flash_attn_varlen_qkvpacked_func`` on [T, 3, H, D] when
+    the heads agree, ``flash_attn_varlen_kvpacked_func`` on q and [T, 2, H_kv, D] (GQA)
+    otherwise. ``flash_attn_like(namespace)`` must have run before compiling."""
+    made = _flash_attn_made[namespace]
+    if q.shape[1] == k.shape[1]:
+        return made.qkvpacked(torch.stack([q, k, v], dim=1), cu, max_len, causal=causal)
+    return made.kvpacked(q, torch.stack([k, v], dim=1), cu, cu.clone(), max_len, max_len, causal=causal)
 
 
 def ulysses_thd(q, k, v, cu, max_len, causal=True, group=None, attention="varlen_attn"):

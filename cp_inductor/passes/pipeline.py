@@ -153,6 +153,10 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
             if reason is None:
                 break
             call.reasons[lowering.NAME] = reason
+    for call in calls:  # a call that stays needs none of the views reading it made
+        for node in reversed(call.inserted if call.path == varlen_calls.KEPT else ()):
+            if not node.users:
+                gm.graph.erase_node(node)
     if any(c.path != varlen_calls.KEPT for c in calls):
         gm.graph.lint()
         gm.recompile()

@@ -16,6 +16,11 @@ body's placeholders) when the forward does nothing but call the op and the backw
 flash-attn's backward: the Function is then attention and its gradient, so our op's autograd
 formula can stand in for both. Otherwise the call is kept, with the reason. A direct call of the
 op (no Function: inference) is read the same way.
+
+The packed Functions (``flash_attn_varlen_qkvpacked_func``, ``..._kvpacked_func``) take q, k and
+v as views of one input (``q, k, v = qkv[:, 0].detach(), qkv[:, 1].detach(), ...``): the same
+views of the outer input are put before the call (``FunctionRead.inserted``; the pipeline takes
+them out again if the call stays), and autograd through them gives the packed gradient.
 """
 
 from __future__ import annotations
@@ -70,12 +75,14 @@ def normalized(bound: dict) -> dict:
 @dataclass
 class FunctionRead:
     """What a flash-attn autograd.Function call reads as: its forward call's name, and either
-    its arguments (outer nodes and constants) or why it is kept."""
+    its arguments (outer nodes and constants) or why it is kept; ``inserted``: the outer views
+    made for a packed Function's q, k, v."""
 
     name: str
     is_causal: bool
     args: dict | None = None
     why_kept: str | None = None
+    inserted: tuple = ()
 
 
 def _body(gm: torch.fx.GraphModule, node) -> torch.fx.GraphModule | None:
@@ -100,10 +107,33 @@ def _is_op_output(node, call: torch.fx.Node) -> bool:
     return isinstance(kept, slice) and kept.start in (None, 0) and kept.step in (None, 1) and (kept.stop or width) >= width
 
 
-def _inert(node: torch.fx.Node, call: torch.fx.Node) -> bool:
+_DETACH = (torch.Tensor.detach, torch.detach, torch.ops.aten.detach.default)
+
+
+def _operand_view(node, placeholders) -> tuple | None:
+    """``(placeholder, index)`` when ``node`` is ``placeholder[index]`` (ints and full slices),
+    perhaps detached: how flash-attn's packed Functions take q, k, v out of qkv or kv."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if (node.op == "call_method" and node.target == "detach") or (node.op == "call_function" and node.target in _DETACH):
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[0] not in placeholders:
+        return None
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not all((isinstance(i, int) and not isinstance(i, bool)) or i == slice(None) for i in index):
+        return None
+    return node.args[0], index
+
+
+def _inert(node: torch.fx.Node, call: torch.fx.Node, placeholders) -> bool:
     return (node.op in ("placeholder", "output") or node is call or _is_op_output(node, call)
+            or _operand_view(node, placeholders) is not None
             or (node.op == "call_function" and node.target is operator.getitem and node.args[0] is call)
             or (node.op == "call_function" and node.target is torch._C._set_grad_enabled))
+
+
+def _example(node: torch.fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead | None:
@@ -130,13 +160,13 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
     if not any(n.op == "call_function" and qualname(n.target) == ops.backward for n in backward.graph.nodes):
         read.why_kept = f"the autograd.Function's backward does not call {ops.backward}"
         return read
-    extra = [n for n in forward.graph.nodes if not _inert(n, call)]
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    extra = [n for n in forward.graph.nodes if not _inert(n, call, placeholders)]
     if extra:
         what = extra[0].target if extra[0].op != "call_function" else getattr(extra[0].target, "__name__", extra[0].target)
         why = " (flash-attn pads a head_dim off 8)" if what == "pad" else ""
         read.why_kept = f"the autograd.Function's forward also runs {what}{why}"
         return read
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     operands = list(node.args[2:])
     if len(placeholders) == len(operands) + 1:  # a ctx placeholder first
         placeholders = placeholders[1:]
@@ -148,13 +178,24 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
         read.why_kept = "the autograd.Function's body is not in a form this pass reads (its first output is not the op's)"
         return read
     outer = dict(zip(placeholders, operands))
-    args = {}
+    args, views = {}, {}
     for name, value in bind(call).items():
         if isinstance(value, torch.fx.Node):
-            if value not in outer:
+            if value in outer:
+                value = outer[value]
+            elif (view := _operand_view(value, outer)) is not None and isinstance(outer[view[0]], torch.fx.Node):
+                views[name] = (outer[view[0]], view[1])
+            else:
                 read.why_kept = f"flash-attn's {name} is computed inside the autograd.Function"
                 return read
-            value = outer[value]
         args[name] = value
-    read.args = normalized(args)
+    made = {}  # (source, repr(index)) -> view: one view per distinct slice (slices do not hash before 3.12)
+    with gm.graph.inserting_before(node):
+        for name, (source, index) in views.items():
+            key = (source, repr(index))
+            if key not in made:
+                made[key] = gm.graph.call_function(operator.getitem, (source, index))
+                made[key].meta["example_value"] = _example(source)[index]
+            args[name] = made[key]
+    read.args, read.inserted = normalized(args), tuple(made.values())
     return read

@@ -76,6 +76,7 @@ class VarlenCall:
     reasons: dict = field(default_factory=dict)  # rewrite -> why it did not take the call
     repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
     style: str = "local"  # "a2a": an all-to-all delivers its tokens (Ulysses over the pack)
+    inserted: tuple = ()  # nodes reading the call put in (a packed Function's q, k, v views)
 
     @property
     def query(self):
@@ -122,11 +123,11 @@ def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
     ops = _varlen_ops()
     calls = []
     for node in gm.graph.nodes:
-        name, reasons = node.name, {}
+        name, reasons, inserted = node.name, {}, ()
         if node.op == "call_function" and node.target in ops:
             args = _normalized(node)
         elif (flash := flash_attn_calls.read_function(gm, node)) is not None:
-            name, args = flash.name, flash.args
+            name, args, inserted = flash.name, flash.args, flash.inserted
             if args is None:
                 args, reasons = {"is_causal": flash.is_causal}, {"varlen": flash.why_kept}
         else:
@@ -135,7 +136,7 @@ def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
             continue
         causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
         style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
-        calls.append(VarlenCall(node, name, args, causal, reasons=reasons, style=style))
+        calls.append(VarlenCall(node, name, args, causal, reasons=reasons, style=style, inserted=inserted))
     return calls
 
 
