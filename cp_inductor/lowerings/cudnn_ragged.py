@@ -56,7 +56,14 @@ _OFF = {name: 20 + i for i, name in enumerate(("q", "k", "v", "o", "stats", "do"
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
-    return t if descriptor_ready(t.stride(), t.data_ptr()) else t.clone(memory_format=torch.contiguous_format)
+    """``t`` as dense ``[T, H, D]`` rows. cuDNN's ragged backward hit an illegal instruction on
+    H200 (cuDNN 9.19) when q was a view of a ``[T, 3, H, D]`` tensor (flash-attn's qkv-packed
+    form: token stride 3 H D), so any operand whose tokens are not packed rows is copied first;
+    the copy (q at T32K Hq32 D128: 0.5 GB moved, about 0.15 ms by bandwidth) is small next to
+    the attention it feeds (11 ms fwd+bwd)."""
+    if t.is_contiguous() and descriptor_ready(t.stride(), t.data_ptr()):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _describe(graph, name, uid, t_shape_stride, count, bound, dtype):
