@@ -206,6 +206,30 @@ arg = stack([l_q_, l_k_, l_v_])
 autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, arg, l_cu_)""")
         self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
 
+    def test_a_function_taking_part_of_its_input_is_kept(self):
+        """A view that is not a whole slice of the input (here half its heads) is not read as an
+        operand: the Function is kept, with the reason."""
+        ops = torch.ops.flash_attn
+
+        class HalfHeads(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, qkv, cu_q, cu_k, m):
+                half = qkv.shape[2] // 2
+                return ops._flash_attn_varlen_forward(qkv[:, 0, :half], qkv[:, 1, :half], qkv[:, 2, :half], cu_q, cu_k,
+                                                      m, m, 0.0, 0.25, True)[0]
+
+            @staticmethod
+            def backward(ctx, grad):
+                ops._flash_attn_varlen_backward(grad, grad, grad, grad, grad, grad, None, None, None, None, None, 1, 1,
+                                                0.0, 1.0, True, -1, -1, 0.0, None, False)
+                return None, None, None, None
+
+        q, k, v, cu, m = vp.pack([4, 4], 4, 4, 16)
+        qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+        gm = dynamo_graph(lambda qkv: HalfHeads.apply(qkv, cu, cu.clone(), m), qkv)
+        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: the autograd.Function's forward also runs getitem (a view that is not a whole slice of an input)""")
+
     def test_head_dim_padding_keeps_the_function(self):
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 12)
         _, (route,), _ = rewritten_while_compiling(vp.flash_attn_style, q.requires_grad_(), k, v, cu, m)

@@ -164,7 +164,8 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
     extra = [n for n in forward.graph.nodes if not _inert(n, call, placeholders)]
     if extra:
         what = extra[0].target if extra[0].op != "call_function" else getattr(extra[0].target, "__name__", extra[0].target)
-        why = " (flash-attn pads a head_dim off 8)" if what == "pad" else ""
+        why = {"pad": " (flash-attn pads a head_dim off 8)", "getitem": " (a view that is not a whole slice of an input)"}
+        why = why.get(getattr(what, "__name__", what), "")
         read.why_kept = f"the autograd.Function's forward also runs {what}{why}"
         return read
     operands = list(node.args[2:])
