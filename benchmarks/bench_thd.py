@@ -177,7 +177,7 @@ def blocks(a) -> list[dict]:
     block's time attention is, and what the rewrite saves of the whole step."""
     names = ("eager", "inductor", "cp_off", "cp_on")
     print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
-    print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in names)
+    print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names)
           + " | attention alone inductor/on | attention share | block on/inductor")
     rows = []
     for tokens in a.tokens:
@@ -186,7 +186,8 @@ def blocks(a) -> list[dict]:
                 lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
                 attention, _ = measure_arms({n: f for n, f in arms_for(lengths, head_dim).items() if n in ("inductor", "cp_on")},
                                             a.rounds, lambda fn: device_ms(fn, a.iters, calls=a.calls))
-                times, peaks = measure_arms(block_arms_for(lengths, head_dim), a.rounds, lambda fn: device_ms(fn, a.iters))
+                times, peaks = measure_arms(block_arms_for(lengths, head_dim), a.rounds,
+                                            lambda fn: device_ms(fn, a.iters, calls=a.calls))
                 row = {"block": True, "tokens": tokens, "head_dim": head_dim, "lengths": kind, "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()}, **{f"{n}_peak_gib": p for n, p in peaks.items()},
                        "attention_inductor_ms": attention["inductor"], "attention_cp_on_ms": attention["cp_on"]}

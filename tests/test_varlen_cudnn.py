@@ -35,25 +35,27 @@ def dynamo_graph(fn, *args):
     return graphs[0]
 
 
+def _call(n) -> str | None:
+    """``target(args)`` for a call other than getitem, else None."""
+    if n.op not in ("call_function", "call_method") or getattr(n.target, "__name__", n.target) == "getitem":
+        return None
+    args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
+    return f"{getattr(n.target, '__name__', n.target)}({args})"
+
+
 def calls(gm) -> str:
-    out = []
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) != "getitem":
-            args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
-            out.append(f"{getattr(n.target, '__name__', n.target)}({args})")
-    return "\n".join(out)
+    return "\n".join(line for n in gm.graph.nodes if (line := _call(n)) is not None)
 
 
 def calls_and_views(gm) -> str:
-    """``calls``, with the views taken by indexing (``x[:, 0]``) written out."""
+    """``calls`` with each node's name, and the views taken by indexing (``x[:, 0]``) written out."""
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple):
             index = ", ".join(":" if i == slice(None) else repr(i) for i in n.args[1])
             out.append(f"{n.name} = {n.args[0].name}[{index}]")
-        elif n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) != "getitem":
-            args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
-            out.append(f"{n.name} = {getattr(n.target, '__name__', n.target)}({args})")
+        elif (line := _call(n)) is not None:
+            out.append(f"{n.name} = {line}")
     return "\n".join(out)
 
 

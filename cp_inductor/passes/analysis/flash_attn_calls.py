@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .op_schema import bind, qualname
+from .op_schema import bind, qualname, value
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _is_op_output(node, call: torch.fx.Node) -> bool:
     if not (_is_op_output(source, call) and isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis):
         return False
     kept = index[1]
-    width = source.meta["val"].shape[-1] if "val" in source.meta else source.meta["example_value"].shape[-1]
+    width = value(source).shape[-1]
     return isinstance(kept, slice) and kept.start in (None, 0) and kept.step in (None, 1) and (kept.stop or width) >= width
 
 
@@ -132,8 +132,8 @@ def _inert(node: torch.fx.Node, call: torch.fx.Node, placeholders) -> bool:
             or (node.op == "call_function" and node.target is torch._C._set_grad_enabled))
 
 
-def _example(node: torch.fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
+# what a body op that keeps the Function usually means
+_EXTRA_MEANS = {"pad": " (flash-attn pads a head_dim off 8)", "getitem": " (a view that is not a whole slice of an input)"}
 
 
 def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead | None:
@@ -164,9 +164,7 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
     extra = [n for n in forward.graph.nodes if not _inert(n, call, placeholders)]
     if extra:
         what = extra[0].target if extra[0].op != "call_function" else getattr(extra[0].target, "__name__", extra[0].target)
-        why = {"pad": " (flash-attn pads a head_dim off 8)", "getitem": " (a view that is not a whole slice of an input)"}
-        why = why.get(getattr(what, "__name__", what), "")
-        read.why_kept = f"the autograd.Function's forward also runs {what}{why}"
+        read.why_kept = f"the autograd.Function's forward also runs {what}{_EXTRA_MEANS.get(what, '')}"
         return read
     operands = list(node.args[2:])
     if len(placeholders) == len(operands) + 1:  # a ctx placeholder first
@@ -180,23 +178,23 @@ def read_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> FunctionRead
         return read
     outer = dict(zip(placeholders, operands))
     args, views = {}, {}
-    for name, value in bind(call).items():
-        if isinstance(value, torch.fx.Node):
-            if value in outer:
-                value = outer[value]
-            elif (view := _operand_view(value, outer)) is not None and isinstance(outer[view[0]], torch.fx.Node):
+    for name, arg in bind(call).items():
+        if isinstance(arg, torch.fx.Node):
+            if arg in outer:
+                arg = outer[arg]
+            elif (view := _operand_view(arg, outer)) is not None and isinstance(outer[view[0]], torch.fx.Node):
                 views[name] = (outer[view[0]], view[1])
             else:
                 read.why_kept = f"flash-attn's {name} is computed inside the autograd.Function"
                 return read
-        args[name] = value
+        args[name] = arg
     made = {}  # (source, repr(index)) -> view: one view per distinct slice (slices do not hash before 3.12)
     with gm.graph.inserting_before(node):
         for name, (source, index) in views.items():
             key = (source, repr(index))
             if key not in made:
                 made[key] = gm.graph.call_function(operator.getitem, (source, index))
-                made[key].meta["example_value"] = _example(source)[index]
+                made[key].meta["example_value"] = value(source)[index]
             args[name] = made[key]
     read.args, read.inserted = normalized(args), tuple(made.values())
     return read

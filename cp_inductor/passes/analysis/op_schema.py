@@ -1,5 +1,6 @@
-"""A call's op by its schema name, and its arguments by the schema's names: how passes read ops
-whose argument lists differ between releases (torch's varlen_attn, flash-attn's ops)."""
+"""A call's op by its schema name, its arguments by the schema's names, and what an argument
+holds: how passes read ops whose argument lists differ between releases (torch's varlen_attn,
+flash-attn's ops)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,8 @@ def bind(node: torch.fx.Node) -> dict:
     bound.update(zip((a.name for a in arguments), node.args))
     bound.update(node.kwargs)
     return bound
+
+
+def value(x):
+    """A node's example value (Dynamo's graph) or value (AOT's), or the constant itself."""
+    return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else x

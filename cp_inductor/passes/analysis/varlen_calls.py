@@ -23,7 +23,7 @@ from ...reporting import VarlenRoute
 from . import flash_attn_calls
 from .collectives import KNOWN_ALL_TO_ALLS
 from .graph_walk import Walk
-from .op_schema import bind, qualname
+from .op_schema import bind, qualname, value
 
 KEPT = "kept"
 
@@ -95,11 +95,6 @@ def _bind(node: torch.fx.Node) -> dict:
     if "cu_seq_q" in bound and bound.get("cu_seq_k") is None:
         bound["cu_seq_k"] = bound["cu_seq_q"]
     return bound
-
-
-def value(x):
-    """A node's example value (Dynamo's graph) or value (AOT's), or the constant itself."""
-    return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else x
 
 
 _ALL_TO_ALLS = {"_c10d_functional::all_to_all_single"} | {k.qualname for k in KNOWN_ALL_TO_ALLS}
