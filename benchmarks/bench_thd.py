@@ -14,6 +14,10 @@ fwd+bwd medians of:
 - ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN;
 - ``cp_uniform`` (equal lengths): cp_inductor with ``uniform_thd="promised"`` (dense SDPA).
 
+Random packs are seeded by T + D (so D128 and D256 differ), or, with ``--seeds S ...``, one
+row per seed. Each arm's row also has the median SM clock it ran at (``common.gpu_clocks``): the
+H200 lowers it to hold its 700 W cap, so it says how much of a difference is power, not work.
+
 ``--varying-steps N``: N steps whose lengths and document counts change every step (``--kinds``
 with no kind: only those).
 
@@ -45,7 +49,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import device_ms, fill_free_memory, write_rows
+from common import device_ms, fill_free_memory, gpu_clocks, write_rows
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
 import varlen_programs as vp  # noqa: E402
@@ -337,6 +341,8 @@ def main() -> int:
                     help="causal, and/or full (no mask) attention")
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[HKV],
                     help="K/V heads of the main table (32 = MHA, 8 = GQA with 4 query heads each)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="random packs: one row per seed (default: one pack, seeded by T + D)")
     ap.add_argument("--fake-rank", default=None, help="R/CP: one rank's compute of Ulysses over the pack")
     ap.add_argument("--ulysses", action="store_true", help="Ulysses over the pack on NCCL (under torchrun)")
     ap.add_argument("--block", action="store_true", help="a torchtitan block step per pack, next to attention alone")
@@ -356,26 +362,31 @@ def main() -> int:
         return 0
     rows = []
     print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
-          + " | on/inductor  on/floor | peak GiB inductor/on")
+          + " | on/inductor  on/floor | peak GiB inductor/on | SM clock inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
-            for program, kind, mask, kv_heads in ((p, k, m, h) for p in a.programs for k in a.kinds for m in a.masks
-                                                  for h in a.kv_heads):
-                lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
+            seeds = {k: a.seeds if a.seeds and k == "random" else [tokens + head_dim] for k in a.kinds}
+            for program, kind, seed, mask, kv_heads in ((p, k, s, m, h) for p in a.programs for k in a.kinds
+                                                        for s in seeds[k] for m in a.masks for h in a.kv_heads):
+                lengths = lengths_for(kind, tokens, seed=seed)
+                clocks: dict = {}
                 times, peaks = measure_arms(arms_for(lengths, head_dim, causal=mask == "causal", program=program,
                                                      kv_heads=kv_heads),
-                                            a.rounds, lambda fn: device_ms(fn, a.iters, calls=a.calls))
+                                            a.rounds, lambda fn: device_ms(fn, a.iters, calls=a.calls), clocks=clocks)
                 row = {"program": program, "tokens": tokens, "head_dim": head_dim, "kv_heads": kv_heads, "lengths": kind,
-                       "mask": mask,
+                       "seed": seed, "mask": mask,
                        "docs": lengths,
                        **{f"{n}_ms": t for n, t in times.items()},
-                       **{f"{n}_peak_gib": p for n, p in peaks.items()}}
+                       **{f"{n}_peak_gib": p for n, p in peaks.items()},
+                       **{f"{n}_sm_mhz": c for n, c in clocks.items()}}
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
                 cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
-                print(f"{program:>10} {tokens:>6} {head_dim:>4} {kv_heads:>3} {kind:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
-                      f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}", flush=True)
+                label = f"{kind[:4]}{seed}" if a.seeds and kind == "random" else kind
+                print(f"{program:>10} {tokens:>6} {head_dim:>4} {kv_heads:>3} {label:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
+                      f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}"
+                      + (f" | MHz {clocks['inductor']:.0f}/{clocks['cp_on']:.0f}" if clocks else ""), flush=True)
                 write_rows(a.json, a, rows)
     if a.varying_steps:
         rows += varying(a.tokens[0], a.head_dim[0], a.varying_steps, a.iters, a.policies)
@@ -383,18 +394,25 @@ def main() -> int:
     return 0
 
 
-def measure_arms(arms: dict, rounds: int, time_one, peak_of=float) -> tuple[dict, dict]:
+def measure_arms(arms: dict, rounds: int, time_one, peak_of=float, clocks: dict | None = None) -> tuple[dict, dict]:
     """Per arm: the median over rounds (the arm order reversed every other round) of
     ``time_one(fn)``, and its peak memory in GiB beyond what was allocated before it ran
-    (``peak_of`` combines ranks)."""
-    times, peaks = {n: [] for n in arms}, {}
+    (``peak_of`` combines ranks). ``clocks``, if given, gets per arm the median over rounds of
+    the SM clock it ran at (``common.gpu_clocks``)."""
+    times, peaks, mhz = {n: [] for n in arms}, {}, {n: [] for n in arms}
     for r in range(rounds):
         for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            times[name].append(time_one(fn))
+            sampled: dict = {}
+            with gpu_clocks(sampled):
+                times[name].append(time_one(fn))
+            if "sm_mhz" in sampled:
+                mhz[name].append(sampled["sm_mhz"])
             peaks[name] = peak_of((torch.cuda.max_memory_allocated() - base) / 2**30)
+    if clocks is not None:
+        clocks.update({n: statistics.median(m) for n, m in mhz.items() if m})
     return {n: statistics.median(t) for n, t in times.items()}, peaks
 
 

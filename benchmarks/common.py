@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -37,6 +39,36 @@ def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
         else:
             times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def gpu_clocks(into: dict):
+    """While the block runs, nvidia-smi samples this GPU's SM clock and power draw every 100 ms;
+    ``into`` gets their medians (``sm_mhz``, ``power_w``; nothing without nvidia-smi). Why: the
+    H200 holds its 700 W cap by lowering the SM clock (1.98 GHz idle, 1.6-1.8 GHz under cuDNN's
+    attention kernels), so a kernel's time depends on the load around it; an arm's clock says
+    how much of a difference between arms is power, not work."""
+    try:
+        sampler = subprocess.Popen(
+            ["nvidia-smi", "-i", str(torch.cuda.current_device()), "--query-gpu=clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        yield into
+        return
+    try:
+        yield into
+    finally:
+        sampler.terminate()
+        samples = []
+        for line in sampler.communicate()[0].splitlines():
+            try:
+                mhz, watts = (float(x) for x in line.split(","))
+            except ValueError:  # "[N/A]", or a line cut short by terminate()
+                continue
+            samples.append((mhz, watts))
+        if samples:
+            into["sm_mhz"] = statistics.median(s[0] for s in samples)
+            into["power_w"] = statistics.median(s[1] for s in samples)
 
 
 def init_group(fake_rank: str | None) -> None:

@@ -1,11 +1,19 @@
-"""Where a packed-sequence attention step's time goes, one GPU: the kernels of each arm.
+"""Where a packed-sequence attention step's time goes, one GPU: the kernels of each arm, the GPU's
+idle time inside steps, and the clock the arm ran at.
 
     python benchmarks/profile_thd.py [--tokens 32768] [--head-dim 128] [--kv-heads 8 32]
+                                     [--masks causal full] [--json out.json]
 
-Per pack (8 random documents, bf16, causal unless ``--masks full``) and arm of
-``bench_thd.py`` (``cp_on``, ``floor``, ``inductor``): the step's CUDA-event time, the sum of its
-kernels' times (the difference is the GPU waiting on the host: an isolated step's launch
-latency), and its kernels by total time, from torch.profiler over 3 steps.
+Per pack (8 random documents, bf16) and arm of ``bench_thd.py`` (``cp_on``, ``floor``,
+``inductor``):
+- ``step``: CUDA-event ms per step over ``--calls`` steps back to back (median of ``--iters``),
+  with nvidia-smi's median SM clock and power draw while it ran (``common.gpu_clocks``);
+- ``kernels`` and ``span``: from torch.profiler over ``--calls`` steps back to back, per step, the
+  kernels' summed time and first-kernel-start to last-kernel-end; ``idle`` = span - kernels, the
+  GPU waiting on the host inside the traced steps;
+- the kernels by total time.
+``step`` against ``kernels`` is not idle time: the trace is short and runs at a higher clock than
+a sustained run (the H200 lowers its SM clock to hold 700 W), which the clock column shows.
 """
 
 from __future__ import annotations
@@ -17,25 +25,26 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_thd import arms_for, lengths_for
-from common import device_ms, fill_free_memory
-
-STEPS = 3
+from common import device_ms, fill_free_memory, gpu_clocks, write_rows
 
 
-def kernel_table(fn) -> tuple[float, list]:
-    """Per step: the kernels' total ms, and (ms, launches, name) per kernel name, largest first."""
+def kernel_trace(fn, steps: int) -> tuple[float, float, list]:
+    """Per step of ``steps`` back to back: kernels' total ms, span ms, and (ms, launches, name)
+    per kernel name, largest first."""
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
+        for _ in range(steps):
             fn()
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1000 / steps
     table: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = table.setdefault(e.name, [0.0, 0])
-            row[0] += e.device_time / 1000 / STEPS
-            row[1] += 1
-    rows = sorted(((ms, n // STEPS, name) for name, (ms, n) in table.items()), reverse=True)
-    return sum(r[0] for r in rows), rows
+    for e in kernels:
+        row = table.setdefault(e.name, [0.0, 0])
+        row[0] += e.device_time / 1000 / steps
+        row[1] += 1
+    rows = sorted(((ms, n // steps, name) for name, (ms, n) in table.items()), reverse=True)
+    return sum(r[0] for r in rows), span, rows
 
 
 def main() -> int:
@@ -46,20 +55,32 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--json")
     a = ap.parse_args()
     print(f"filled {fill_free_memory(0.4):.0f} GiB with random values")
     lengths = lengths_for("random", a.tokens, seed=a.tokens + a.head_dim)
+    print(f"T{a.tokens} D{a.head_dim} lengths {lengths}")
+    out = []
     for mask in a.masks:
         for kv_heads in a.kv_heads:
             arms = arms_for(lengths, a.head_dim, causal=mask == "causal", kv_heads=kv_heads)
             for name in ("cp_on", "floor", "inductor"):
-                event_ms = device_ms(arms[name], 5)
-                kernels_ms, rows = kernel_table(arms[name])
-                print(f"\nT{a.tokens} D{a.head_dim} Hkv{kv_heads} {mask} {name}: step {event_ms:.3f} ms, kernels "
-                      f"{kernels_ms:.3f} ms")
+                clocks: dict = {}
+                with gpu_clocks(clocks):
+                    step_ms = device_ms(arms[name], a.iters, calls=a.calls)
+                kernels_ms, span_ms, rows = kernel_trace(arms[name], a.calls)
+                clock = f", {clocks['sm_mhz']:.0f} MHz {clocks['power_w']:.0f} W" if clocks else ""
+                print(f"\nT{a.tokens} D{a.head_dim} Hkv{kv_heads} {mask} {name}: step {step_ms:.3f} ms{clock}; "
+                      f"traced: kernels {kernels_ms:.3f} span {span_ms:.3f} idle {span_ms - kernels_ms:.3f} ms")
                 for ms, n, kernel in rows[:a.top]:
                     print(f"  {ms:8.3f} ms  x{n:<3} {kernel[:100]}")
+                out.append({"tokens": a.tokens, "head_dim": a.head_dim, "kv_heads": kv_heads, "mask": mask, "arm": name,
+                            "step_ms": step_ms, **clocks, "kernels_ms": kernels_ms, "span_ms": span_ms,
+                            "kernels": [{"ms": ms, "launches": n, "name": k} for ms, n, k in rows]})
+    write_rows(a.json, a, out)
     return 0
 
 

@@ -512,6 +512,50 @@ def test_a_pack_on_a_covering_graph_then_on_its_own(monkeypatch):
 
 @needs_gpu
 @pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
+def test_pack_from_position_ids_on_cudnn_matches_eager_and_fp32():
+    """Hugging Face's packed batch (boundaries from position ids, the longest document by
+    ``.item()``), captured whole (``capture_scalar_outputs``: the document count and the bound are
+    unbacked ints): cuDNN's ragged attention, output and every gradient against fp32, no worse
+    than eager."""
+    import varlen_programs as vp
+
+    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+
+    lengths = [1, 300, 77, 1024, 129]
+    q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=9)
+    positions = vp.positions_of(lengths, "cuda")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        eager, ours, routes = _eager_and_compiled_against_fp32(lambda q, k, v: vp.positions_style(q, k, v, positions),
+                                                               q, k, v, cu, True)
+    print("eager", eager, "cp_inductor", ours)
+    assert [r.path for r in routes] == [CUDNN_RAGGED], routes
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
+
+
+@needs_gpu
+def test_nested_jagged_sdpa_same_answer_as_eager():
+    """A pack as a nested-jagged tensor (PyTorch's own packed-sequence form: SDPA on it runs
+    aten's flash kernels over the offsets) compiled with cp_inductor, graph breaks allowed: the
+    output and every gradient are as right against fp32 as eager's."""
+    import varlen_programs as vp
+
+    q, k, v, cu, _ = vp.pack([1, 300, 77, 1024, 129], 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=7)
+
+    def program(q, k, v):
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=cu).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values()
+
+    errors = _errors_against_fp32(q, k, v, cu, True, torch.randn_like(q))
+    eager = errors(program)
+    torch._dynamo.reset()
+    ours = errors(torch.compile(program, backend="cp_inductor"))
+    torch._dynamo.reset()
+    print("eager", eager, "cp_inductor", ours)
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
+
+
+@needs_gpu
+@pytest.mark.skipif(_varlen_missing(), reason="needs nvidia-cudnn-frontend (the [cudnn] extra)")
 def test_varlen_cuda_graph_replays_with_new_lengths():
     """mode="reduce-overhead": cuDNN's ragged attention captured by cudagraph trees and replayed
     with other lengths (same document count and bound, new cu_seqlens values), then a pack with

@@ -338,6 +338,30 @@ def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths, p
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("capture_scalars", [False, True])
+def test_pack_from_position_ids_moves(capture_scalars):
+    """Hugging Face's packed batch: the boundaries found from position ids (``nonzero``) and the
+    longest document read back with ``.item()``, a graph break by default and an unbacked int with
+    ``capture_scalar_outputs``: either way the call moves, and the output and every gradient match
+    the fp64 reference."""
+    lengths = [5, 1, 17, 9]
+    q, k, v, cu, _ = vp.pack(lengths, 4, 2, 16, dtype=torch.float32, seed=2)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    with reference_kernels(), torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars,
+                                                         capture_dynamic_output_shape_ops=capture_scalars):
+        out = torch.compile(vp.positions_style, backend="cp_inductor")(*inputs, vp.positions_of(lengths))
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, inputs, grad)
+    assert [r.path for r in cp_inductor.report().varlen] == [varlen_cudnn.CUDNN_RAGGED], cp_inductor.report().varlen
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = vp.sequence_reference(*ref_inputs, cu, True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *got), (want, *torch.autograd.grad(want, ref_inputs, grad.double()))):
+        assert float((a.detach().double() - b).norm() / b.norm()) < 1e-5, name
+    torch._dynamo.reset()
+
+
 def test_inference_graph_moves_too():
     """No grad: one forward graph, the same op."""
     q, k, v, cu, m = vp.pack([5, 3], 2, 2, 16)

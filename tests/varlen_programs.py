@@ -71,6 +71,20 @@ def torchtitan_style(q, k, v, cu, max_len, causal=True):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window)
 
 
+def positions_style(q, k, v, positions, causal=True):
+    """Hugging Face's packed batches (``DataCollatorWithFlattening``): no cu_seqlens, position ids
+    that restart at 0 with each document. The boundaries are where they restart (``nonzero``: a
+    data-dependent document count) and the longest document is read back with ``.item()`` (a
+    graph break, or an unbacked int under ``capture_scalar_outputs``)."""
+    starts = torch.nonzero(positions == 0).flatten()
+    cu = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    return torchtitan_style(q, k, v, cu, int(cu.diff().max().item()), causal)
+
+
+def positions_of(lengths, device="cpu"):
+    return torch.cat([torch.arange(n, device=device) for n in lengths])
+
+
 def sequence_reference(q, k, v, cu, causal):
     """Per-sequence SDPA in fp64: the single-device reference."""
     bounds = cu.tolist()
