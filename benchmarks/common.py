@@ -6,8 +6,8 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -42,33 +42,44 @@ def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
 
 
 @contextlib.contextmanager
-def gpu_clocks(into: dict):
-    """While the block runs, nvidia-smi samples this GPU's SM clock and power draw every 100 ms;
-    ``into`` gets their medians (``sm_mhz``, ``power_w``; nothing without nvidia-smi). Why: the
-    H200 holds its 700 W cap by lowering the SM clock (1.98 GHz idle, 1.6-1.8 GHz under cuDNN's
-    attention kernels), so a kernel's time depends on the load around it; an arm's clock says
-    how much of a difference between arms is power, not work."""
+def gpu_clocks(into: dict, every_s: float = 0.01):
+    """While the block runs, a thread reads this GPU's SM clock, power draw and clock-event
+    reasons through NVML (``pynvml``, the ``nvidia-ml-py`` wheel) every ``every_s``; ``into`` gets
+    the medians ``sm_mhz`` and ``power_w`` and ``power_capped``, the share of samples in which the
+    driver held the clock down to stay under the board's power limit (nothing without pynvml).
+    Why: the H200 holds its 700 W cap by lowering the SM clock, so a kernel's time depends on
+    the load around it, and an arm's clock says how much of a difference is power, not work."""
     try:
-        sampler = subprocess.Popen(
-            ["nvidia-smi", "-i", str(torch.cuda.current_device()), "--query-gpu=clocks.sm,power.draw",
-             "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    except OSError:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+        gpu = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # no pynvml, no NVML: nothing sampled
         yield into
         return
+    samples: list = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(gpu)
+            samples.append((pynvml.nvmlDeviceGetClockInfo(gpu, pynvml.NVML_CLOCK_SM),
+                            pynvml.nvmlDeviceGetPowerUsage(gpu) / 1000,
+                            bool(reasons & pynvml.nvmlClocksThrottleReasonSwPowerCap)))
+            stop.wait(every_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         yield into
     finally:
-        sampler.terminate()
-        samples = []
-        for line in sampler.communicate()[0].splitlines():
-            try:
-                mhz, watts = (float(x) for x in line.split(","))
-            except ValueError:  # "[N/A]", or a line cut short by terminate()
-                continue
-            samples.append((mhz, watts))
+        stop.set()
+        sampler.join()
         if samples:
             into["sm_mhz"] = statistics.median(s[0] for s in samples)
             into["power_w"] = statistics.median(s[1] for s in samples)
+            into["power_capped"] = sum(s[2] for s in samples) / len(samples)
 
 
 def init_group(fake_rank: str | None) -> None:

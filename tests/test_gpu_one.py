@@ -201,7 +201,12 @@ def case(seq, layouts):
         want = grads(*(t.float() for t in (q, k, v, douts[name])), SDPBackend.MATH)
         out[name] = err(grads(q, k, v, douts[name], SDPBackend.CUDNN_ATTENTION), want)
     return out
-print(json.dumps({"torch": torch.__version__, "mixed": case(512, ["like_o", "bshd"]), "bshd_alone": case(640, ["bshd"])}))
+print(json.dumps({"torch": torch.__version__, "mixed": case(512, ["like_o", "bshd"]), "bshd_alone": case(640, ["bshd"])}),
+      flush=True)
+# Skip interpreter teardown: once on the H200 (torch 2.11, h200_gpu_one_exit_abort_2026-12-02.log) the autograd engine's CUDA
+# thread aborted the exit ("terminate called without an active exception"), after the answer.
+import os
+os._exit(0)
 """
 
 
@@ -535,20 +540,23 @@ def test_pack_from_position_ids_on_cudnn_matches_eager_and_fp32():
 @needs_gpu
 def test_nested_jagged_sdpa_same_answer_as_eager():
     """A pack as a nested-jagged tensor (PyTorch's own packed-sequence form: SDPA on it runs
-    aten's flash kernels over the offsets) compiled with cp_inductor, graph breaks allowed: the
-    output and every gradient are as right against fp32 as eager's."""
+    aten's flash kernels over the offsets; the shortest and longest lengths given, as compiling
+    it needs) compiled whole with cp_inductor: the output and every gradient are as right
+    against fp32 as eager's."""
     import varlen_programs as vp
 
-    q, k, v, cu, _ = vp.pack([1, 300, 77, 1024, 129], 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=7)
+    lengths = [1, 300, 77, 1024, 129]
+    q, k, v, cu, _ = vp.pack(lengths, 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=7)
 
     def program(q, k, v):
-        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=cu).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=cu, min_seqlen=min(lengths), max_seqlen=max(lengths))
+                   .transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values()
 
     errors = _errors_against_fp32(q, k, v, cu, True, torch.randn_like(q))
     eager = errors(program)
     torch._dynamo.reset()
-    ours = errors(torch.compile(program, backend="cp_inductor"))
+    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True))
     torch._dynamo.reset()
     print("eager", eager, "cp_inductor", ours)
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
