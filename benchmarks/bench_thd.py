@@ -70,6 +70,20 @@ def lengths_for(kind: str, tokens: int, seed: int, docs: int = DOCS) -> list[int
     return [long, *short]
 
 
+def add_pack_options(ap, kv_heads: list[int]) -> None:
+    """The one random pack the profiling scripts time: ``--tokens``, ``--head-dim``, ``--kv-heads``, ``--masks``."""
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, nargs="+", default=kv_heads)
+    ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
+
+
+def random_pack(a) -> list[int]:
+    """After filling memory with random values: the lengths of that pack (seeded by T + D)."""
+    print(f"filled {fill_free_memory(0.4):.0f} GiB with random values")
+    return lengths_for("random", a.tokens, seed=a.tokens + a.head_dim)
+
+
 def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV):
     import cp_inductor  # noqa: F401 - registers the backend
 

@@ -1,7 +1,7 @@
 """A packed-sequence attention step under sustained load, one GPU: how its time moves as the
 H200 reaches its power cap, per arm.
 
-    python benchmarks/power_thd.py [--tokens 32768] [--head-dim 128] [--kv-heads 8] [--steps 200]
+    python benchmarks/power_thd.py [--tokens 32768] [--head-dim 128] [--kv-heads 8 ...] [--steps 200]
                                    [--rest 2.0] [--json out.json]
 
 Per arm of ``bench_thd.py`` (``cp_on``, ``inductor``, ``floor``; the order twice), after
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from bench_thd import arms_for, lengths_for
-from common import fill_free_memory, gpu_clocks, write_rows
+from bench_thd import add_pack_options, arms_for, random_pack
+from common import gpu_clocks, write_rows
 
 WINDOWS = ((0, 5), (5, 25), (25, 100), (100, None))
 
@@ -43,25 +43,21 @@ def main() -> int:
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
+    add_pack_options(ap, kv_heads=[8])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rest", type=float, default=2.0)
     ap.add_argument("--json")
     a = ap.parse_args()
-    print(f"filled {fill_free_memory(0.4):.0f} GiB with random values")
-    lengths = lengths_for("random", a.tokens, seed=a.tokens + a.head_dim)
+    lengths = random_pack(a)
     rows = []
-    for mask in a.masks:
-        arms = arms_for(lengths, a.head_dim, causal=mask == "causal", kv_heads=a.kv_heads)
+    for mask, kv_heads in ((m, h) for m in a.masks for h in a.kv_heads):
+        arms = arms_for(lengths, a.head_dim, causal=mask == "causal", kv_heads=kv_heads)
         names = ("cp_on", "inductor", "floor")
         for name in names:  # compile and build before anything is timed
             for _ in range(3):
                 arms[name]()
         torch.cuda.synchronize()
-        print(f"T{a.tokens} D{a.head_dim} Hkv{a.kv_heads} {mask}, lengths {lengths}; median ms of steps "
+        print(f"T{a.tokens} D{a.head_dim} Hkv{kv_heads} {mask}, lengths {lengths}; median ms of steps "
               + ", ".join(f"{lo + 1}-{min(hi or a.steps, a.steps)}" for lo, hi in WINDOWS if lo < a.steps))
         for name in names * 2:
             time.sleep(a.rest)
@@ -70,7 +66,7 @@ def main() -> int:
             power = (f"{clocks['sm_mhz']:.0f} MHz, {clocks['power_w']:.0f} W, at the power limit "
                      f"{clocks['power_capped']:.0%} of samples") if clocks else "no NVML"
             print(f"  {name:9s} " + " ".join(f"{w:8.3f}" for w in windows) + f" | {power}", flush=True)
-            rows.append({"tokens": a.tokens, "head_dim": a.head_dim, "kv_heads": a.kv_heads, "mask": mask, "arm": name,
+            rows.append({"tokens": a.tokens, "head_dim": a.head_dim, "kv_heads": kv_heads, "mask": mask, "arm": name,
                          "windows_ms": windows, **clocks})
     write_rows(a.json, a, rows)
     return 0

@@ -24,8 +24,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_thd import arms_for, lengths_for
-from common import device_ms, fill_free_memory, gpu_clocks, write_rows
+from bench_thd import add_pack_options, arms_for, random_pack
+from common import device_ms, gpu_clocks, write_rows
 
 
 def kernel_trace(fn, steps: int) -> tuple[float, float, list]:
@@ -51,17 +51,13 @@ def main() -> int:
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - the floor's op
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--kv-heads", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--masks", nargs="+", default=["causal"], choices=["causal", "full"])
+    add_pack_options(ap, kv_heads=[8, 32])
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--json")
     a = ap.parse_args()
-    print(f"filled {fill_free_memory(0.4):.0f} GiB with random values")
-    lengths = lengths_for("random", a.tokens, seed=a.tokens + a.head_dim)
+    lengths = random_pack(a)
     print(f"T{a.tokens} D{a.head_dim} lengths {lengths}")
     out = []
     for mask in a.masks:
