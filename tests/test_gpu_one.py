@@ -553,11 +553,7 @@ def test_nested_jagged_sdpa_same_answer_as_eager():
                    .transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values()
 
-    errors = _errors_against_fp32(q, k, v, cu, True, torch.randn_like(q))
-    eager = errors(program)
-    torch._dynamo.reset()
-    ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True))
-    torch._dynamo.reset()
+    eager, ours, _ = _eager_and_compiled_against_fp32(program, q, k, v, cu, True)
     print("eager", eager, "cp_inductor", ours)
     assert all(e < max(2 * f, 1e-2) for e, f in zip(ours, eager)), (ours, eager)
 
