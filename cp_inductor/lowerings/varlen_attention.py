@@ -44,6 +44,11 @@ def reference_kernels():
         _cpu_reference = before
 
 
+def reference_enabled() -> bool:
+    """Whether CPU attention may go to the reference kernels (inside ``reference_kernels()``)."""
+    return _cpu_reference
+
+
 @functools.cache
 def _cuda_unavailable() -> str | None:
     from .cudnn_backward import unavailable as graph_api_unavailable  # CUDA, the frontend, its graph API

@@ -1,0 +1,279 @@
+"""FlashAttention-4 (``flash_attn.cute``) as registered ops of ours: packed (THD) and dense.
+
+    out, lse = fa4_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_q, max_k, scale, is_causal)
+    out, lse = fa4_sdpa(q, k, v, scale, is_causal)
+
+Packed: q ``[T_q, H_q, D]``, k and v ``[T_k, H_k, D]``, ``H_q % H_k == 0`` (GQA as is); sequence
+``i`` is query rows ``cu_q[i]:cu_q[i+1]`` against key rows ``cu_k[i]:cu_k[i] + n_k`` with
+``n_k = seqused_k[i]`` when given (keys read in place from a larger buffer: an all-gathered K/V
+with ``cu_k`` at the document starts) or ``cu_k[i+1] - cu_k[i]``. ``lse`` is ``[H_q, T_q]`` fp32.
+Dense: laid out as aten's SDPA ops take it, q ``[B, H_q, S_q, D]``, k and v ``[B, H_k, S_k, D]``
+(any strides with the head_dim innermost); ``out`` is ``[B, H_q, S_q, D]`` over a
+``[B, S_q, H_q, D]`` buffer and ``lse`` ``[B, H_q, S_q]`` fp32, as aten's flash op returns them,
+so a pass can put this op where aten's was. Causal is bottom-right (flash-attention's convention): a
+query row sees the keys up to its own position counted from the END of its sequence; top-left
+and bottom-right agree when the query and key lengths do. ``lse`` is differentiable: a caller
+that merges partial outputs by their log-sum-exp (ring attention) gets its gradient through.
+
+FA4's Python entry points are autograd.Functions around a JIT compiler, which Dynamo cannot trace
+(``fullgraph=True`` fails on them): as ops they are opaque calls in one graph, and the JIT runs
+on the first (eager, warm-up) call of each configuration, before any CUDA-graph capture. Its
+kernel choice keys on dtype, head dims, GQA ratio, causal and which of cu_seqlens / seqused are
+given, not on lengths, so packs whose lengths change every step reuse one compiled kernel.
+``flash_attn.cute`` is imported on first use (``pip install "cp_inductor[fa4]"``). CPU runs a
+per-sequence reference (under ``varlen_attention.reference_kernels()``: the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import varlen_attention
+
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (8, 256)  # FA4's Hopper kernels: 8..256, multiples of 8 (16 bytes)
+ARCHS = (9, 10, 11)  # compute capability majors whose forward and backward FA4 runs
+
+
+@functools.cache
+def _import_error() -> str | None:
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as error:  # ImportError, or the CuTe DSL failing to load
+        return f"flash-attn-4 is not importable ({type(error).__name__}: {error}; pip install \"cp_inductor[fa4]\")"
+    return None
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim, head_dim_v=None) -> str | None:
+    """Why FA4 cannot take attention on ``device`` at this dtype and head dim, or None."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if not all(isinstance(d, int) for d in (head_dim, head_dim_v)):
+        return "symbolic head_dim"
+    if head_dim != head_dim_v:
+        return f"head_dim {head_dim} of q/k differs from v's {head_dim_v}"
+    if not HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1] or head_dim % 8:
+        return f"head_dim {head_dim} (FA4 takes multiples of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[1]})"
+    if device.type == "cpu":
+        return None if varlen_attention.reference_enabled() else "cpu: FA4 runs on CUDA only"
+    if device.type != "cuda":
+        return f"{device.type}: FA4 runs on CUDA only"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (FA4 takes float16 and bfloat16)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in ARCHS:
+        return f"compute capability {major}.x (FA4's forward and backward run on 9.x-11.x)"
+    return _import_error()
+
+
+def _interface():
+    from flash_attn.cute import interface
+
+    return interface
+
+
+# ---- the ops ---------------------------------------------------------------------------------
+
+_lib = torch.library.Library("cp_inductor", "FRAGMENT")
+_lib.define(
+    "fa4_varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "Tensor? seqused_k, SymInt max_q, SymInt max_k, float scale, bool is_causal) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "fa4_varlen_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, SymInt max_q, SymInt max_k, "
+    "float scale, bool is_causal) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define("fa4_sdpa(Tensor q, Tensor k, Tensor v, float scale, bool is_causal) -> (Tensor, Tensor)")
+_lib.define(
+    "fa4_sdpa_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor lse, float scale, bool is_causal) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _grads_like(q, k, v):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@torch.library.register_fake("cp_inductor::fa4_varlen_attention", lib=_lib)
+def _(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    out = q.new_empty(q.shape[:2] + v.shape[2:])
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.register_fake("cp_inductor::fa4_varlen_attention_backward", lib=_lib)
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    return _grads_like(q, k, v)
+
+
+def _bhsd(t, last=None):
+    """A fresh [B, H, S, D] tensor like ``t`` over a [B, S, H, D] buffer (FA4's layout)."""
+    b, h, s, d = t.shape[0], t.shape[1], t.shape[2], t.shape[3] if last is None else last
+    return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+@torch.library.register_fake("cp_inductor::fa4_sdpa", lib=_lib)
+def _(q, k, v, scale, is_causal):
+    return _bhsd(q, v.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.register_fake("cp_inductor::fa4_sdpa_backward", lib=_lib)
+def _(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
+    return _bhsd(q), _bhsd(k), _bhsd(v)
+
+
+# CUDA: FA4's forward entry (return_lse, under no autograd: the op is below it) and its backward
+# function; FA4 has changed how many values these return (torch's own FA4 switch unpacks two and
+# fails on 4.0.0b36), so only the leading ones are read.
+
+def _cuda_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    with torch.no_grad():
+        result = _interface().flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, max_seqlen_q=max_q,
+            max_seqlen_k=max_k, softmax_scale=scale, causal=is_causal, return_lse=True)
+    return result[0], result[1]
+
+
+def _cuda_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    result = _interface()._flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        seqused_k=seqused_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=grad_lse)
+    return tuple(result[:3])
+
+
+def _bshd(*tensors):
+    return tuple(t.transpose(1, 2) for t in tensors)
+
+
+def _cuda_forward(q, k, v, scale, is_causal):
+    with torch.no_grad():
+        result = _interface().flash_attn_func(*_bshd(q, k, v), softmax_scale=scale, causal=is_causal, return_lse=True)
+    return result[0].transpose(1, 2), result[1]
+
+
+def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
+    q, k, v, out, grad_out = _bshd(q, k, v, out, grad_out)
+    result = _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, is_causal, dlse=grad_lse)
+    return _bshd(*result[:3])
+
+
+# CPU: the per-sequence reference (varlen_attention's), in FA4's lse layouts.
+
+def _sequences(cu_q, cu_k, seqused_k):
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    for i in range(len(starts_q) - 1):
+        end_k = starts_k[i + 1] if used is None else starts_k[i] + used[i]
+        yield slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], end_k)
+
+
+def _cpu_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    out = q.new_zeros(q.shape[:2] + v.shape[2:])
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for sq, sk in _sequences(cu_q, cu_k, seqused_k):
+        o, l = varlen_attention.reference(q[sq], k[sk], v[sk], _whole(q[sq]), _whole(k[sk]), scale, is_causal)
+        out[sq], lse[:, sq] = o, l.transpose(0, 1)
+    return out, lse
+
+
+def _whole(t):
+    return torch.tensor([0, t.shape[0]], dtype=torch.int32)
+
+
+def _lse_grad(grad_lse, q, k, scale, is_causal):
+    """d lse / d(q, k) of one sequence: the probabilities times the scale, in fp32 (fp64 for fp64)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    groups = q.shape[1] // k.shape[1]
+    ks = k.to(acc).repeat_interleave(groups, dim=1)
+    probs, _ = varlen_attention._sequence_probs(q.to(acc), ks, scale, is_causal)
+    d_scores = probs * grad_lse.to(acc)[..., None] * scale  # [H, S_q, S_k]
+    dq = torch.einsum("hqk,khd->qhd", d_scores, ks)
+    dk = torch.einsum("hqk,qhd->khd", d_scores, q.to(acc)).unflatten(1, (-1, groups)).sum(2)
+    return dq, dk
+
+
+def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for sq, sk in _sequences(cu_q, cu_k, seqused_k):
+        whole_q, whole_k = _whole(q[sq]), _whole(k[sk])
+        gq, gk, gv = varlen_attention.reference_backward(grad_out[sq], q[sq], k[sk], v[sk], whole_q, whole_k, scale, is_causal)
+        if grad_lse is not None:
+            lq, lk = _lse_grad(grad_lse[:, sq], q[sq], k[sk], scale, is_causal)
+            gq, gk = (gq + lq).to(q.dtype), (gk + lk).to(k.dtype)
+        dq[sq] += gq
+        dk[sk] += gk  # keys read by several sequences (seqused_k into one buffer) sum
+        dv[sk] += gv
+    return dq, dk, dv
+
+
+def _flat(*tensors):
+    """Dense [B, H, S, D] tensors as packs [B * S, H, D] (FA4's layout, copied)."""
+    return tuple(t.transpose(1, 2).flatten(0, 1) for t in tensors)
+
+
+def _unflat(t, batch):
+    return t.unflatten(0, (batch, -1)).transpose(1, 2)
+
+
+def _cu(batch, length):
+    return torch.arange(batch + 1, dtype=torch.int32) * length
+
+
+def _cpu_forward(q, k, v, scale, is_causal):
+    b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
+    out, lse = _cpu_varlen_forward(*_flat(q, k, v), _cu(b, s_q), _cu(b, s_k), None, s_q, s_k, scale, is_causal)
+    return _unflat(out, b), lse.unflatten(1, (b, s_q)).transpose(0, 1).contiguous()
+
+
+def _cpu_backward(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
+    b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
+    flat_lse_grad = None if grad_lse is None else grad_lse.transpose(0, 1).flatten(1)
+    grads = _cpu_varlen_backward(*_flat(grad_out), flat_lse_grad, *_flat(q, k, v), None, None, _cu(b, s_q), _cu(b, s_k),
+                                 None, s_q, s_k, scale, is_causal)
+    return tuple(_unflat(g, b) for g in grads)
+
+
+for _name, _cuda, _cpu in (
+    ("fa4_varlen_attention", _cuda_varlen_forward, _cpu_varlen_forward),
+    ("fa4_varlen_attention_backward", _cuda_varlen_backward, _cpu_varlen_backward),
+    ("fa4_sdpa", _cuda_forward, _cpu_forward),
+    ("fa4_sdpa_backward", _cuda_backward, _cpu_backward),
+):
+    _lib.impl(_name, _cuda, "CUDA")
+    _lib.impl(_name, _cpu, "CPU")
+
+
+# ---- autograd: out and lse saved; the lse's gradient reaches the backward ----------------------
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seqused_k)
+    ctx.args = (max_q, max_k, scale, is_causal)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = torch.ops.cp_inductor.fa4_varlen_attention_backward(
+        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _dense_setup(ctx, inputs, output):
+    q, k, v, scale, is_causal = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (scale, is_causal)
+
+
+def _dense_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = torch.ops.cp_inductor.fa4_sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("cp_inductor::fa4_varlen_attention", _varlen_backward, setup_context=_varlen_setup, lib=_lib)
+torch.library.register_autograd("cp_inductor::fa4_sdpa", _dense_backward, setup_context=_dense_setup, lib=_lib)
