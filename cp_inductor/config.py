@@ -49,6 +49,14 @@ varlen_cudnn_min_size: int = 2**26
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"
 
+# Which kernel runs each attention call the backend lowers (packed calls, equal-length packs'
+# dense call, the dense calls of CP regions): "auto" (the fastest in the measured cost map,
+# passes/analysis/attention_provider.py), or "fa4", "cudnn", "program" (the program's own op).
+# FA4 needs the [fa4] extra; a forced provider that cannot take a call falls back to "auto".
+attention_provider: str = "auto"
+# A cost map (JSON, as benchmarks/bench_providers.py writes) read before the packaged ones.
+attention_provider_cost_map: str = ""
+
 # --- knobs, by rewrite ---
 # fused_a2a: "auto" (the measured cost model, passes/analysis/cost_model.py), "views" or "copy".
 fused_a2a_unpack: str = "auto"

@@ -97,12 +97,27 @@ class RewriteUndone:
 
 
 @dataclass
+class DenseRoute:
+    """Which kernel runs one dense attention call (forward and its backward) of a compiled
+    training graph, CP region or not (``passes/whole_graph/fa4_dense.py``)."""
+
+    attention: str  # the forward op's node in the joint graph
+    provider: str  # "fa4" | "program"
+    reason: str
+    considered: bool = True  # False where FA4 could not take it on this device (not printed)
+
+    def line(self) -> str:
+        return f"dense attention {self.attention}: {self.provider}: {self.reason}"
+
+
+@dataclass
 class Report:
     regions: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
     undone: list = field(default_factory=list)
     backward_routes: list = field(default_factory=list)
     varlen: list = field(default_factory=list)
+    dense: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -111,7 +126,7 @@ class Report:
             widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
             lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
             lines.insert(1, "  ".join("-" * w for w in widths))
-        elif not self.varlen:
+        elif not (self.varlen or self.dense):
             lines.append("cp_inductor: no CP attention regions found")
         for r in self.regions:
             lines += [f"note ({r.graph_kind} {r.style} {r.attention}): {n}" for n in r.notes]
@@ -122,6 +137,7 @@ class Report:
         for b in self.backward_routes:
             lines.append(f"cuDNN attention backward ({b.graph_kind}) {b.attention}: {b.path}: {b.reason}")
         lines += [v.line() for v in self.varlen]
+        lines += [d.line() for d in self.dense if d.considered]
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -134,6 +150,13 @@ _rejected: list[Rejected] = []
 _undone: list[RewriteUndone] = []
 _backward_routes: list[BackwardRoute] = []
 _varlen: list[VarlenRoute] = []
+_dense: list[DenseRoute] = []
+
+
+def record_dense(route: DenseRoute) -> None:
+    with _lock:
+        _dense.append(route)
+    log.info("cp_inductor %s", route.line())
 
 
 def record_varlen(route: VarlenRoute) -> None:
@@ -172,7 +195,7 @@ def record(region: Region) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes), list(_varlen))
+        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes), list(_varlen), list(_dense))
 
 
 def clear_report() -> None:
@@ -182,3 +205,4 @@ def clear_report() -> None:
         _undone.clear()
         _backward_routes.clear()
         _varlen.clear()
+        _dense.clear()

@@ -22,7 +22,8 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 @functools.cache
 def source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    # the measured maps the passes choose from count as source
+    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("cost_data/*.json")]):
         h.update(str(path.relative_to(_PACKAGE)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -57,6 +57,7 @@ from .whole_graph import (
     cat_of_slices,
     collective_cse,
     cudnn_frontend_backward,
+    fa4_dense,
     uniform_thd,
     varlen_cudnn,
 )
@@ -110,6 +111,14 @@ def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
         counters["cp_inductor"][cat_of_slices.NAME] += removed
 
 
+def _fa4_dense(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+    try:
+        fa4_dense.fa4_dense_pass(graph, cfg)
+    except Exception:  # noqa: BLE001 - a bug here leaves aten's ops, never fails the compile
+        if cfg.strict:
+            raise
+
+
 def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     canonicalize.rewrap_rng_attention(graph)
 
@@ -120,7 +129,7 @@ def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
 # runs where its plan cache keys on dO's layout (after the rewrites: it sees the calls they
 # made); a CUDA generator input canonicalize unwrapped is read by one RNG wrapper again, as
 # Inductor needs.
-GRAPH_PASSES = {JOINT: (_ring_joint_graph,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
+GRAPH_PASSES = {JOINT: (_ring_joint_graph,), "joint_custom_post_pass": (_fa4_dense,), POST_GRAD: (_cat_of_slices, _cudnn_frontend_backward, _rewrap_rng)}
 
 HOOKS = (JOINT, "joint_custom_post_pass", POST_GRAD, "post_grad_custom_post_pass")
 

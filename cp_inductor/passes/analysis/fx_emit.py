@@ -26,6 +26,7 @@ class Emitter:
         # (old value, new node, strides kept?) per tensor handed on in place of an old one: what
         # checked_rewrite.check compares.
         self.replaced: list = []
+        self.created: list = []  # every node made, in order
 
     def replace(self, old: torch.fx.Node, new: torch.fx.Node, strides: bool = True, **kwargs) -> None:
         """``old.replace_all_uses_with(new)``, recorded for the check. ``strides=False`` where the
@@ -39,6 +40,7 @@ class Emitter:
         fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self.created.append(node)
         return node
 
     def relayout(self, x: torch.fx.Node, plan: Relayout) -> torch.fx.Node:

@@ -39,7 +39,8 @@ def _custom_ops(*names):
     ``torch.nn.attention.varlen`` is imported; ours with ``cp_inductor.lowerings``)."""
     import importlib
 
-    for module in ("torch.nn.attention.varlen", "cp_inductor.lowerings.varlen_attention"):
+    for module in ("torch.nn.attention.varlen", "cp_inductor.lowerings.varlen_attention",
+                   "cp_inductor.lowerings.fa4_attention"):
         try:
             importlib.import_module(module)
         except ImportError:
@@ -57,6 +58,12 @@ def _custom_ops(*names):
 # [T, Hq, Dv], lse, ...), and the backward (grad_out, query, key, value, out, lse, ...) -> (dq, dk, dv).
 VARLEN_FORWARD = _custom_ops("torch_attn::_varlen_attn", "cp_inductor::varlen_attention")
 VARLEN_BACKWARD = _custom_ops("torch_attn::_varlen_attn_backward", "cp_inductor::varlen_attention_backward")
+# FA4 (``lowerings/fa4_attention.py``): the dense op takes and returns aten's layouts, so the
+# detectors read it as one of aten's; its packed op reads like the varlen ones.
+SDPA_FORWARD += _custom_ops("cp_inductor::fa4_sdpa")
+SDPA_BACKWARD += _custom_ops("cp_inductor::fa4_sdpa_backward")
+VARLEN_FORWARD += _custom_ops("cp_inductor::fa4_varlen_attention")
+VARLEN_BACKWARD += _custom_ops("cp_inductor::fa4_varlen_attention_backward")
 FORWARD = SDPA_FORWARD + VARLEN_FORWARD
 BACKWARD = SDPA_BACKWARD + VARLEN_BACKWARD
 

@@ -77,6 +77,8 @@ class VarlenCall:
     repeat_dropped: bool = False  # K/V heads were repeated only to feed the call
     style: str = "local"  # "a2a": an all-to-all delivers its tokens (Ulysses over the pack)
     inserted: tuple = ()  # nodes reading the call put in (a packed Function's q, k, v views)
+    provider: str = "program"  # the kernel a lowering chose (attention_provider), and why
+    provider_reason: str = ""
 
     @property
     def query(self):
@@ -86,7 +88,7 @@ class VarlenCall:
         detail = "causal" if self.is_causal else "full"
         if self.repeat_dropped:
             detail += ", K/V head repeat dropped"
-        reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else ""
+        reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else self.provider_reason
         return VarlenRoute(self.name, self.style, self.lengths, detail, self.path, reason)
 
 

@@ -9,7 +9,7 @@ attention on the same pack; ``docs/rewrites/uniform_thd.md``), with no new depen
     ->
     [torch._assert_async(all(cu == arange(0, T + 1, S)))]      # promised lengths only
     o = F.scaled_dot_product_attention(q.view(B, S, H, D).transpose(1, 2), ..., is_causal=causal)
-    y = o.transpose(1, 2).reshape(T, H, D)
+    y = o.transpose(1, 2).reshape(T, H, D)   # or o from cp_inductor.fa4_sdpa: attention_provider's choice
 
 The lengths are equal when the graph proves it (``cu`` is ``arange(0, T + 1, S)`` or
 ``arange(B + 1) * S``) or when the user promises it: for every pack (``uniform_thd="promised"``) or for one call
@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from ..analysis import varlen_calls
+from ...lowerings import fa4_attention
+from ..analysis import attention_provider, varlen_calls
 
 NAME = "uniform_thd"
 DENSE = "dense_sdpa"
+FA4_DENSE = "fa4_dense"
 
 
 # Methods that move or convert integer positions without changing their values.
@@ -91,7 +93,20 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     if sequences < 1 or tokens % sequences or (step is not None and step * sequences != tokens):
         return f"{tokens} tokens are not {sequences} sequences of one length"
     call.lengths = lengths
+    _choose_provider(call, cfg, sequences)
     return None
+
+
+def _choose_provider(call: varlen_calls.VarlenCall, cfg, sequences: int) -> None:
+    """Dense SDPA as the device picks it ("program" in the dense rows of the cost map) or FA4."""
+    q, k = call.query, varlen_calls.value(call.args["key"])
+    v = varlen_calls.value(call.args["value"])
+    shape = attention_provider.shape_of("thd", q, k, call.is_causal)
+    shape = shape and attention_provider.Shape("dense", *list(vars(shape).values())[1:])
+    fa4 = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
+    choice = attention_provider.choose(shape, {"fa4": fa4}, cfg, q.device)
+    call.provider = "fa4" if choice.provider == "fa4" else "program"
+    call.provider_reason = choice.reason
 
 
 def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
@@ -113,11 +128,16 @@ def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
             return graph.call_method("transpose", (graph.call_method("view", (t, sequences, length, -1, varlen_calls.value(t).shape[-1])), 1, 2))
 
         heads_kv = varlen_calls.value(k).shape[1]
-        o = graph.call_function(F.scaled_dot_product_attention, (dense(a["query"]), dense(k), dense(v)), {
-            "is_causal": call.is_causal, "scale": varlen_calls.scale(call), "enable_gqa": heads_kv != heads_q})
+        if call.provider == "fa4":
+            o = graph.call_function(torch.ops.cp_inductor.fa4_sdpa.default, (
+                dense(a["query"]), dense(k), dense(v), varlen_calls.scale(call), call.is_causal))
+            o = graph.call_function(operator.getitem, (o, 0))
+        else:
+            o = graph.call_function(F.scaled_dot_product_attention, (dense(a["query"]), dense(k), dense(v)), {
+                "is_causal": call.is_causal, "scale": varlen_calls.scale(call), "enable_gqa": heads_kv != heads_q})
         return graph.call_method("reshape", (graph.call_method("transpose", (o, 1, 2)), tokens, heads_q, -1))
 
-    varlen_calls.replace(gm, call, build, DENSE)
+    varlen_calls.replace(gm, call, build, FA4_DENSE if call.provider == "fa4" else DENSE)
     counters["cp_inductor"][NAME] += 1
 
 
