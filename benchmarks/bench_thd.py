@@ -9,7 +9,8 @@ fwd+bwd medians of:
 - ``eager``: torchtitan's form, K/V repeated to the query heads, ``varlen_attn`` (flash-2), or
   with ``--programs flash_attn`` flash-attn's ``flash_attn_varlen_func`` (GQA as is);
 - ``inductor``: the same compiled with default Inductor;
-- ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on;
+- ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on (``cp_on``: the
+  provider the cost map chooses); ``cp_cudnn`` / ``cp_fa4``: the provider forced;
 - ``floor``: the cuDNN frontend's ragged op called directly on unrepeated K/V (no compiler);
 - ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN;
 - ``cp_uniform`` (equal lengths): cp_inductor with ``uniform_thd="promised"`` (dense SDPA).
@@ -106,6 +107,8 @@ def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV)
         "inductor": step(torch.compile(titan, backend="inductor", fullgraph=True)),
         "cp_off": step(torch.compile(titan, backend="cp_inductor", fullgraph=True, options={"cp_inductor.varlen_cudnn": False})),
         "cp_on": step(torch.compile(titan, backend="cp_inductor", fullgraph=True)),
+        "cp_cudnn": step(torch.compile(titan, backend="cp_inductor", fullgraph=True, options={"cp_inductor.attention_provider": "cudnn"})),
+        "cp_fa4": step(torch.compile(titan, backend="cp_inductor", fullgraph=True, options={"cp_inductor.attention_provider": "fa4"})),
     }
 
     def floor(q, k, v):
@@ -375,7 +378,7 @@ def main() -> int:
         blocks(a)
         return 0
     rows = []
-    print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
+    print(f"{'program':>10} {'T':>6} {'D':>4} {'Hkv':>3} {'lengths':>8} {'mask':>6} | " + " ".join(f"{n:>9}" for n in ("eager", "inductor", "cp_off", "cp_on", "cp_cudnn", "cp_fa4", "floor", "dense", "cp_uniform"))
           + " | on/inductor  on/floor | peak GiB inductor/on | SM clock inductor/on")
     for tokens in a.tokens:
         for head_dim in a.head_dim:
@@ -396,7 +399,7 @@ def main() -> int:
                 row["on_vs_inductor"] = row["inductor_ms"] / row["cp_on_ms"]
                 row["on_vs_floor"] = row["cp_on_ms"] / row["floor_ms"]
                 rows.append(row)
-                cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "floor", "dense", "cp_uniform"))
+                cells = " ".join(f"{row.get(n + '_ms', float('nan')):9.2f}" for n in ("eager", "inductor", "cp_off", "cp_on", "cp_cudnn", "cp_fa4", "floor", "dense", "cp_uniform"))
                 label = f"{kind[:4]}{seed}" if a.seeds and kind == "random" else kind
                 print(f"{program:>10} {tokens:>6} {head_dim:>4} {kv_heads:>3} {label:>8} {mask:>6} | {cells} | {row['on_vs_inductor']:10.2f}x {row['on_vs_floor']:8.3f} | "
                       f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}"

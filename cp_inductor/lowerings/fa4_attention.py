@@ -137,10 +137,20 @@ def _cuda_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is
     return result[0], result[1]
 
 
+def _contiguous_grads(q, k, v, fill=torch.empty) -> dict:
+    """dq, dk, dv laid out as the fake impls say (contiguous in FA4's layout): FA4 would make
+    them like its inputs, whose strides a program's views decide."""
+    return {name: fill(t.shape, dtype=t.dtype, device=t.device) for name, t in (("dq", q), ("dk", k), ("dv", v))}
+
+
 def _cuda_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    # With seqused_k, FA4 writes dK/dV only for the keys a sequence uses (measured: the rest of
+    # the buffer kept whatever memory held); keys no query reads have gradient zero.
+    fill = torch.empty if seqused_k is None else torch.zeros
+    grads = _contiguous_grads(q, k, v, fill)
     result = _interface()._flash_attn_bwd(
         q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        seqused_k=seqused_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=grad_lse)
+        seqused_k=seqused_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=grad_lse, **grads)
     return tuple(result[:3])
 
 
@@ -156,7 +166,8 @@ def _cuda_forward(q, k, v, scale, is_causal):
 
 def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
     q, k, v, out, grad_out = _bshd(q, k, v, out, grad_out)
-    result = _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, is_causal, dlse=grad_lse)
+    result = _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, is_causal, dlse=grad_lse,
+                                          **_contiguous_grads(q, k, v))
     return _bshd(*result[:3])
 
 

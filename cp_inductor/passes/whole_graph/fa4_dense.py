@@ -137,15 +137,18 @@ def fa4_dense_pass(graph: torch.fx.Graph, cfg) -> int:
         reason, _ = why_not(backward, cfg)
         if reason is None:
             swapped_backward.add(backward)
+    chosen = []
     for forward in [n for n in ops if n.target in BACKWARD_OF]:
         reason, choice = why_not(forward, cfg, swapped_backward)
         if reason is None:
-            apply_forward(graph, forward)
-            swapped += 1
+            chosen.append(forward)
         reporting.record_dense(reporting.DenseRoute(forward.name, "program" if reason else "fa4", reason or choice,
                                                     considered=choice != "unavailable"))
-    for backward in swapped_backward:
+    for backward in swapped_backward:  # first: they read the RNG outputs of the forwards
         apply_backward(graph, backward)
+    for forward in chosen:
+        apply_forward(graph, forward)
+        swapped += 1
     if swapped or swapped_backward:
         graph.lint()
         counters["cp_inductor"][NAME] += swapped + len(swapped_backward)
