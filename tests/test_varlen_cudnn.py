@@ -72,8 +72,7 @@ class TestGraph(TestCase):
         gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m)
         # K/V heads were repeated only for varlen_attn: cuDNN takes the 2 K/V heads as they are.
         self.assertExpectedInline(calls(gm), """varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, l_cu_, 7, 7, 0.25, True)""")
-        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
-varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv4 D16 causal float32""")
 
     def test_a_repeat_read_elsewhere_stays(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -122,8 +121,7 @@ class TestAtenFlashVarlen(TestCase):
         q, k, v, cu, m = vp.pack([3, 7, 1], 4, 2, 16)
         gm, routes, out = rewritten_while_compiling(aten_flash_varlen, q, k, v, cu, m)
         self.assertExpectedInline(calls(gm), """varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, l_cu_, 7, 7, 0.25, True)""")
-        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
-varlen attention _flash_attention_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _flash_attention_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
         assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
 
     def test_dropout_keeps_the_program_op(self):
@@ -152,8 +150,7 @@ class TestFlashAttn(TestCase):
         self.assertExpectedInline(calls(gm), """\
 clone(l_cu_)
 varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, arg, 7, 7, 0.25, True)""")
-        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
-varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
         assert not [name for name, _ in gm.named_children()]
         assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
 
@@ -164,7 +161,7 @@ varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal
         self.assertExpectedInline(calls(gm), """\
 clone(l_cu_)
 varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
 
     def test_a_later_release_s_namespace_too(self):
         if vp.flash_attn_like("flashattn") is None:  # registered before compiling
@@ -172,7 +169,7 @@ varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
         _, (route,), _ = rewritten_while_compiling(functools.partial(vp.flash_attn_style, namespace="flashattn"),
                                                    q.requires_grad_(), k, v, cu, m)
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T8 Hq2 Hkv2 D16 causal float32""")
 
     def test_the_qkv_packed_function_moves_with_its_views(self):
         """flash_attn_varlen_qkvpacked_func: q, k, v are views of one [T, 3, H, D] input; the
@@ -185,7 +182,7 @@ getitem_1 = arg[:, 0]
 getitem_2 = arg[:, 1]
 getitem_3 = arg[:, 2]
 varlen_attention_default = varlen_attention.default(getitem_1, getitem_2, getitem_3, l_cu_, l_cu_, 7, 7, 0.25, True)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq2 Hkv2 D16 causal float32""")
         assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
 
     def test_the_kv_packed_function_moves_gqa_as_is(self):
@@ -197,7 +194,7 @@ arg_1 = clone(l_cu_)
 getitem_1 = arg[:, 0]
 getitem_2 = arg[:, 1]
 varlen_attention_default = varlen_attention.default(l_q_, getitem_1, getitem_2, l_cu_, arg_1, 7, 7, 0.25, True)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
 
     def test_a_packed_function_that_stays_leaves_no_views_behind(self):
         q, k, v, cu, m = vp.pack([3, 7, 1], 2, 2, 16)
@@ -297,12 +294,12 @@ class TestReasons(TestCase):
 
     def test_head_dim_cudnn_cannot_take(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 12)),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256)""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: only the program's op takes it; cudnn: head_dim 12 (cuDNN takes multiples of 8 up to 256); fa4: head_dim 12 (FA4 takes multiples of 8 from 8 to 256)""")
 
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
         (route,) = pipeline.run_dynamo_passes(gm, snapshot())
-        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: cpu: only CUDA runs cuDNN's ragged attention""")
+        self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: only the program's op takes it; cudnn: cpu: only CUDA runs cuDNN's ragged attention; fa4: cpu: FA4 runs on CUDA only""")
 
 
 PROGRAMS = {"torchtitan": vp.torchtitan_style, "aten_flash": aten_flash_varlen, "flash_attn": vp.flash_attn_style,
@@ -397,8 +394,7 @@ transpose(view_2, 1, 2)
 scaled_dot_product_attention(transpose, transpose_1, transpose_2)
 transpose(scaled_dot_product_attention, 1, 2)
 reshape(transpose_3, 12, 4, -1)""")
-        self.assertExpectedInline(routes[0].line(), """\
-varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa""")
+        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa: no cost map for cpu: no measurement of dense T12 Hq4 Hkv4 D16 causal float32""")
 
     def test_proven_through_a_dtype_conversion(self):
         def fn(q, k, v):
@@ -421,7 +417,7 @@ _assert_async(all_1, 'uniform_thd: the sequences of this pack are not of equal l
     def test_unequal_pack_under_a_promise_stays_ragged(self):
         q, k, v, cu, m = vp.pack([3, 6], 2, 2, 16)
         gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m, uniform_thd="promised")
-        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths unknown, causal: cudnn_ragged""")
+        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T9 Hq2 Hkv2 D16 causal float32""")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -504,13 +500,13 @@ def test_the_log_sum_exp_is_re_padded_per_sequence_position():
 
 
 def test_small_packs_stay_on_flash_by_the_measured_cost_model():
-    """On CUDA, a pack below varlen_cudnn_min_size (tokens x query heads x head_dim) keeps the
-    program's op with the measured reason; at the size, and with the knob lowered, it moves."""
+    """On CUDA, a pack below varlen_cudnn_min_size (tokens x query heads x head_dim) is not a
+    cuDNN candidate, with the measured reason; at the size, and with the knob lowered, it is."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         small, large = (torch.empty(t, 32, 128, device="cuda", dtype=torch.bfloat16) for t in (8192, 16384))
-    reasons = [varlen_cudnn.why_not(varlen_calls.VarlenCall(None, "x", {"query": q}, True), snapshot(cfg))
+    reasons = [varlen_cudnn._cudnn_why_not(varlen_calls.VarlenCall(None, "x", {"query": q}, True), snapshot(cfg))
                for q, cfg in ((small, {}), (large, {}), (small, {"varlen_cudnn_min_size": 0}))]
     assert reasons[0].startswith("cost model: 33554432 tokens x query heads x head_dim is below varlen_cudnn_min_size")
     assert [r is None or not r.startswith("cost model") for r in reasons] == [False, True, True], reasons

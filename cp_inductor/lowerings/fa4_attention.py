@@ -194,30 +194,33 @@ def _whole(t):
     return torch.tensor([0, t.shape[0]], dtype=torch.int32)
 
 
-def _lse_grad(grad_lse, q, k, scale, is_causal):
-    """d lse / d(q, k) of one sequence: the probabilities times the scale, in fp32 (fp64 for fp64)."""
+def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+    """FA4's backward in plain torch: the probabilities from the log-sum-exp it is GIVEN, the
+    softmax correction from the out it is given (a caller that merged partial attentions passes
+    the merged pair, and each part's gradients come out right), plus the lse's own gradient."""
     acc = torch.promote_types(q.dtype, torch.float32)
     groups = q.shape[1] // k.shape[1]
-    ks = k.to(acc).repeat_interleave(groups, dim=1)
-    probs, _ = varlen_attention._sequence_probs(q.to(acc), ks, scale, is_causal)
-    d_scores = probs * grad_lse.to(acc)[..., None] * scale  # [H, S_q, S_k]
-    dq = torch.einsum("hqk,khd->qhd", d_scores, ks)
-    dk = torch.einsum("hqk,qhd->khd", d_scores, q.to(acc)).unflatten(1, (-1, groups)).sum(2)
-    return dq, dk
-
-
-def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc) for t in (q, k, v))
     for sq, sk in _sequences(cu_q, cu_k, seqused_k):
-        whole_q, whole_k = _whole(q[sq]), _whole(k[sk])
-        gq, gk, gv = varlen_attention.reference_backward(grad_out[sq], q[sq], k[sk], v[sk], whole_q, whole_k, scale, is_causal)
+        qs, do = q[sq].to(acc), grad_out[sq].to(acc)
+        ks, vs = (t[sk].to(acc).repeat_interleave(groups, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if is_causal:
+            s_q, s_k = qs.shape[0], ks.shape[0]
+            keep = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        rows_lse = lse[:, sq].to(acc)[..., None]
+        probs = torch.where(torch.isfinite(rows_lse), torch.exp(scores - rows_lse), 0.0)  # a row with no keys: 0
+        delta = (do * out[sq].to(acc)).sum(-1).transpose(0, 1)[..., None]
+        d_scores = probs * (torch.einsum("qhd,khd->hqk", do, vs) - delta)
         if grad_lse is not None:
-            lq, lk = _lse_grad(grad_lse[:, sq], q[sq], k[sk], scale, is_causal)
-            gq, gk = (gq + lq).to(q.dtype), (gk + lk).to(k.dtype)
-        dq[sq] += gq
-        dk[sk] += gk  # keys read by several sequences (seqused_k into one buffer) sum
-        dv[sk] += gv
-    return dq, dk, dv
+            d_scores = d_scores + probs * grad_lse[:, sq].to(acc)[..., None]
+        d_scores = d_scores * scale
+        dq[sq] += torch.einsum("hqk,khd->qhd", d_scores, ks)
+        # keys read by several sequences (seqused_k into one buffer) sum; GQA's groups sum
+        dk[sk] += torch.einsum("hqk,qhd->khd", d_scores, qs).unflatten(1, (-1, groups)).sum(2)
+        dv[sk] += torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (-1, groups)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _flat(*tensors):
@@ -241,9 +244,12 @@ def _cpu_forward(q, k, v, scale, is_causal):
 
 def _cpu_backward(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
-    flat_lse_grad = None if grad_lse is None else grad_lse.transpose(0, 1).flatten(1)
-    grads = _cpu_varlen_backward(*_flat(grad_out), flat_lse_grad, *_flat(q, k, v), None, None, _cu(b, s_q), _cu(b, s_k),
-                                 None, s_q, s_k, scale, is_causal)
+
+    def flat_lse(t):  # [B, H, S] -> [H, B * S]
+        return None if t is None else t.transpose(0, 1).flatten(1)
+
+    grads = _cpu_varlen_backward(*_flat(grad_out), flat_lse(grad_lse), *_flat(q, k, v, out), flat_lse(lse), _cu(b, s_q),
+                                 _cu(b, s_k), None, s_q, s_k, scale, is_causal)
     return tuple(_unflat(g, b) for g in grads)
 
 

@@ -125,7 +125,7 @@ def choose(shape: Shape | None, candidates: dict[str, str | None], cfg, device: 
             return Choice(forced, f"attention_provider={forced}")
         suffix = f"; attention_provider={forced} cannot take it{suffix}"
     if len(able) == 1:
-        return Choice("program", f"no other provider takes it{suffix}")
+        return Choice("program", f"only the program's op takes it{suffix}")
     fallback = unmeasured if unmeasured in able else "program"
     if shape is None:
         return Choice(fallback, f"symbolic sizes: no cost-map bucket{suffix}")
