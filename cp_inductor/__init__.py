@@ -8,7 +8,8 @@ what it found and did.
 from . import config
 from .reporting import Region, Rejected, Report, clear_report, report
 
-__all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend", "equal_lengths"]
+__all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "backend", "equal_lengths",
+           "trace_fa4_functions"]
 
 
 def __getattr__(name):
@@ -21,4 +22,8 @@ def __getattr__(name):
         from .lowerings.varlen_attention import equal_lengths
 
         return equal_lengths
+    if name == "trace_fa4_functions":  # FA4's functions traced as our ops (lowerings/fa4_functions.py)
+        from .lowerings.fa4_functions import register
+
+        return register
     raise AttributeError(name)

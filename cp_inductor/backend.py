@@ -19,10 +19,15 @@ from . import config
 from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import pipeline
 from .passes.hook_pass import CPGraphPass
+from .lowerings import fa4_functions
 from .passes.whole_graph.canonicalize import canonicalize
 from .reporting import clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."
+
+# A program that imported FlashAttention-4 before torch.compile looked this backend up gets its
+# FA4 calls traced into the graph as our ops (lowerings/fa4_functions.py).
+fa4_functions.register_if_imported()
 
 
 def _split_options(options: dict | None) -> tuple[dict, dict]:

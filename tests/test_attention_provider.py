@@ -245,3 +245,68 @@ def test_cp_styles_on_fa4_match_the_fp64_reference(style):
             assert {row[1] for row in r["report"]} == {style}, r["report"]
             assert r["rewritten"]["fa4_dense"] >= 2, r["rewritten"]  # forward and backward ops swapped
         assert providers and set(providers) == {"fa4"}, providers
+
+
+# ---- a program that already calls FA4 ----------------------------------------------------------
+
+def _fa4_stand_in_module():
+    """A module shaped like ``flash_attn.cute.interface``: functions with FA4's argument names
+    that Dynamo cannot trace (as FA4's cannot), computing what FA4 computes."""
+    import types
+
+    import varlen_programs as vp
+
+    @torch._dynamo.disable
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), softcap=0.0, return_lse=False):
+        return vp.sequence_reference(q, k, v, cu_seqlens_q, causal).to(q.dtype), None
+
+    @torch._dynamo.disable
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                             enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    module = types.ModuleType("fa4_stand_in")
+    module.flash_attn_varlen_func, module.flash_attn_func = flash_attn_varlen_func, flash_attn_func
+    return module
+
+
+FA4_STAND_IN = _fa4_stand_in_module()
+
+
+def test_a_program_calling_fa4_compiles_in_one_graph_onto_our_ops():
+    """fullgraph=True over FA4's functions (which Dynamo cannot trace): each call whose arguments
+    our ops cover is traced as our op, same answer; one with softcap runs FA4's function (here:
+    a graph break, so fullgraph fails as it did before)."""
+    import varlen_programs as vp
+
+    from cp_inductor.lowerings import fa4_functions
+
+    fa4_functions.register(FA4_STAND_IN)
+    q, k, v, cu, m = vp.pack([3, 5, 4], 4, 2, 16, seed=0)
+    qd, kd, vd = (torch.randn(2, 6, h, 16) for h in (4, 2, 2))
+
+    def program(q, k, v, qd, kd, vd):
+        packed, _ = FA4_STAND_IN.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                                        max_seqlen_k=m, causal=True)
+        dense, _ = FA4_STAND_IN.flash_attn_func(qd, kd, vd, causal=True)
+        return packed, dense
+
+    with varlen_attention.reference_kernels():
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        got = torch.compile(program, backend="cp_inductor", fullgraph=True)(q, k, v, qd, kd, vd)
+        want = program(q, k, v, qd, kd, vd)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert [r.path for r in cp_inductor.report().varlen] == ["fa4", "fa4"], cp_inductor.report().varlen
+
+        def with_softcap(q, k, v):
+            return FA4_STAND_IN.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, softcap=30.0)[0]
+
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(with_softcap, backend="cp_inductor", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()

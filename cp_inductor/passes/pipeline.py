@@ -148,6 +148,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
         internal_error(e, cfg)
         return []
+    programs_fa4 = varlen_calls.fa4_calls(gm)
     for call in calls:
         if call.reasons:  # kept on reading it (flash-attn's Function in a form we do not take)
             continue
@@ -170,7 +171,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
         gm.graph.lint()
         gm.recompile()
         gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
-    return [c.route() for c in calls]
+    return programs_fa4 + [c.route() for c in calls]
 
 
 def _apply_or_undo(gm: torch.fx.GraphModule, lowering, call, cfg) -> str | None:

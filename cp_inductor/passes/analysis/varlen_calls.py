@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ...lowerings import varlen_attention
+from ...lowerings import fa4_attention, varlen_attention  # noqa: F401 - registers the FA4 ops
 from ...reporting import VarlenRoute
 from . import flash_attn_calls
 from .collectives import KNOWN_ALL_TO_ALLS
@@ -135,6 +135,24 @@ def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
         style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
         calls.append(VarlenCall(node, name, args, causal, reasons=reasons, style=style, inserted=inserted))
     return calls
+
+
+def fa4_calls(gm: torch.fx.GraphModule) -> list[VarlenRoute]:
+    """The program's own FA4 calls (``flash_attn.cute``, traced as our ops by
+    ``lowerings/fa4_functions.py``): they stay on FA4, the fastest kernel measured for packs
+    (``cost_data/``); one report line each."""
+    routes = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _FA4_OPS:
+            layout = "varlen" if node.target in _FA4_OPS[:2] else "dense"
+            causal = "causal" if node.args[-1] else "full"
+            reason = "the program calls FA4 (flash_attn.cute), in the graph as our op; kept on it"
+            routes.append(VarlenRoute(node.name, "local", "unknown", f"{causal}, FA4 {layout} as written", "fa4", reason))
+    return routes
+
+
+_FA4_OPS = (torch.ops.cp_inductor.fa4_varlen_attention, torch.ops.cp_inductor.fa4_varlen_attention.default,
+            torch.ops.cp_inductor.fa4_sdpa, torch.ops.cp_inductor.fa4_sdpa.default)
 
 
 def shared_reason(call: VarlenCall) -> str | None:
