@@ -30,6 +30,9 @@ ARMS = {  # name -> (backend, options); "cp_off" is cp_inductor with every all-g
     "inductor": ("inductor",),
     "cp_off": ("cp_inductor", OFF),
     "cp_inductor": ("cp_inductor",),
+    # the attention provider: the program's kernel (cp_inductor before FA4) / FA4 forced
+    "cp_program": ("cp_inductor", {"cp_inductor.attention_provider": "program"}),
+    "cp_fa4": ("cp_inductor", {"cp_inductor.attention_provider": "fa4"}),
     # the backward's reduce-scatters returned by copy-engine pulls + rank-order sum
     "cp_ogr": ("cp_inductor", {"cp_inductor.owner_grad_return": True}),
     # attention on the rank's own K/V run under the gather / after the reduce-scatter's start
@@ -47,6 +50,7 @@ KERNEL_ARMS = {f"{arm}_{k}": (ARMS[arm], k) for arm in ("eager", "inductor") for
 # Inductor, cp_inductor's defaults (ce_rotation where rotations are large enough), ce_rotation off.
 RING_ARMS = {
     "ring_eager": (None,), "ring_inductor": ("inductor",), "ring_cp": ("cp_inductor",),
+    "ring_cp_program": ("cp_inductor", {"cp_inductor.attention_provider": "program"}),
     "ring_cp_nccl": ("cp_inductor", {"cp_inductor.ce_rotation": False}),
     "ring_cp_wide": ("cp_inductor", {"cp_inductor.narrow_rotation": False}),
     # ce_rotation off, ring graphs compiled with AOTAutograd's CSE (not rank-safe in general)

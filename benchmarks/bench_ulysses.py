@@ -279,6 +279,9 @@ ARMS = {
     "cp_copy": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "copy"}),  # fused, one unpack copy
     "cp_views": ("cp_inductor", {"cp_inductor.fused_a2a_unpack": "views"}),  # fused, attention reads views
     "cp_inductor": ("cp_inductor",),
+    # the attention provider: the program's kernel (cp_inductor before FA4) / FA4 forced
+    "cp_program": ("cp_inductor", {"cp_inductor.attention_provider": "program"}),
+    "cp_fa4": ("cp_inductor", {"cp_inductor.attention_provider": "fa4"}),
     # head_overlap with G head groups (0: the rewrite's choice); backward regions only, the default
     **{
         f"cp_hp{g or ''}": ("cp_inductor", {"cp_inductor.head_overlap": True, "cp_inductor.head_overlap_groups": g})

@@ -199,3 +199,29 @@ def test_compiled_dense_sdpa_on_fa4_matches_eager(causal):
     assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-2
     assert [d.provider for d in cp_inductor.report().dense] == ["fa4"], cp_inductor.report().dense
     torch._dynamo.reset()
+
+
+def test_a_program_calling_fa4_compiles_fullgraph_on_our_ops():
+    """flash_attn.cute's own functions inside torch.compile(fullgraph=True) (which fails on
+    them without cp_inductor): traced as our ops, the same answer as FA4 in eager."""
+    import varlen_programs as vp
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    cp_inductor.trace_fa4_functions()
+    q, k, v, cu, m = vp.pack(LENGTHS, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    qd, kd, vd = (torch.randn(2, 1000, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+
+    def program(q, k, v, qd, kd, vd):
+        packed, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
+                                           causal=True)
+        dense, _ = flash_attn_func(qd, kd, vd, causal=True)
+        return packed.sum() + dense.float().sum()
+
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    tensors = (q, k, v, qd, kd, vd)
+    got = _grads(torch.compile(program, backend="cp_inductor", fullgraph=True), tensors, torch.tensor(1.0, device="cuda"))
+    want = _grads(program, tensors, torch.tensor(1.0, device="cuda"))
+    assert max(_rel(a, b) for a, b in zip(got[1:], want[1:])) < 1e-2
+    assert [r.path for r in cp_inductor.report().varlen] == ["fa4", "fa4"], cp_inductor.report().varlen
+    torch._dynamo.reset()
