@@ -11,7 +11,8 @@ fwd+bwd medians of:
 - ``inductor``: the same compiled with default Inductor;
 - ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on (``cp_on``: the
   provider the cost map chooses); ``cp_cudnn`` / ``cp_fa4``: the provider forced;
-- ``floor``: the cuDNN frontend's ragged op called directly on unrepeated K/V (no compiler);
+- ``floor``: the fastest kernel called directly on unrepeated K/V (no compiler): FA4's packed op
+  where the [fa4] extra runs, else the cuDNN frontend's ragged op;
 - ``dense`` (equal lengths): ``F.scaled_dot_product_attention`` over [B, H, S, D] on cuDNN;
 - ``cp_uniform`` (equal lengths): cp_inductor with ``uniform_thd="promised"`` (dense SDPA).
 
@@ -34,7 +35,7 @@ attention over all T tokens), per iteration the slowest rank's time, peak memory
 rank's; arms
 ``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
 ``cp_a2a``, ``cp_cudnn``, ``cp_on``; ``cp_views``: cp_on with fused_a2a's unpack as views of the
-received buffer), and ``floor`` (the frontend's ragged op on this rank's
+received buffer), and ``floor`` (FA4's packed op, or without it the frontend's ragged op, on this rank's
 share: all T tokens, HQ/CP query and HKV/CP K/V heads).
 
 Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
@@ -85,6 +86,19 @@ def random_pack(a) -> list[int]:
     return lengths_for("random", a.tokens, seed=a.tokens + a.head_dim)
 
 
+def fastest_kernel(q, k, v, cu, max_len, causal):
+    """The floor: packed attention on the fastest kernel there is, called directly on unrepeated
+    K/V: FA4's packed op where the [fa4] extra runs, else the cuDNN frontend's ragged op."""
+    from cp_inductor.lowerings import fa4_attention
+
+    scale = q.shape[-1] ** -0.5
+    if fa4_attention.unavailable(q.device, q.dtype, q.shape[-1]) is None:
+        return torch.ops.cp_inductor.fa4_varlen_attention(q, k, v, cu, cu, None, max_len, max_len, scale, causal)[0]
+    out, _ = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                      max_seqlen_q=max_len, max_seqlen_kv=max_len, return_lse=True)
+    return out
+
+
 def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV):
     import cp_inductor  # noqa: F401 - registers the backend
 
@@ -112,9 +126,7 @@ def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV)
     }
 
     def floor(q, k, v):
-        out, _ = torch.ops.cudnn.sdpa_fwd(q, k, v, head_dim ** -0.5, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                          max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
-        return out
+        return fastest_kernel(q, k, v, cu, m, causal)
 
     arms["floor"] = step(floor)
     if len(set(lengths)) == 1:
@@ -257,9 +269,7 @@ def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
     full_grad = torch.randn(share[0].shape, device="cuda", dtype=torch.bfloat16)
 
     def floor():
-        out, _ = torch.ops.cudnn.sdpa_fwd(*share, head_dim ** -0.5, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                          max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
-        return torch.autograd.grad(out, share, full_grad)
+        return torch.autograd.grad(fastest_kernel(*share, cu, m, causal), share, full_grad)
 
     arms["floor"] = floor
     return arms

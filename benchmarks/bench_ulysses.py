@@ -150,7 +150,8 @@ class Bench:
         return step, results
 
     def floor_arm(self):
-        """This rank's share of attention on one GPU: Hq/cp heads over the whole sequence."""
+        """This rank's share of attention on one GPU: Hq/cp heads over the whole sequence, on the
+        fastest kernel there is (FA4 where the [fa4] extra runs, else aten's SDPA: cuDNN on H200)."""
         a = self.args
         hq, hkv = a.heads // self.cp, a.kv_heads // self.cp
         q, k, v, dout = (
@@ -158,10 +159,16 @@ class Bench:
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
 
+        from cp_inductor.lowerings import fa4_attention
+
+        def attention(q, k, v):
+            if fa4_attention.unavailable(q.device, q.dtype, q.shape[-1]) is None:
+                return torch.ops.cp_inductor.fa4_sdpa(q, k, v, q.shape[-1] ** -0.5, a.causal)[0]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=hq != hkv)
+
         def step():
             q.grad = k.grad = v.grad = None
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=hq != hkv)
-            out.backward(dout)
+            attention(q, k, v).backward(dout)
 
         return step, None
 
