@@ -46,6 +46,14 @@ def _import_error() -> str | None:
     return None
 
 
+@functools.cache
+def installed() -> bool:
+    """Whether a flash-attn package is installed (a cheap check, no import of FA4's JIT stack)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def unavailable(device: torch.device, dtype: torch.dtype, head_dim, head_dim_v=None) -> str | None:
     """Why FA4 cannot take attention on ``device`` at this dtype and head dim, or None."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v

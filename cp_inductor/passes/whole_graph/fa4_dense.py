@@ -24,6 +24,7 @@ import operator
 
 import torch
 from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ... import reporting
 from ...lowerings import fa4_attention
@@ -63,8 +64,8 @@ def why_not(node: torch.fx.Node, cfg, swapped_backward=frozenset()) -> tuple[str
     if a.get("dropout_p"):
         return f"dropout {a['dropout_p']}", ""
     causal = bool(a.get("is_causal"))
-    if causal and q.shape[2] != k.shape[2]:
-        return "top-left causal over unequal query and key lengths (FA4's causal is bottom-right)", ""
+    if causal and not statically_known_true(q.shape[2] == k.shape[2]):
+        return "top-left causal over query and key lengths not known equal (FA4's causal is bottom-right)", ""
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads", ""
     if node.target in BACKWARD_OF:
