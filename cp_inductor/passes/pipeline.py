@@ -90,12 +90,22 @@ def _ring_joint_graph(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
     collective_cse.pin_collectives(graph)
 
 
-def _cudnn_frontend_backward(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
-    try:
-        cudnn_frontend_backward.cudnn_frontend_backward_pass(graph, cfg)
-    except Exception:  # noqa: BLE001 - a bug here leaves aten's op, never fails the compile
-        if cfg.strict:
-            raise
+def _fenced(graph_pass):
+    """``graph_pass(graph, cfg)`` whose bug leaves aten's ops in place, never fails the compile
+    (raised under ``strict``)."""
+    def run(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
+        try:
+            graph_pass(graph, cfg)
+        except Exception:  # noqa: BLE001 - see the docstring
+            if cfg.strict:
+                raise
+
+    run.__name__ = f"_{graph_pass.__name__.removesuffix('_pass')}"
+    return run
+
+
+_cudnn_frontend_backward = _fenced(cudnn_frontend_backward.cudnn_frontend_backward_pass)
+_fa4_dense = _fenced(fa4_dense.fa4_dense_pass)
 
 
 def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
@@ -109,14 +119,6 @@ def _cat_of_slices(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
         return
     if removed:
         counters["cp_inductor"][cat_of_slices.NAME] += removed
-
-
-def _fa4_dense(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
-    try:
-        fa4_dense.fa4_dense_pass(graph, cfg)
-    except Exception:  # noqa: BLE001 - a bug here leaves aten's ops, never fails the compile
-        if cfg.strict:
-            raise
 
 
 def _rewrap_rng(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> None:
