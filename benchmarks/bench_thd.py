@@ -25,8 +25,8 @@ with no kind: only those).
 
 ``--block``: a torchtitan Llama block (dim 4096, SwiGLU 14336, rotary, varlen attention with K/V
 repeated) per pack, fwd+bwd over the input and every weight, arms ``eager``, ``inductor``,
-``cp_off``, ``cp_on``; next to it attention alone under default Inductor and cp_inductor, so the
-table says attention's share of the block's time and what the rewrite saves of the step.
+``cp_off``, ``cp_cudnn`` (the packed call on cuDNN, as before FA4), ``cp_on`` (the chosen
+provider); next to it attention alone under default Inductor and cp_inductor, so the table says attention's share of the block's time and what the rewrite saves of the step.
 
 ``--ulysses`` (under ``torchrun``, NCCL) or ``--fake-rank R/CP`` (one rank's compute on
 PyTorch's fake group, whose collectives move nothing): Ulysses over the pack (DeepSpeed ALST's
@@ -34,9 +34,10 @@ form, ``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-al
 attention over all T tokens), per iteration the slowest rank's time, peak memory the largest
 rank's; arms
 ``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
-``cp_a2a``, ``cp_cudnn``, ``cp_on``; ``cp_views``: cp_on with fused_a2a's unpack as views of the
-received buffer), and ``floor`` (FA4's packed op, or without it the frontend's ragged op, on this rank's
-share: all T tokens, HQ/CP query and HKV/CP K/V heads).
+``cp_a2a``, ``cp_cudnn``, ``cp_on``; ``cp_on_cudnn``: cp_on with the packed call on cuDNN, as
+before FA4; ``cp_views``: cp_on with fused_a2a's unpack as views of the
+received buffer), and ``floor`` (FA4's packed op, or without it the frontend's ragged op, on
+this rank's share: all T tokens, HQ/CP query and HKV/CP K/V heads).
 
 Peak memory is per arm's step beyond the inputs. Memory is filled with random values first.
 """
@@ -202,13 +203,16 @@ def block_arms_for(lengths, head_dim):
         "inductor": step(torch.compile(block, backend="inductor", fullgraph=True)),
         "cp_off": step(torch.compile(block, backend="cp_inductor", fullgraph=True, options={"cp_inductor.varlen_cudnn": False})),
         "cp_on": step(torch.compile(block, backend="cp_inductor", fullgraph=True)),
+        # cp_inductor before FA4: the packed call on cuDNN's ragged attention
+        "cp_cudnn": step(torch.compile(block, backend="cp_inductor", fullgraph=True,
+                                       options={"cp_inductor.attention_provider": "cudnn"})),
     }
 
 
 def blocks(a) -> list[dict]:
     """The block step per pack, next to attention alone in the same process: how much of the
     block's time attention is, and what the rewrite saves of the whole step."""
-    names = ("eager", "inductor", "cp_off", "cp_on")
+    names = ("eager", "inductor", "cp_off", "cp_cudnn", "cp_on")
     print(f"torchtitan block (dim {DIM}, FFN {FFN}), fwd+bwd ms")
     print(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names)
           + " | attention alone inductor/on | attention share | block on/inductor")
@@ -260,6 +264,7 @@ def ulysses_arms_for(lengths, head_dim, cp, rank, causal=True):
         "inductor": step(torch.compile(alst, backend="inductor", fullgraph=True)),
         "cp_off": step(compiled(fused_a2a=False, varlen_cudnn=False)),
         "cp_a2a": step(compiled(varlen_cudnn=False)),
+        "cp_on_cudnn": step(compiled(attention_provider="cudnn")),  # cp_inductor before FA4
         "cp_cudnn": step(compiled(fused_a2a=False)),
         "cp_on": step(compiled()),
         # fused_a2a's other unpack: attention reads q, k, v as views of the received buffer
@@ -477,7 +482,7 @@ def ulysses(a) -> int:
     writer = rank == 0 or bool(a.fake_rank)  # a fake rank is the only process
     say = print if writer else (lambda *args, **kwargs: None)
     say(f"filled {fill_free_memory(0.5):.0f} GiB with random values")
-    names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on", "cp_views", "floor")
+    names = ("eager", "inductor", "cp_off", "cp_a2a", "cp_cudnn", "cp_on_cudnn", "cp_on", "cp_views", "floor")
     where = "fake group: no communication" if a.fake_rank else "NCCL, slowest rank"
     say(f"Ulysses over the pack, rank {rank} of {cp} ({where}), Hq{HQ} Hkv{HKV}, fwd+bwd ms")
     say(f"{'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>9}" for n in names) + " | on/inductor on/floor | peak GiB inductor/on")
