@@ -26,7 +26,8 @@ with no kind: only those).
 ``--block``: a torchtitan Llama block (dim 4096, SwiGLU 14336, rotary, varlen attention with K/V
 repeated) per pack, fwd+bwd over the input and every weight, arms ``eager``, ``inductor``,
 ``cp_off``, ``cp_cudnn`` (the packed call on cuDNN, as before FA4), ``cp_on`` (the chosen
-provider); next to it attention alone under default Inductor and cp_inductor, so the table says attention's share of the block's time and what the rewrite saves of the step.
+provider); next to it attention alone under default Inductor and cp_inductor, so the table says
+attention's share of the block's time and what the rewrite saves of the step.
 
 ``--ulysses`` (under ``torchrun``, NCCL) or ``--fake-rank R/CP`` (one rank's compute on
 PyTorch's fake group, whose collectives move nothing): Ulysses over the pack (DeepSpeed ALST's
