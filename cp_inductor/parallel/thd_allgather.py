@@ -1,0 +1,249 @@
+"""Packed sequences (THD) through K/V all-gather CP, Llama 3's recipe: any document lengths, no
+padding of documents, work balanced over ranks.
+
+    local, shard = shard_pack(tokens, lengths, rank, cp, balance="document")   # data loader, host
+    out = thd_allgather_attention(q, k, v, shard, is_causal=True)              # [T_local, H, D]
+    full = unshard_pack(out, shard)                                            # [T, H, D], every rank
+
+A pack holds documents of ``lengths`` back to back (T tokens). ``shard_pack`` gives this rank its
+tokens and a :class:`PackShard`: the pieces it holds, as cu_seqlens over its local tokens, and
+for each piece where its document starts in the pack and how many of its keys it reads. Two
+balances:
+
+* ``"document"``: every document is cut into 2*cp contiguous pieces of near-equal length; rank r
+  holds pieces r and 2cp-1-r (head-tail per document: a causal document's work splits evenly).
+  The leftover tokens of documents not divisible by 2*cp go to pieces in turn over the whole
+  pack, so even a pack of 1-token documents spreads over the ranks. Empty pieces are dropped.
+* ``"pack"``: the pack is cut into 2*cp chunks of near-equal length (Llama 3 paper's head-tail);
+  a rank's pieces are its chunks' intersections with the documents.
+
+``thd_allgather_attention`` gathers K and V in ONE collective (stacked; ranks' shares padded to
+the longest), puts them in pack order (one index_select), and runs each local piece against its
+document's keys: the prefix up to the piece's last token (causal, bottom-right) or the whole
+document. FA4 can read the gathered buffer in place (``kernel="fa4"``: ``seqused_k``); the
+portable path (``kernel="sdpa"``, any device, the default) slices each piece's keys. The backward's dK/dV go
+back through the index_select (a scatter) and the gather's backward, a reduce-scatter.
+
+The record is built on the host from the lengths (where a data loader has them) and lives on the
+device; attention needs no host read of the lengths per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+BALANCES = ("document", "pack")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of one document that one rank holds: pack positions [start, end)."""
+
+    rank: int
+    doc_start: int  # where its document starts in the pack
+    doc_end: int
+    start: int
+    end: int
+
+
+@dataclass
+class PackShard:
+    """This rank's share of a pack (tensors on the pack's device, int32 as varlen kernels take)."""
+
+    rank: int
+    cp: int
+    tokens: int  # T, the whole pack
+    local_tokens: int  # this rank's T_local
+    padded_tokens: int  # the longest T_local over ranks: what each rank sends in the gather
+    cu_seqlens_q: torch.Tensor  # [P + 1] the pieces over the local tokens
+    cu_seqlens_k: torch.Tensor  # [P + 1] cu_seqlens_k[i] = the pack position where piece i's document starts
+    seqused_k_causal: torch.Tensor  # [P] keys a piece reads, causal: its document's prefix up to the piece's end
+    seqused_k_full: torch.Tensor  # [P] not causal: its whole document
+    max_q: int  # the longest piece
+    max_k: int  # the longest document
+    local_index: torch.Tensor  # [T_local] int64: pack positions of the local tokens, in local order
+    pack_index: torch.Tensor  # [T] int64: for each pack position, its row in the gathered [cp * T_pad] buffer
+    pieces: tuple[Piece, ...]  # this rank's, in local order (host copy: the portable kernel and tests)
+
+    def seqused_k(self, causal: bool) -> torch.Tensor:
+        return self.seqused_k_causal if causal else self.seqused_k_full
+
+
+def _document_pieces(lengths: list[int], cp: int) -> list[Piece]:
+    n, pieces, turn = 2 * cp, [], 0
+    start = 0
+    for length in lengths:
+        base, extra = divmod(length, n)
+        sizes = [base] * n
+        for j in range(extra):  # the leftover tokens go to pieces in turn over the pack
+            sizes[(turn + j) % n] += 1
+        turn = (turn + extra) % n
+        at = start
+        for i, size in enumerate(sizes):
+            if size:
+                pieces.append(Piece(min(i, n - 1 - i), start, start + length, at, at + size))
+            at += size
+        start += length
+    return pieces
+
+
+def _pack_pieces(lengths: list[int], cp: int) -> list[Piece]:
+    n, total = 2 * cp, sum(lengths)
+    bounds = [total * i // n for i in range(n + 1)]
+    docs, start = [], 0
+    for length in lengths:
+        docs.append((start, start + length))
+        start += length
+    pieces = []
+    for i in range(n):
+        lo, hi = bounds[i], bounds[i + 1]
+        for a, b in docs:
+            if max(a, lo) < min(b, hi):
+                pieces.append(Piece(min(i, n - 1 - i), a, b, max(a, lo), min(b, hi)))
+    return pieces
+
+
+def _lengths(lengths) -> list[int]:
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"document lengths must be >= 0, got {lengths}")
+    return [n for n in lengths if n]
+
+
+def plan_pack(lengths, cp: int, balance: str = "document") -> list[Piece]:
+    """Every rank's pieces of the pack, rank-major, each rank's in the order its tokens are kept."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    pieces = (_document_pieces if balance == "document" else _pack_pieces)(_lengths(lengths), cp)
+    merged: list[Piece] = []
+    for p in sorted(pieces, key=lambda p: (p.rank, p.start)):  # a rank keeps its tokens in pack order
+        last = merged[-1] if merged else None
+        if last is not None and (last.rank, last.doc_start, last.end) == (p.rank, p.doc_start, p.start):
+            merged[-1] = Piece(p.rank, p.doc_start, p.doc_end, last.start, p.end)  # one stretch, one call
+        else:
+            merged.append(p)
+    return merged
+
+
+def attention_work(pieces: list[Piece], cp: int, causal: bool = True) -> list[int]:
+    """Query-key pairs each rank's attention computes (its FLOPs up to a constant)."""
+    work = [0] * cp
+    for p in pieces:
+        if causal:  # a query at document position x reads x + 1 keys
+            first, last = p.start - p.doc_start + 1, p.end - p.doc_start
+            work[p.rank] += (first + last) * (last - first + 1) // 2
+        else:
+            work[p.rank] += (p.end - p.start) * (p.doc_end - p.doc_start)
+    return work
+
+
+def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=None) -> PackShard:
+    """The record of rank ``rank``'s share (see the module docstring)."""
+    every = plan_pack(lengths, cp, balance)
+    mine = [p for p in every if p.rank == rank]
+    counts = [sum(p.end - p.start for p in every if p.rank == r) for r in range(cp)]
+    padded = max(counts) if counts else 0
+    total = sum(_lengths(lengths))
+    pack_index = torch.empty(total, dtype=torch.int64)
+    for r in range(cp):  # gathered row of each pack position: rank r's local rows sit at r * T_pad
+        row = r * padded
+        for p in (p for p in every if p.rank == r):
+            pack_index[p.start:p.end] = torch.arange(row, row + p.end - p.start)
+            row += p.end - p.start
+    sizes = [p.end - p.start for p in mine]
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return PackShard(
+        rank=rank, cp=cp, tokens=total, local_tokens=counts[rank] if counts else 0, padded_tokens=padded,
+        cu_seqlens_q=ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()] if sizes else [0]),
+        cu_seqlens_k=ints([p.doc_start for p in mine] + [total]),
+        seqused_k_causal=ints([p.end - p.doc_start for p in mine]),
+        seqused_k_full=ints([p.doc_end - p.doc_start for p in mine]),
+        max_q=max(sizes, default=0), max_k=max((p.doc_end - p.doc_start for p in mine), default=0),
+        local_index=torch.cat([torch.arange(p.start, p.end) for p in mine]).to(device) if mine
+        else torch.empty(0, dtype=torch.int64, device=device),
+        pack_index=pack_index.to(device), pieces=tuple(mine),
+    )
+
+
+def shard_pack(tokens: torch.Tensor, lengths, rank: int, cp: int, balance: str = "document",
+               dim: int = 0) -> tuple[torch.Tensor, PackShard]:
+    """This rank's tokens of a pack (``tokens`` indexed by pack position on ``dim``) and its record."""
+    shard = make_shard(lengths, rank, cp, balance, device=tokens.device)
+    return tokens.index_select(dim, shard.local_index), shard
+
+
+def _group(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def _gather_pack(x: torch.Tensor, shard: PackShard, group) -> torch.Tensor:
+    """[T_local, ...] on every rank -> [T, ...] in pack order: one all-gather of the padded
+    shares, one index_select (its backward: index_add, then the gather's reduce-scatter)."""
+    pad = shard.padded_tokens - x.shape[0]
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), 0, _group(group))
+    return gathered.index_select(0, shard.pack_index)
+
+
+def unshard_pack(x: torch.Tensor, shard: PackShard, group=None) -> torch.Tensor:
+    """The inverse of ``shard_pack`` for outputs: every rank's ``[T_local, ...]`` as the whole
+    pack ``[T, ...]`` in pack order (differentiable)."""
+    return _gather_pack(x, shard, group)
+
+
+def _pieces_sdpa(q, k, v, shard: PackShard, causal: bool, scale: float) -> torch.Tensor:
+    """The portable kernel: each piece against its keys sliced out of the pack-ordered K/V."""
+    outs, at = [], 0
+    for p in shard.pieces:
+        n = p.end - p.start
+        keys = slice(p.doc_start, p.end if causal else p.doc_end)
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[at:at + n], k[keys], v[keys]))
+        mask = None
+        if causal:  # bottom-right: query x of the piece sees keys up to its own pack position
+            n_k = ks.shape[1]
+            mask = torch.ones(n, n_k, dtype=torch.bool, device=q.device).tril(n_k - n)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                   enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
+        at += n
+    return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v.shape[2:])
+
+
+def _kernel(kernel: str) -> str:
+    # "auto" is the portable kernel for now: FA4 reading the gathered K/V in place has two pieces
+    # of one document read overlapping key rows, and whether its backward sums their dK/dV there
+    # (rather than one writing over the other) is not yet checked on a GPU.
+    if kernel not in ("auto", "fa4", "sdpa"):
+        raise ValueError(f"kernel must be auto, fa4 or sdpa, got {kernel!r}")
+    return "sdpa" if kernel == "auto" else kernel
+
+
+def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: PackShard, *,
+                            is_causal: bool = True, scale: float | None = None, group=None,
+                            kernel: str = "auto") -> torch.Tensor:
+    """Attention of this rank's tokens ``q [T_local, Hq, D]`` over their documents, K and V
+    (``[T_local, Hkv, D]``, this rank's) all-gathered in one collective. ``kernel``: ``"fa4"``
+    (reads the gathered K/V in place: cu_seqlens_k at document starts, seqused_k), ``"sdpa"``
+    (any device: each piece's keys sliced), ``"auto"`` (``"sdpa"`` until FA4's in-place backward
+    is checked on a GPU, see ``_kernel``)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kv = _gather_pack(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
+    k_pack, v_pack = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    if _kernel(kernel) == "fa4":
+        from ..lowerings import fa4_attention  # noqa: F401 - registers the op
+
+        out, _ = torch.ops.cp_inductor.fa4_varlen_attention(
+            q, k_pack, v_pack, shard.cu_seqlens_q, shard.cu_seqlens_k, shard.seqused_k(is_causal),
+            shard.max_q, shard.max_k, scale, is_causal)
+        return out
+    return _pieces_sdpa(q, k_pack, v_pack, shard, is_causal, scale)

@@ -1,0 +1,128 @@
+"""Packed sequences through K/V all-gather CP (``cp_inductor.parallel.thd_allgather``): the plan of
+pieces, its work balance, and eager numerics on gloo against the single-device fp64 reference
+for the output and every gradient."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from cp_inductor.parallel import thd_allgather as tag
+from cp_inductor.testing.launch import run_on_ranks
+
+TOL = 1e-5  # fp32 against fp64, relative L2
+
+
+def _random_lengths(tokens: int, docs: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, tokens), docs - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
+
+
+@pytest.mark.parametrize("balance", tag.BALANCES)
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_every_token_is_held_once_in_pieces_of_its_document(balance, cp):
+    lengths = [1, 1, 3, 2 * cp - 1, 2 * cp + 1, 1000, 7, 1]
+    pieces = tag.plan_pack(lengths, cp, balance)
+    held = sorted(t for p in pieces for t in range(p.start, p.end))
+    assert held == list(range(sum(lengths)))
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for p in pieces:
+        assert p.start < p.end and p.doc_start in starts and p.doc_start <= p.start and p.end <= p.doc_end
+    shards = [tag.make_shard(lengths, r, cp, balance) for r in range(cp)]
+    assert sum(s.local_tokens for s in shards) == sum(lengths)
+    # the gather's rows: every pack position has one, each rank's inside its own padded share
+    rows = sorted(shards[0].pack_index.tolist())
+    assert len(set(rows)) == sum(lengths) and all(r < cp * shards[0].padded_tokens for r in rows)
+
+
+class TestBalance(TestCase):
+    def test_document_balance_evens_causal_work_where_pack_balance_does_not(self):
+        """max / mean of the causal attention work over ranks, 64K-token packs: 8 random
+        documents, one long among many short, 4000 documents of 1-40 tokens."""
+        rng = random.Random(0)
+        packs = {
+            "random": _random_lengths(65536, 8, 1),
+            "one long": [32768] + [512] * 64,
+            "short": [rng.randint(1, 40) for _ in range(4000)],
+        }
+        lines = []
+        for name, lengths in packs.items():
+            for cp in (2, 4, 8):
+                ratios = []
+                for balance in tag.BALANCES:
+                    work = tag.attention_work(tag.plan_pack(lengths, cp, balance), cp)
+                    ratios.append(max(work) / (sum(work) / cp))
+                assert ratios[0] <= 1.02, (name, cp, ratios)
+                lines.append(f"{name} cp={cp}: document {ratios[0]:.3f}, pack {ratios[1]:.3f}")
+        self.assertExpectedInline("\n".join(lines), """\
+random cp=2: document 1.000, pack 1.418
+random cp=4: document 1.000, pack 1.870
+random cp=8: document 1.000, pack 2.620
+one long cp=2: document 1.000, pack 1.492
+one long cp=4: document 1.000, pack 1.738
+one long cp=8: document 1.000, pack 1.861
+short cp=2: document 1.000, pack 1.008
+short cp=4: document 1.001, pack 1.011
+short cp=8: document 1.002, pack 1.011""")
+
+
+def _reference(q, k, v, lengths, causal):
+    """Every document alone in fp64: out and its gradients for output gradient ``dout``."""
+    import varlen_programs as vp
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return vp.sequence_reference(q, k, v, cu, causal)
+
+
+def _check(rank, cp, lengths, heads_kv, causal, balance, kernel):
+    from cp_inductor.lowerings import varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q_full = torch.randn(total, 4, 16, generator=g)
+    k_full, v_full = (torch.randn(total, heads_kv, 16, generator=g) for _ in range(2))
+    dout_full = torch.randn(total, 4, 16, generator=g)
+
+    ref_in = [t.double().requires_grad_() for t in (q_full, k_full, v_full)]
+    ref_out = _reference(*ref_in, lengths, causal)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout_full.double())
+
+    q, shard = tag.shard_pack(q_full, lengths, rank, cp, balance)
+    k, v = (t.index_select(0, shard.local_index) for t in (k_full, v_full))
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    with varlen_attention.reference_kernels():  # kernel="fa4": FA4's op on its CPU reference
+        out = tag.thd_allgather_attention(*ins, shard, is_causal=causal, kernel=kernel)
+    grads = torch.autograd.grad(out, ins, dout_full.index_select(0, shard.local_index))
+    whole = tag.unshard_pack(out.detach(), shard)
+
+    def rel(a, b):
+        return float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30))
+
+    index = shard.local_index
+    errors = {"out": rel(out, ref_out.detach()[index]), "out_unsharded": rel(whole, ref_out.detach())}
+    errors.update({n: rel(g_, r[index]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    return errors
+
+
+# 1-token documents, documents shorter than 2cp, one document over every rank, T not a multiple of 2cp
+LENGTHS = [1, 3, 1, 61, 2, 1, 9, 5]
+
+
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
+@pytest.mark.parametrize("balance", tag.BALANCES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_numerics_gloo(cp, balance, causal):
+    for kernel, heads_kv in (("sdpa", 2), ("sdpa", 4), ("fa4", 2)):
+        for errors in run_on_ranks(_check, cp, LENGTHS, heads_kv, causal, balance, kernel):
+            assert max(errors.values()) < TOL, (kernel, heads_kv, errors)
+
+
+def test_numerics_gloo_cp4_both_balances_causal_gqa():
+    """cp = 4 in CI once: the pieces of a 61-token document spread over 8 chunks."""
+    for balance in tag.BALANCES:
+        for errors in run_on_ranks(_check, 4, LENGTHS, 2, True, balance, "sdpa"):
+            assert max(errors.values()) < TOL, (balance, errors)
