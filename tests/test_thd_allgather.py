@@ -126,3 +126,30 @@ def test_numerics_gloo_cp4_both_balances_causal_gqa():
     for balance in tag.BALANCES:
         for errors in run_on_ranks(_check, 4, LENGTHS, 2, True, balance, "sdpa"):
             assert max(errors.values()) < TOL, (balance, errors)
+
+
+def _compiled_matches_eager(rank, cp):
+    g = torch.Generator().manual_seed(1)
+    total = sum(LENGTHS)
+    q_full = torch.randn(total, 4, 16, generator=g)
+    k_full, v_full = (torch.randn(total, 2, 16, generator=g) for _ in range(2))
+    q, shard = tag.shard_pack(q_full, LENGTHS, rank, cp)
+    k, v = (t.index_select(0, shard.local_index) for t in (k_full, v_full))
+
+    def attention(a, b, c):
+        return tag.thd_allgather_attention(a, b, c, shard, is_causal=True)
+
+    results = []
+    for fn in (attention, torch.compile(attention, backend="cp_inductor", fullgraph=True)):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        results.append([out.detach(), *torch.autograd.grad(out.sum(), ins)])
+    torch._dynamo.reset()
+    return [float((a - b).abs().max()) for a, b in zip(*results)]
+
+
+def test_compiles_in_one_graph_with_the_answer_of_eager():
+    """fullgraph under cp_inductor (the helper is plain PyTorch: one gather, an index_select,
+    attention per piece): the output and every gradient as eager's."""
+    for diffs in run_on_ranks(_compiled_matches_eager, 2):
+        assert max(diffs) < 1e-5, diffs
