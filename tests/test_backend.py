@@ -194,3 +194,33 @@ def test_a_bug_in_our_analysis_costs_the_rewrite_not_the_compile(monkeypatch):
     with fake_pg(2), pytest.raises(Exception, match="grad_out"):
         assert cp_inductor.config.strict
         torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv())
+
+
+def test_a_list_of_user_passes_runs_after_ours_in_order():
+    """A list on a hook key (torch 2.13 takes one): each pass runs, in order, and the cache key
+    covers each one's uuid; one without a uuid makes the graph uncacheable, as in Inductor."""
+    order = []
+
+    class Named(CountingPass):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, graph):
+            order.append(self.name)
+
+        def uuid(self):
+            return f"named-{self.name}"
+
+    first, second = Named("first"), Named("second")
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second], fx_graph_cache=False):
+        f = torch.compile(lambda x: (x @ x).relu(), backend="cp_inductor")
+        f(torch.randn(4, 4))
+    assert order == ["first", "second"]
+    cfg = cp_inductor.config.get_config_copy()
+    both = graph_passes(cfg, {"post_grad_custom_post_pass": [first, second]})["post_grad_custom_post_pass"]
+    swapped = graph_passes(cfg, {"post_grad_custom_post_pass": [second, first]})["post_grad_custom_post_pass"]
+    assert both.uuid() is not None and both.uuid() != swapped.uuid()
+    bare = graph_passes(cfg, {"post_grad_custom_post_pass": [first, lambda graph: None]})["post_grad_custom_post_pass"]
+    assert bare.uuid() is None

@@ -1,8 +1,8 @@
 """One Inductor ``CustomGraphPass`` per hook key: our pipeline's work on that key, then the user's
-pass.
+passes.
 
-torch 2.11 accepts exactly one pass per key, so we chain instead of replacing whatever the user
-set. ``uuid()`` covers our source and the compile's config snapshot (the very object the pipeline
+torch 2.11 accepts exactly one pass per key (2.13 also a list), so we chain instead of replacing
+whatever the user set. ``uuid()`` covers our source and the compile's config snapshot (the very object the pipeline
 reads), so the FX graph cache neither misses needlessly nor serves code compiled under another
 config.
 """
@@ -29,8 +29,16 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+def user_passes(user_pass) -> tuple:
+    """The user's passes on a hook key, in order: none, one, or a list (torch 2.13 takes lists)."""
+    if user_pass is None:
+        return ()
+    return tuple(p for p in user_pass if p is not None) if isinstance(user_pass, (list, tuple)) else (user_pass,)
+
+
 class CPGraphPass(CustomGraphPass):
-    """``run(hook, graph, cfg)`` on every graph Inductor hands to ``hook``, then ``user_pass``."""
+    """``run(hook, graph, cfg)`` on every graph Inductor hands to ``hook``, then the user's
+    passes on that key in their order (``user_pass``: one pass, a list of them, or None)."""
 
     def __init__(self, hook: str, run, cfg, user_pass=None):
         self.hook = hook
@@ -40,16 +48,14 @@ class CPGraphPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.run(self.hook, graph, self.cfg)
-        if self.user_pass is not None:
-            self.user_pass(graph)
+        for user_pass in user_passes(self.user_pass):
+            user_pass(graph)
 
     def uuid(self) -> str:
-        user = None
-        if self.user_pass is not None:
-            user = self.user_pass.uuid() if hasattr(self.user_pass, "uuid") else None
-            if user is None:
-                # A pass without a uuid makes the graph uncacheable; keep Inductor's behaviour.
-                return None  # type: ignore[return-value]
+        user = [p.uuid() if hasattr(p, "uuid") else None for p in user_passes(self.user_pass)]
+        if None in user:
+            # A pass without a uuid makes the graph uncacheable; keep Inductor's behaviour.
+            return None  # type: ignore[return-value]
         from ..lowerings.cudnn_backward import unavailable
         from ..lowerings.fa4_attention import installed as fa4_installed
 
