@@ -34,6 +34,14 @@ def test_every_token_is_held_once_in_pieces_of_its_document(balance, cp):
         assert p.start < p.end and p.doc_start in starts and p.doc_start <= p.start and p.end <= p.doc_end
     shards = [tag.make_shard(lengths, r, cp, balance) for r in range(cp)]
     assert sum(s.local_tokens for s in shards) == sum(lengths)
+    for shard in shards:  # at most two rounds, no document twice in one (one FA4 call each)
+        assert 1 <= len(shard.rounds) <= 2
+        at = 0
+        for rnd in shard.rounds:
+            docs = rnd.cu_seqlens_k[:-1].tolist()
+            assert len(set(docs)) == len(docs) and docs == sorted(docs) and rnd.row_start == at
+            at = rnd.row_end
+        assert at == shard.local_tokens
     # the gather's rows: every pack position has one, each rank's inside its own padded share
     rows = sorted(shards[0].pack_index.tolist())
     assert len(set(rows)) == sum(lengths) and all(r < cp * shards[0].padded_tokens for r in rows)

@@ -52,26 +52,39 @@ class Piece:
 
 
 @dataclass
+class Round:
+    """Local pieces of which no two share a document: one varlen call's worth (the kernel then
+    reads no key row twice, so its backward writes each row's dK/dV once). Its pieces are the
+    local rows [row_start, row_end), in pack order."""
+
+    row_start: int
+    row_end: int
+    cu_seqlens_q: torch.Tensor  # [P + 1] the pieces over the round's rows
+    cu_seqlens_k: torch.Tensor  # [P + 1] cu_seqlens_k[i]: where piece i's document starts in the pack
+    seqused_k_causal: torch.Tensor  # [P] keys piece i reads, causal: its document's prefix up to its end
+    seqused_k_full: torch.Tensor  # [P] not causal: its whole document
+    max_q: int  # the longest piece
+    max_k: int  # the longest document
+
+    def seqused_k(self, causal: bool) -> torch.Tensor:
+        return self.seqused_k_causal if causal else self.seqused_k_full
+
+
+@dataclass
 class PackShard:
-    """This rank's share of a pack (tensors on the pack's device, int32 as varlen kernels take)."""
+    """This rank's share of a pack (tensors on the pack's device, int32 as varlen kernels take).
+    Its local tokens are its rounds' rows one after the other (round 0: each document's first
+    local piece, round 1: the second, if any), each round's in pack order."""
 
     rank: int
     cp: int
     tokens: int  # T, the whole pack
     local_tokens: int  # this rank's T_local
     padded_tokens: int  # the longest T_local over ranks: what each rank sends in the gather
-    cu_seqlens_q: torch.Tensor  # [P + 1] the pieces over the local tokens
-    cu_seqlens_k: torch.Tensor  # [P + 1] cu_seqlens_k[i] = the pack position where piece i's document starts
-    seqused_k_causal: torch.Tensor  # [P] keys a piece reads, causal: its document's prefix up to the piece's end
-    seqused_k_full: torch.Tensor  # [P] not causal: its whole document
-    max_q: int  # the longest piece
-    max_k: int  # the longest document
+    rounds: tuple[Round, ...]
     local_index: torch.Tensor  # [T_local] int64: pack positions of the local tokens, in local order
     pack_index: torch.Tensor  # [T] int64: for each pack position, its row in the gathered [cp * T_pad] buffer
     pieces: tuple[Piece, ...]  # this rank's, in local order (host copy: the portable kernel and tests)
-
-    def seqused_k(self, causal: bool) -> torch.Tensor:
-        return self.seqused_k_causal if causal else self.seqused_k_full
 
 
 def _document_pieces(lengths: list[int], cp: int) -> list[Piece]:
@@ -144,31 +157,55 @@ def attention_work(pieces: list[Piece], cp: int, causal: bool = True) -> list[in
     return work
 
 
-def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=None) -> PackShard:
-    """The record of rank ``rank``'s share (see the module docstring)."""
-    every = plan_pack(lengths, cp, balance)
-    mine = [p for p in every if p.rank == rank]
-    counts = [sum(p.end - p.start for p in every if p.rank == r) for r in range(cp)]
-    padded = max(counts) if counts else 0
-    total = sum(_lengths(lengths))
-    pack_index = torch.empty(total, dtype=torch.int64)
-    for r in range(cp):  # gathered row of each pack position: rank r's local rows sit at r * T_pad
-        row = r * padded
-        for p in (p for p in every if p.rank == r):
-            pack_index[p.start:p.end] = torch.arange(row, row + p.end - p.start)
-            row += p.end - p.start
-    sizes = [p.end - p.start for p in mine]
+def _in_rounds(pieces: list[Piece]) -> list[list[Piece]]:
+    """One rank's pieces (pack order) dealt into rounds: a document's i-th piece to round i."""
+    rounds: list[list[Piece]] = []
+    seen: dict[int, int] = {}
+    for p in pieces:
+        i = seen.get(p.doc_start, 0)
+        seen[p.doc_start] = i + 1
+        if i == len(rounds):
+            rounds.append([])
+        rounds[i].append(p)
+    return rounds
+
+
+def _round(pieces: list[Piece], row_start: int, total: int, device) -> Round:
+    sizes = [p.end - p.start for p in pieces]
 
     def ints(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
+    return Round(
+        row_start=row_start, row_end=row_start + sum(sizes),
+        cu_seqlens_q=ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()]),
+        cu_seqlens_k=ints([p.doc_start for p in pieces] + [total]),
+        seqused_k_causal=ints([p.end - p.doc_start for p in pieces]),
+        seqused_k_full=ints([p.doc_end - p.doc_start for p in pieces]),
+        max_q=max(sizes), max_k=max(p.doc_end - p.doc_start for p in pieces),
+    )
+
+
+def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=None) -> PackShard:
+    """The record of rank ``rank``'s share (see the module docstring)."""
+    every = plan_pack(lengths, cp, balance)
+    total = sum(_lengths(lengths))
+    by_rank = [_in_rounds([p for p in every if p.rank == r]) for r in range(cp)]
+    counts = [sum(p.end - p.start for rnd in rounds for p in rnd) for rounds in by_rank]
+    padded = max(counts)
+    pack_index = torch.empty(total, dtype=torch.int64)
+    for r, rounds in enumerate(by_rank):  # rank r's local rows sit at r * T_pad in the gather
+        row = r * padded
+        for p in (p for rnd in rounds for p in rnd):
+            pack_index[p.start:p.end] = torch.arange(row, row + p.end - p.start)
+            row += p.end - p.start
+    mine, rounds, row = [], [], 0
+    for rnd in by_rank[rank]:
+        rounds.append(_round(rnd, row, total, device))
+        row = rounds[-1].row_end
+        mine += rnd
     return PackShard(
-        rank=rank, cp=cp, tokens=total, local_tokens=counts[rank] if counts else 0, padded_tokens=padded,
-        cu_seqlens_q=ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()] if sizes else [0]),
-        cu_seqlens_k=ints([p.doc_start for p in mine] + [total]),
-        seqused_k_causal=ints([p.end - p.doc_start for p in mine]),
-        seqused_k_full=ints([p.doc_end - p.doc_start for p in mine]),
-        max_q=max(sizes, default=0), max_k=max((p.doc_end - p.doc_start for p in mine), default=0),
+        rank=rank, cp=cp, tokens=total, local_tokens=counts[rank], padded_tokens=padded, rounds=tuple(rounds),
         local_index=torch.cat([torch.arange(p.start, p.end) for p in mine]).to(device) if mine
         else torch.empty(0, dtype=torch.int64, device=device),
         pack_index=pack_index.to(device), pieces=tuple(mine),
@@ -220,9 +257,9 @@ def _pieces_sdpa(q, k, v, shard: PackShard, causal: bool, scale: float) -> torch
 
 
 def _kernel(kernel: str) -> str:
-    # "auto" is the portable kernel for now: FA4 reading the gathered K/V in place has two pieces
-    # of one document read overlapping key rows, and whether its backward sums their dK/dV there
-    # (rather than one writing over the other) is not yet checked on a GPU.
+    # "auto" is the portable kernel until FA4's in-place form has run on a GPU (its CPU reference
+    # agrees, tests/test_thd_allgather.py); each FA4 call takes one round, so no key row is read
+    # by two of its pieces.
     if kernel not in ("auto", "fa4", "sdpa"):
         raise ValueError(f"kernel must be auto, fa4 or sdpa, got {kernel!r}")
     return "sdpa" if kernel == "auto" else kernel
@@ -234,16 +271,17 @@ def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Attention of this rank's tokens ``q [T_local, Hq, D]`` over their documents, K and V
     (``[T_local, Hkv, D]``, this rank's) all-gathered in one collective. ``kernel``: ``"fa4"``
     (reads the gathered K/V in place: cu_seqlens_k at document starts, seqused_k), ``"sdpa"``
-    (any device: each piece's keys sliced), ``"auto"`` (``"sdpa"`` until FA4's in-place backward
-    is checked on a GPU, see ``_kernel``)."""
+    (any device: each piece's keys sliced), ``"auto"`` (``"sdpa"`` until FA4's in-place form has
+    run on a GPU, see ``_kernel``). FA4 takes one call per round (at most two: a document's
+    pieces on one rank are at most two stretches)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kv = _gather_pack(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
     k_pack, v_pack = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     if _kernel(kernel) == "fa4":
         from ..lowerings import fa4_attention  # noqa: F401 - registers the op
 
-        out, _ = torch.ops.cp_inductor.fa4_varlen_attention(
-            q, k_pack, v_pack, shard.cu_seqlens_q, shard.cu_seqlens_k, shard.seqused_k(is_causal),
-            shard.max_q, shard.max_k, scale, is_causal)
-        return out
+        outs = [torch.ops.cp_inductor.fa4_varlen_attention(
+            q[r.row_start:r.row_end], k_pack, v_pack, r.cu_seqlens_q, r.cu_seqlens_k, r.seqused_k(is_causal),
+            r.max_q, r.max_k, scale, is_causal)[0] for r in shard.rounds]
+        return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v.shape[2:])
     return _pieces_sdpa(q, k_pack, v_pack, shard, is_causal, scale)
