@@ -274,14 +274,21 @@ def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     (any device: each piece's keys sliced), ``"auto"`` (``"sdpa"`` until FA4's in-place form has
     run on a GPU, see ``_kernel``). FA4 takes one call per round (at most two: a document's
     pieces on one rank are at most two stretches)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     kv = _gather_pack(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
     k_pack, v_pack = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    return pack_attention(q, k_pack, v_pack, shard, is_causal=is_causal, scale=scale, kernel=kernel)
+
+
+def pack_attention(q: torch.Tensor, k_pack: torch.Tensor, v_pack: torch.Tensor, shard: PackShard, *,
+                   is_causal: bool = True, scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
+    """This rank's pieces ``q [T_local, Hq, D]`` against the whole pack's K/V in pack order
+    (``[T, Hkv, D]``): the attention after the gather."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _kernel(kernel) == "fa4":
         from ..lowerings import fa4_attention  # noqa: F401 - registers the op
 
         outs = [torch.ops.cp_inductor.fa4_varlen_attention(
             q[r.row_start:r.row_end], k_pack, v_pack, r.cu_seqlens_q, r.cu_seqlens_k, r.seqused_k(is_causal),
             r.max_q, r.max_k, scale, is_causal)[0] for r in shard.rounds]
-        return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v.shape[2:])
+        return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v_pack.shape[2:])
     return _pieces_sdpa(q, k_pack, v_pack, shard, is_causal, scale)
