@@ -20,6 +20,7 @@ device-side assertion, never a wrong answer.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -93,16 +94,17 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     if sequences < 1 or tokens % sequences or (step is not None and step * sequences != tokens):
         return f"{tokens} tokens are not {sequences} sequences of one length"
     call.lengths = lengths
-    _choose_provider(call, cfg, sequences)
+    _choose_provider(call, cfg)
     return None
 
 
-def _choose_provider(call: varlen_calls.VarlenCall, cfg, sequences: int) -> None:
-    """Dense SDPA as the device picks it ("program" in the dense rows of the cost map) or FA4."""
+def _choose_provider(call: varlen_calls.VarlenCall, cfg) -> None:
+    """Dense SDPA as the device picks it ("program" in the dense rows of the cost map) or FA4,
+    read at the dense bucket of the pack's tokens (B x S = T)."""
     q, k = call.query, varlen_calls.value(call.args["key"])
     v = varlen_calls.value(call.args["value"])
     shape = attention_provider.shape_of("thd", q, k, call.is_causal)
-    shape = shape and attention_provider.Shape("dense", *list(vars(shape).values())[1:])
+    shape = shape and dataclasses.replace(shape, layout="dense")
     fa4 = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
     choice = attention_provider.choose(shape, {"fa4": fa4}, cfg, q.device)
     call.provider = "fa4" if choice.provider == "fa4" else "program"
