@@ -54,6 +54,21 @@ def installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def device_unavailable(device: torch.device) -> str | None:
+    """Why FA4 cannot run on ``device`` at all in this process, or None (CPU: only the tests'
+    reference kernels)."""
+    if device.type == "cpu":
+        return None if varlen_attention.reference_enabled() else "cpu: FA4 runs on CUDA only"
+    if device.type != "cuda":
+        return f"{device.type}: FA4 runs on CUDA only"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in ARCHS:
+        return f"compute capability {major}.x (FA4's forward and backward run on 9.x-11.x)"
+    return _import_error()
+
+
 def unavailable(device: torch.device, dtype: torch.dtype, head_dim, head_dim_v=None) -> str | None:
     """Why FA4 cannot take attention on ``device`` at this dtype and head dim, or None."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -63,18 +78,9 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim, head_dim_v=N
         return f"head_dim {head_dim} of q/k differs from v's {head_dim_v}"
     if not HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1] or head_dim % 8:
         return f"head_dim {head_dim} (FA4 takes multiples of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[1]})"
-    if device.type == "cpu":
-        return None if varlen_attention.reference_enabled() else "cpu: FA4 runs on CUDA only"
-    if device.type != "cuda":
-        return f"{device.type}: FA4 runs on CUDA only"
-    if dtype not in DTYPES:
+    if device.type == "cuda" and dtype not in DTYPES:
         return f"dtype {dtype} (FA4 takes float16 and bfloat16)"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in ARCHS:
-        return f"compute capability {major}.x (FA4's forward and backward run on 9.x-11.x)"
-    return _import_error()
+    return device_unavailable(device)
 
 
 def _interface():

@@ -52,9 +52,6 @@ class Choice:
     provider: str
     reason: str
 
-    def __str__(self) -> str:
-        return f"{self.provider} ({self.reason})"
-
 
 def shape_of(layout: str, q, k, causal: bool) -> Shape | None:
     """The bucket of a call from its q and k values (THD ``[T, H, D]``, dense ``[B, H, S, D]``),
@@ -70,7 +67,8 @@ def shape_of(layout: str, q, k, causal: bool) -> Shape | None:
 
 @functools.cache
 def _maps(extra: str) -> tuple[dict, ...]:
-    paths = sorted(DATA.glob("attention_providers_*.json")) + ([Path(extra)] if extra else [])
+    """The user's map (``attention_provider_cost_map``) first, then the packaged ones."""
+    paths = ([Path(extra)] if extra else []) + sorted(DATA.glob("attention_providers_*.json"))
     return tuple(json.loads(p.read_text()) for p in paths)
 
 
@@ -86,11 +84,10 @@ def cost_map_for(device: torch.device, extra: str = "") -> tuple[dict | None, st
     which it is. A map given by ``attention_provider_cost_map`` comes first."""
     name, arch = _device_key(device)
     maps = _maps(extra)
-    ordered = ([maps[-1]] if extra else []) + list(maps)
-    for m in ordered:
+    for m in maps:
         if m.get("device") == name:
             return m, f"measured on {name}"
-    for m in ordered:
+    for m in maps:
         if m.get("arch") == arch:
             return m, f"measured on {m.get('device')}, read for {name} ({arch})"
     return None, f"no cost map for {name}"

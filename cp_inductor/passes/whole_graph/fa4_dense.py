@@ -72,9 +72,9 @@ def why_not(node: torch.fx.Node, cfg, swapped_backward=frozenset()) -> tuple[str
         readers = {u for i, g in sdpa_ops.tuple_outputs(node).items() if i >= 2 for u in g.users}
         if readers - set(swapped_backward):
             return "the program reads the op's RNG state or sequence bounds", ""
+    if (no_fa4 := fa4_attention.device_unavailable(q.device)) is not None:
+        return no_fa4, "unavailable"
     fa4 = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
-    if fa4 is not None and fa4_attention.unavailable(q.device, torch.bfloat16, 128) is not None:
-        return fa4, "unavailable"
     choice = attention_provider.choose(attention_provider.shape_of("dense", q, k, causal), {"fa4": fa4}, cfg, q.device)
     if choice.provider != "fa4":
         return choice.reason, ""
