@@ -310,3 +310,20 @@ def test_a_program_calling_fa4_compiles_in_one_graph_onto_our_ops():
         with pytest.raises(torch._dynamo.exc.Unsupported):
             torch.compile(with_softcap, backend="cp_inductor", fullgraph=True)(q, k, v)
     torch._dynamo.reset()
+
+
+def test_a_program_fa4_dense_call_is_reported_as_dense():
+    """The report line of a program's own flash_attn_func call names its layout, not THD."""
+    from cp_inductor.lowerings import fa4_functions
+
+    fa4_functions.register(FA4_STAND_IN)
+    qd, kd, vd = (torch.randn(2, 6, h, 16) for h in (4, 2, 2))
+    with varlen_attention.reference_kernels():
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        torch.compile(lambda q, k, v: FA4_STAND_IN.flash_attn_func(q, k, v, causal=True)[0], backend="cp_inductor",
+                      fullgraph=True)(qd, kd, vd)
+    lines = [r.line() for r in cp_inductor.report().varlen]
+    torch._dynamo.reset()
+    assert lines == ["attention fa4_sdpa: local, bshd, causal, FA4 as written: fa4: the program calls FA4 "
+                     "(flash_attn.cute), in the graph as our op; kept on it"]

@@ -139,15 +139,16 @@ def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
 
 def fa4_calls(gm: torch.fx.GraphModule) -> list[VarlenRoute]:
     """The program's own FA4 calls (``flash_attn.cute``, traced as our ops by
-    ``lowerings/fa4_functions.py``): they stay on FA4, the fastest kernel measured for packs
-    (``cost_data/``); one report line each."""
+    ``lowerings/fa4_functions.py``): they stay on the program's kernel (FA4 measured fastest on
+    47 of 48 packed buckets, ``cost_data/``); one report line each, packed or dense."""
     routes = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _FA4_OPS:
-            layout = "varlen" if node.target in _FA4_OPS[:2] else "dense"
+            packed = node.target in _FA4_OPS[:2]
             causal = "causal" if node.args[-1] else "full"
             reason = "the program calls FA4 (flash_attn.cute), in the graph as our op; kept on it"
-            routes.append(VarlenRoute(node.name, "local", "unknown", f"{causal}, FA4 {layout} as written", "fa4", reason))
+            routes.append(VarlenRoute(node.name, "local", "unknown" if packed else "-", f"{causal}, FA4 as written", "fa4",
+                                      reason, layout="thd" if packed else "bshd"))
     return routes
 
 
