@@ -107,18 +107,6 @@ def test_dense_matches_fp32_with_lse_gradient(head_dim, causal):
         assert _rel(got, want) < 1e-2
 
 
-def _pack_error(fn, lengths, seed) -> float:
-    """``fn(q, k, v, cu)`` on one bf16 pack (Hq8 Hkv2 D128, causal) against fp32: the largest
-    relative error of the output and every gradient."""
-    import varlen_programs as vp
-
-    q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=seed)
-    grad = torch.randn_like(q)
-    got = _grads(lambda a, b, c: fn(a, b, c, cu), (q, k, v), grad)
-    want = _grads(lambda a, b, c: vp.sequence_reference(a, b, c, cu, True), [t.float() for t in (q, k, v)], grad.double())
-    return max(_rel(a, b) for a, b in zip(got, want))
-
-
 class _CountJit:
     """Counts FA4's kernel compilations (``cute.compile``) while active."""
 
@@ -154,7 +142,11 @@ def test_compiled_varlen_new_lengths_no_recompile_no_jit():
     packs = [[1000, 2000, 1096], [1, 4000, 95], [2048, 1024, 1024], [3000, 1, 1095]]
     with _CountJit() as jit:
         for step, lengths in enumerate(packs):
-            assert _pack_error(fn, lengths, seed=step) < 2e-2, step
+            q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=step)
+            grad = torch.randn_like(q)
+            got = _grads(lambda a, b, c: fn(a, b, c, cu), (q, k, v), grad)
+            want = _grads(lambda a, b, c: vp.sequence_reference(a, b, c, cu, True), [t.float() for t in (q, k, v)], grad.double())
+            assert max(_rel(a, b) for a, b in zip(got, want)) < 2e-2, step
             if step == 0:
                 warm = jit.count
     assert jit.count == warm, (warm, jit.count)
@@ -177,7 +169,11 @@ def test_cuda_graph_replays_with_new_lengths():
                        fullgraph=True, options={"triton.cudagraphs": True, "cp_inductor.attention_provider": "fa4"})
     packs = [[512, 512, 1024], [1, 1000, 1047], [2000, 40, 8], [2000, 40, 8], [7, 2000, 41]]
     for step, lengths in enumerate(packs):
-        assert _pack_error(fn, lengths, seed=step) < 2e-2, step
+        q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=step)
+        grad = torch.randn_like(q)
+        got = _grads(lambda a, b, c: fn(a, b, c, cu), (q, k, v), grad)
+        want = _grads(lambda a, b, c: vp.sequence_reference(a, b, c, cu, True), [t.float() for t in (q, k, v)], grad.double())
+        assert max(_rel(a, b) for a, b in zip(got, want)) < 2e-2, step
     assert counters["inductor"]["cudagraph_skips"] == 0 and _cudagraphs_recorded("cuda") > 0
     torch._dynamo.reset()
 
