@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
+from .allgather import _all_gather
 
 BALANCES = ("document", "pack")
 
@@ -229,8 +230,7 @@ def _gather_pack(x: torch.Tensor, shard: PackShard, group) -> torch.Tensor:
     pad = shard.padded_tokens - x.shape[0]
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), 0, _group(group))
-    return gathered.index_select(0, shard.pack_index)
+    return _all_gather(x, _group(group)).index_select(0, shard.pack_index)
 
 
 def unshard_pack(x: torch.Tensor, shard: PackShard, group=None) -> torch.Tensor:
