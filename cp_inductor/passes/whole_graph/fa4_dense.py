@@ -30,6 +30,7 @@ from ... import reporting
 from ...lowerings import fa4_attention
 from ..analysis import attention_provider, sdpa_ops
 from ..analysis.fx_emit import Emitter
+from ..analysis.op_schema import value
 
 NAME = "fa4_dense"
 aten = torch.ops.aten
@@ -47,16 +48,12 @@ def _pairs() -> dict:
 BACKWARD_OF = _pairs()
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def why_not(node: torch.fx.Node, cfg, swapped_backward=frozenset()) -> tuple[str | None, str]:
     """(None, choice reason) where FA4 takes this forward or backward op, else (why not, "" or
     "unavailable": FA4 cannot run on this device at all, which the printed report leaves out).
     A forward whose RNG outputs feed anything but a backward in ``swapped_backward`` stays."""
     a = sdpa_ops.bound_args(node)
-    q, k, v = (_val(a.get(n)) for n in ("query", "key", "value"))
+    q, k, v = (value(a.get(n)) for n in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not [B, H, S, D]", ""
     if a.get("attn_bias") is not None or a.get("attn_mask") is not None:
@@ -83,7 +80,7 @@ def why_not(node: torch.fx.Node, cfg, swapped_backward=frozenset()) -> tuple[str
 
 def _scale_causal(a: dict) -> tuple[float, bool]:
     scale = a.get("scale")
-    return (float(scale) if scale is not None else _val(a["query"]).shape[-1] ** -0.5), bool(a.get("is_causal"))
+    return (float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5), bool(a.get("is_causal"))
 
 
 def _swap_outputs(graph, old: torch.fx.Node, new: torch.fx.Node, emit: Emitter, shapes: dict) -> None:
@@ -103,7 +100,7 @@ def apply_forward(graph: torch.fx.Graph, forward: torch.fx.Node) -> None:
     emit = Emitter(graph, forward)
     fa4 = emit(torch.ops.cp_inductor.fa4_sdpa.default, a["query"], a["key"], a["value"], *_scale_causal(a))
     lse = sdpa_ops.tuple_outputs(forward).get(1)  # aten's shape for its readers: [B, H, S] or [B, H, S, 1]
-    _swap_outputs(graph, forward, fa4, emit, {} if lse is None else {1: list(_val(lse).shape)})
+    _swap_outputs(graph, forward, fa4, emit, {} if lse is None else {1: list(value(lse).shape)})
     _copy_meta(forward, emit.created)
 
 
@@ -111,8 +108,8 @@ def apply_backward(graph: torch.fx.Graph, backward: torch.fx.Node) -> None:
     a = sdpa_ops.bound_args(backward)
     emit = Emitter(graph, backward)
     lse = a["logsumexp"]
-    if _val(lse).dim() == 4:  # cuDNN's [B, H, S, 1]
-        lse = emit(aten.view.default, lse, list(_val(lse).shape[:3]))
+    if value(lse).dim() == 4:  # cuDNN's [B, H, S, 1]
+        lse = emit(aten.view.default, lse, list(value(lse).shape[:3]))
     grads = emit(torch.ops.cp_inductor.fa4_sdpa_backward.default, a["grad_out"], None, a["query"], a["key"], a["value"],
                  a["out"], lse, *_scale_causal(a))
     _swap_outputs(graph, backward, grads, emit, {})
