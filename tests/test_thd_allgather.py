@@ -12,6 +12,7 @@ from expecttest import TestCase
 
 from cp_inductor.parallel import thd_allgather as tag
 from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, describe_matches, fake_pg
 
 TOL = 1e-5  # fp32 against fp64, relative L2
 
@@ -161,3 +162,133 @@ def test_compiles_in_one_graph_with_the_answer_of_eager():
     attention per piece): the output and every gradient as eager's."""
     for diffs in run_on_ranks(_compiled_matches_eager, 2):
         assert max(diffs) < 1e-5, diffs
+
+
+# The hand-written form pads the pack to a multiple of 2*cp: a last document of 13 (96 tokens)
+HAND_LENGTHS = [*LENGTHS, 13]
+
+
+def _check_handwritten(rank, cp, heads_kv, causal, gather, on_reference_op=True):
+    """``allgather_thd`` (Llama 3-style, by hand) compiled with cp_inductor on gloo, against the
+    fp64 reference for the output and every gradient; the varlen calls lowered onto our op's
+    CPU reference (``on_reference_op``) or kept on torch's varlen op (the tests' CPU kernels)."""
+    import contextlib
+
+    import cp_inductor
+    import varlen_programs as vp
+    from cp_inductor.lowerings import varlen_attention
+
+    vp.register_cpu_kernels()
+    g = torch.Generator().manual_seed(2)
+    total = sum(HAND_LENGTHS)
+    q_full = torch.randn(total, 4, 16, generator=g)
+    k_full, v_full = (torch.randn(total, heads_kv, 16, generator=g) for _ in range(2))
+    dout_full = torch.randn(total, 4, 16, generator=g)
+    ref_in = [t.double().requires_grad_() for t in (q_full, k_full, v_full)]
+    ref_out = _reference(*ref_in, HAND_LENGTHS, causal)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout_full.double())
+
+    chunk = total // (2 * cp)
+    rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
+    plan = vp.chunk_plan(HAND_LENGTHS, rank, cp, causal)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    compiled = torch.compile(lambda a, b, c: vp.allgather_thd(a, b, c, plan, causal, gather=gather),
+                             backend="cp_inductor", fullgraph=True)
+    ins = [t.index_select(0, rows).clone().requires_grad_() for t in (q_full, k_full, v_full)]
+    with varlen_attention.reference_kernels() if on_reference_op else contextlib.nullcontext():
+        out = compiled(*ins)
+        grads = torch.autograd.grad(out, ins, dout_full.index_select(0, rows))
+    report = cp_inductor.report()
+    torch._dynamo.reset()
+
+    def rel(a, b):
+        return float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30))
+
+    errors = {"out": rel(out, ref_out.detach()[rows])}
+    errors.update({n: rel(g_, r[rows]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    regions = sorted({(r.graph_kind, r.style, r.layout) for r in report.regions})
+    return errors, regions, [r.line() for r in report.varlen]
+
+
+@pytest.mark.parametrize("cp,heads_kv,causal,gather", [
+    (2, 2, True, "funcol_dim0"),
+    (2, 4, False, "inplace"),
+    pytest.param(4, 2, True, "list", marks=pytest.mark.wide),
+])
+def test_handwritten_form_compiled_on_gloo(cp, heads_kv, causal, gather):
+    """Llama 3's form by hand, compiled with cp_inductor: every call found as a K/V all-gather
+    region (forward and backward), lowered off torch's op, and the answer of the fp64 reference."""
+    for errors, regions, lines in run_on_ranks(_check_handwritten, cp, heads_kv, causal, gather):
+        assert max(errors.values()) < TOL, errors
+        assert regions == [("backward", "allgather", "thd"), ("forward", "allgather", "thd")], regions
+        assert len(lines) == 2 and all(": allgather," in line for line in lines), lines
+
+
+def _golden(cp: int, form: str, heads_kv: int = 2) -> str:
+    """What detection finds in rank 0's graphs (fake group, 96-token pack, Hq 4), each region's
+    accumulator note once per graph kind."""
+    import varlen_programs as vp
+    from cp_inductor.lowerings import varlen_attention
+    from cp_inductor.passes import pipeline
+
+    vp.register_cpu_kernels()
+    q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, heads_kv, 16)
+    with fake_pg(cp):
+        if form == "helper":
+            _, shard = tag.shard_pack(q, HAND_LENGTHS, 0, cp)
+            local = [t.index_select(0, shard.local_index).requires_grad_() for t in (q, k, v)]
+            with varlen_attention.reference_kernels():  # FA4's op, as on GPUs
+                graphs = aot_graphs(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shard), *local)
+        else:
+            plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, cp), q.shape[0] // (2 * cp)
+            local = [torch.cat([t[:chunk], t[-chunk:]]).requires_grad_() for t in (q, k, v)]
+            graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
+        notes = {n for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind) for n in r.notes}
+        return "\n".join([describe_matches(graphs), *sorted(notes)])
+
+
+class TestDetection(TestCase):
+    """The helper (FA4 rounds reading the gathered K/V in place) and Llama 3's hand-written form
+    (a varlen_attn per chunk over a slice of the gathered K/V) are K/V all-gather regions, forward
+    and backward, at cp = 2, 4, 8."""
+
+    def test_helper_cp2(self):
+        self.assertExpectedInline(_golden(2, "helper"), """\
+forward: allgather cp=2 thd fa4_varlen_attention Hq=4 Hkv=2 causal
+forward: allgather cp=2 thd fa4_varlen_attention Hq=4 Hkv=2 causal
+backward: allgather cp=2 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
+backward: allgather cp=2 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero); this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read""")
+
+    def test_helper_cp8_a_rank_of_short_pieces(self):
+        self.assertExpectedInline(_golden(8, "helper"), """\
+forward: allgather cp=8 thd fa4_varlen_attention Hq=4 Hkv=2 causal
+forward: allgather cp=8 thd fa4_varlen_attention Hq=4 Hkv=2 causal
+backward: allgather cp=8 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
+backward: allgather cp=8 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero); this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read""")
+
+    def test_handwritten_cp2_gqa_heads_repeated(self):
+        self.assertExpectedInline(_golden(2, "handwritten"), """\
+forward: allgather cp=2 thd _varlen_attn Hq=4 Hkv=4 causal
+forward: allgather cp=2 thd _varlen_attn Hq=4 Hkv=4 causal
+backward: allgather cp=2 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+backward: allgather cp=2 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
+
+    def test_handwritten_cp4_mha(self):
+        self.assertExpectedInline(_golden(4, "handwritten", heads_kv=4), """\
+forward: allgather cp=4 thd _varlen_attn Hq=4 Hkv=4 causal
+forward: allgather cp=4 thd _varlen_attn Hq=4 Hkv=4 causal
+backward: allgather cp=4 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+backward: allgather cp=4 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
+
+    def test_handwritten_cp8(self):
+        self.assertExpectedInline(_golden(8, "handwritten"), """\
+forward: allgather cp=8 thd _varlen_attn Hq=4 Hkv=4 causal
+forward: allgather cp=8 thd _varlen_attn Hq=4 Hkv=4 causal
+backward: allgather cp=8 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+backward: allgather cp=8 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")

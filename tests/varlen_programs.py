@@ -354,3 +354,65 @@ def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference
     regions = sorted({(r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions})
     torch._dynamo.reset()
     return results, regions, [r.line() for r in report.varlen]
+
+
+def chunk_plan(lengths, rank: int, cp: int, causal: bool = True) -> list[dict]:
+    """What a Llama 3-style data loader computes on the host for ``allgather_thd``: the pack cut
+    into 2*cp equal chunks, rank r holding chunks r and 2cp-1-r; per local chunk, its queries'
+    documents (cu_seqlens over the chunk) and the stretch of the pack its keys come from (the first
+    piece's document start to the chunk's end, causal, or to the last piece's document end), with
+    cu_seqlens over that stretch. ``sum(lengths)`` must divide by 2*cp."""
+    total, n = sum(lengths), 2 * cp
+    assert total % n == 0, "the hand-written form pads the pack to a multiple of 2*cp"
+    size = total // n
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    docs = list(zip(starts, starts[1:]))
+    plan = []
+    for c in (rank, n - 1 - rank):
+        lo, hi = c * size, (c + 1) * size
+        pieces = [(a, b) for a, b in docs if max(a, lo) < min(b, hi)]
+        key_lo = pieces[0][0]
+        key_ends = [min(b, hi) if causal else b for _, b in pieces]
+        cu_q = [0, *[min(b, hi) - lo for _, b in pieces]]
+        cu_k = [0, *[e - key_lo for e in key_ends]]
+        plan.append({
+            "key_lo": key_lo, "key_hi": key_ends[-1],
+            "cu_q": torch.tensor(cu_q, dtype=torch.int32), "cu_k": torch.tensor(cu_k, dtype=torch.int32),
+            "max_q": max(b - a for a, b in zip(cu_q, cu_q[1:])), "max_k": max(b - a for a, b in zip(cu_k, cu_k[1:])),
+        })
+    return plan
+
+
+def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0"):
+    """K/V all-gather CP over a pack as Llama 3-style code writes it by hand: this rank holds
+    chunks r and 2cp-1-r of the pack (``[2 * C, H, D]``); K and V all-gathered, put back in pack
+    order (first halves in rank order, then the second halves reversed), and one varlen_attn per
+    local chunk over its keys' stretch of the pack (a slice: cu_seq_k != cu_seq_q, bottom-right
+    causal), K/V heads repeated for GQA as torchtitan feeds varlen_attn. ``gather``: as
+    ``allgather_programs.gather_seq``'s (functional with autograd, in place into a tensor or a
+    list inside an autograd.Function)."""
+    import torch.distributed as dist
+    from allgather_programs import gather_seq
+    from torch.nn.attention.varlen import varlen_attn
+
+    group = group if group is not None else dist.group.WORLD
+    cp = dist.get_world_size(group)
+    chunk = q.shape[0] // 2
+
+    def to_pack_order(x):
+        g = gather_seq(x, 0, gather)
+        g = g.view(cp, 2, chunk, *x.shape[1:])
+        return torch.cat([g[:, 0].reshape(-1, *x.shape[1:]), g[:, 1].flip(0).reshape(-1, *x.shape[1:])])
+
+    k_pack, v_pack = to_pack_order(k), to_pack_order(v)
+    groups = q.shape[1] // k.shape[1]
+    window = (-1, 0) if causal else (-1, -1)
+    outs = []
+    for i, p in enumerate(plan):
+        kc, vc = (t[p["key_lo"]:p["key_hi"]] for t in (k_pack, v_pack))
+        if groups > 1:
+            kc, vc = (t.repeat_interleave(groups, dim=1) for t in (kc, vc))
+        cu_q, cu_k = p["cu_q"].to(q.device), p["cu_k"].to(q.device)
+        outs.append(varlen_attn(q[i * chunk:(i + 1) * chunk], kc, vc, cu_q, cu_k, p["max_q"], p["max_k"],
+                                window_size=window))
+    return torch.cat(outs)

@@ -20,9 +20,10 @@ balances:
 ``thd_allgather_attention`` gathers K and V in ONE collective (stacked; ranks' shares padded to
 the longest), puts them in pack order (one index_select), and runs each local piece against its
 document's keys: the prefix up to the piece's last token (causal, bottom-right) or the whole
-document. FA4 can read the gathered buffer in place (``kernel="fa4"``: ``seqused_k``); the
-portable path (``kernel="sdpa"``, any device, the default) slices each piece's keys. The backward's dK/dV go
-back through the index_select (a scatter) and the gather's backward, a reduce-scatter.
+document. FA4 reads the gathered buffer in place (``seqused_k``; the default where it can run);
+the portable path (``kernel="sdpa"``, any device) slices each piece's keys. The backward's dK/dV go
+back through the reorder (a row gather, not a scatter into zeros) and the gather's backward, a
+reduce-scatter.
 
 The record is built on the host from the lengths (where a data loader has them) and lives on the
 device; attention needs no host read of the lengths per call.
@@ -85,6 +86,7 @@ class PackShard:
     rounds: tuple[Round, ...]
     local_index: torch.Tensor  # [T_local] int64: pack positions of the local tokens, in local order
     pack_index: torch.Tensor  # [T] int64: for each pack position, its row in the gathered [cp * T_pad] buffer
+    gather_index: torch.Tensor  # [cp * T_pad] int64: for each gathered row, its pack position (-1: padding)
     pieces: tuple[Piece, ...]  # this rank's, in local order (host copy: the portable kernel and tests)
 
 
@@ -200,6 +202,8 @@ def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=No
         for p in (p for rnd in rounds for p in rnd):
             pack_index[p.start:p.end] = torch.arange(row, row + p.end - p.start)
             row += p.end - p.start
+    gather_index = torch.full((cp * padded,), -1, dtype=torch.int64)
+    gather_index[pack_index] = torch.arange(total)
     mine, rounds, row = [], [], 0
     for rnd in by_rank[rank]:
         rounds.append(_round(rnd, row, total, device))
@@ -209,7 +213,7 @@ def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=No
         rank=rank, cp=cp, tokens=total, local_tokens=counts[rank], padded_tokens=padded, rounds=tuple(rounds),
         local_index=torch.cat([torch.arange(p.start, p.end) for p in mine]).to(device) if mine
         else torch.empty(0, dtype=torch.int64, device=device),
-        pack_index=pack_index.to(device), pieces=tuple(mine),
+        pack_index=pack_index.to(device), gather_index=gather_index.to(device), pieces=tuple(mine),
     )
 
 
@@ -224,13 +228,31 @@ def _group(group):
     return group if group is not None else dist.group.WORLD
 
 
+class _ToPackOrder(torch.autograd.Function):
+    """The gathered rows in pack order. Its backward gathers the gradient back (a permutation, the
+    padding rows zero) instead of index_select's index_add into a zero buffer: the dK/dV
+    reaching the reduce-scatter are written once, by one kernel, no zero-filled accumulator."""
+
+    @staticmethod
+    def forward(ctx, gathered, pack_index, gather_index):
+        ctx.save_for_backward(gather_index)
+        return gathered.index_select(0, pack_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gather_index,) = ctx.saved_tensors
+        rows = grad.index_select(0, gather_index.clamp(min=0))
+        keep = (gather_index >= 0).view(-1, *([1] * (grad.dim() - 1)))
+        return torch.where(keep, rows, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
+
+
 def _gather_pack(x: torch.Tensor, shard: PackShard, group) -> torch.Tensor:
     """[T_local, ...] on every rank -> [T, ...] in pack order: one all-gather of the padded
-    shares, one index_select (its backward: index_add, then the gather's reduce-scatter)."""
+    shares, one row gather (its backward: a row gather, then the gather's reduce-scatter)."""
     pad = shard.padded_tokens - x.shape[0]
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-    return _all_gather(x, _group(group)).index_select(0, shard.pack_index)
+    return _ToPackOrder.apply(_all_gather(x, _group(group)), shard.pack_index, shard.gather_index)
 
 
 def unshard_pack(x: torch.Tensor, shard: PackShard, group=None) -> torch.Tensor:
@@ -256,13 +278,16 @@ def _pieces_sdpa(q, k, v, shard: PackShard, causal: bool, scale: float) -> torch
     return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v.shape[2:])
 
 
-def _kernel(kernel: str) -> str:
-    # "auto" is the portable kernel until FA4's in-place form has run on a GPU (its CPU reference
-    # agrees, tests/test_thd_allgather.py); each FA4 call takes one round, so no key row is read
-    # by two of its pieces.
+def _kernel(kernel: str, q: torch.Tensor, v: torch.Tensor) -> str:
+    """``"auto"``: FA4 where it can run (CUDA, SM90+, half precision, its head dims: one call per
+    round reading the gathered K/V in place), else the portable kernel."""
     if kernel not in ("auto", "fa4", "sdpa"):
         raise ValueError(f"kernel must be auto, fa4 or sdpa, got {kernel!r}")
-    return "sdpa" if kernel == "auto" else kernel
+    if kernel != "auto":
+        return kernel
+    from ..lowerings import fa4_attention
+
+    return "sdpa" if fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]) else "fa4"
 
 
 def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: PackShard, *,
@@ -271,9 +296,9 @@ def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Attention of this rank's tokens ``q [T_local, Hq, D]`` over their documents, K and V
     (``[T_local, Hkv, D]``, this rank's) all-gathered in one collective. ``kernel``: ``"fa4"``
     (reads the gathered K/V in place: cu_seqlens_k at document starts, seqused_k), ``"sdpa"``
-    (any device: each piece's keys sliced), ``"auto"`` (``"sdpa"`` until FA4's in-place form has
-    run on a GPU, see ``_kernel``). FA4 takes one call per round (at most two: a document's
-    pieces on one rank are at most two stretches)."""
+    (any device: each piece's keys sliced), ``"auto"`` (FA4 where it can run, see ``_kernel``).
+    FA4 takes one call per round (at most two: a document's pieces on one rank are at most two
+    stretches)."""
     kv = _gather_pack(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
     k_pack, v_pack = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     return pack_attention(q, k_pack, v_pack, shard, is_causal=is_causal, scale=scale, kernel=kernel)
@@ -284,7 +309,7 @@ def pack_attention(q: torch.Tensor, k_pack: torch.Tensor, v_pack: torch.Tensor, 
     """This rank's pieces ``q [T_local, Hq, D]`` against the whole pack's K/V in pack order
     (``[T, Hkv, D]``): the attention after the gather."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _kernel(kernel) == "fa4":
+    if _kernel(kernel, q, v_pack) == "fa4":
         from ..lowerings import fa4_attention  # noqa: F401 - registers the op
 
         outs = [torch.ops.cp_inductor.fa4_varlen_attention(

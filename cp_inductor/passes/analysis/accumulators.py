@@ -41,6 +41,7 @@ _SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
 # layout ops and pointwise ops.
 _FUSED = _SCATTERS + (
     aten.cat.default, aten.sum.dim_IntList, aten.flip.default, torch.ops.prims.rev.default, aten.constant_pad_nd.default,
+    aten.index_select.default, aten.index.Tensor,  # rows gathered (indirect loads in the same kernel)
 )
 
 def _fused(node: torch.fx.Node) -> bool:
@@ -67,6 +68,15 @@ def materialized_at(attention: torch.fx.Node) -> torch.fx.Node | None:
     return min(blockers, key=order.__getitem__)
 
 
+def _in_place_reads(attention: torch.fx.Node) -> str:
+    """What a call reading the gathered keys in place (FA4 with ``seqused_k``) adds: its dK/dV
+    cover the whole gathered buffer, the rows it does not read zeroed inside the op."""
+    fa4 = getattr(torch.ops.cp_inductor, "fa4_varlen_attention_backward", None)
+    if fa4 is None or attention.target is not fa4.default or attention.args[9] is None:
+        return ""
+    return "; this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read"
+
+
 def note(match) -> str | None:
     """The report's note on a K/V all-gather or ring backward region's dK/dV accumulators."""
     if match.direction != "backward" or match.style not in ("allgather", "ring"):
@@ -75,5 +85,5 @@ def note(match) -> str | None:
     blocker = materialized_at(match.attention)
     if blocker is None:
         return (f"dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the "
-                f"kernel that writes the {into} input (no fill, no add-into-zero)")
+                f"kernel that writes the {into} input (no fill, no add-into-zero){_in_place_reads(match.attention)}")
     return f"dK/dV accumulators: a partial one is materialized before {blocker.target}: its zero fill and add stay"

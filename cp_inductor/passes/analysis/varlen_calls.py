@@ -100,17 +100,44 @@ def _bind(node: torch.fx.Node) -> dict:
 
 
 _ALL_TO_ALLS = {"_c10d_functional::all_to_all_single"} | {k.qualname for k in KNOWN_ALL_TO_ALLS}
-_NEAR = 64  # nodes: a Ulysses all-to-all sits a few relabelling ops above attention
+# The forms an all-gather takes on the graph Dynamo hands the backend (functional, autograd
+# functional, the in-place ops torch.distributed.nn traces to).
+_ALL_GATHERS = {
+    "_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor",
+    "c10d::allgather_", "c10d::_allgather_base_",
+}
+_NEAR = 64  # nodes: a Ulysses all-to-all or the K/V all-gather sits a few relabelling ops above attention
 
 
-def _style(query: torch.fx.Node) -> str:
-    """"a2a" when an all-to-all delivers the query within a few ops (the post-grad detector then
-    proves the region, or says why not), else "local": the report's first word on the call."""
-    def is_all_to_all(n):
-        return n.op == "call_function" and qualname(n.target) in _ALL_TO_ALLS
+def _calls(node: torch.fx.Node, names: set) -> bool:
+    """Whether ``node`` is one of the ops ``names``, or a higher-order op (an autograd.Function
+    the program gathers in: Megatron's form) whose subgraphs call one."""
+    if node.op != "call_function":
+        return False
+    if qualname(node.target) in names:
+        return True
+    module = node.graph.owning_module
+    bodies = [getattr(module, a.target, None) for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    return any(isinstance(b, torch.fx.GraphModule) and any(_calls(n, names) for n in b.graph.nodes) for b in bodies)
 
-    above = Walk([query], lambda n: () if is_all_to_all(n) else n.all_input_nodes, limit=_NEAR)
-    return "a2a" if any(is_all_to_all(n) for n in above) else "local"
+
+def _collective_above(start: torch.fx.Node, names: set) -> bool:
+    def is_one(n):
+        return _calls(n, names)
+
+    above = Walk([start], lambda n: () if is_one(n) else n.all_input_nodes, limit=_NEAR)
+    return any(is_one(n) for n in above)
+
+
+def _style(query: torch.fx.Node, key) -> str:
+    """"a2a" when an all-to-all delivers the query within a few ops, "allgather" when an
+    all-gather delivers the keys (the post-grad detectors then prove the region, or say why
+    not), else "local": the report's first word on the call."""
+    if _collective_above(query, _ALL_TO_ALLS):
+        return "a2a"
+    if isinstance(key, torch.fx.Node) and _collective_above(key, _ALL_GATHERS):
+        return "allgather"
+    return "local"
 
 
 def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
@@ -132,7 +159,7 @@ def find(gm: torch.fx.GraphModule) -> list[VarlenCall]:
         if args is None:
             continue
         causal = bool(args.get("is_causal", False)) or list(args.get("window_size") or []) == [-1, 0]
-        style = _style(args["query"]) if isinstance(args.get("query"), torch.fx.Node) else "local"
+        style = _style(args["query"], args.get("key")) if isinstance(args.get("query"), torch.fx.Node) else "local"
         calls.append(VarlenCall(node, name, args, causal, reasons=reasons, style=style, inserted=inserted))
     return calls
 

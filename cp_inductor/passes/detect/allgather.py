@@ -35,7 +35,7 @@ import torch.fx
 from ..analysis.graph_walk import MAX_NODES
 from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..analysis.match import CPMatch, attention_facts
-from ..analysis.sdpa_ops import SDPA_FORWARD, bound_args
+from ..analysis.sdpa_ops import BACKWARD, FORWARD, VARLEN_BACKWARD, VARLEN_FORWARD, bound_args
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 
 aten = torch.ops.aten
@@ -53,6 +53,7 @@ ACCUMULATE_OPS = (
     aten.slice_scatter.default, aten.select_scatter.default, aten.add.Tensor, aten.sum.dim_IntList,
     aten.cat.default, prims.rev.default, aten.flip.default, aten.index_add.default, aten.index_put.default,
     aten.constant_pad_nd.default,  # a prefix's dK/dV padded to the full sequence
+    aten.index_select.default, aten.index.Tensor, aten.where.self,  # a pack order's rows gathered back
 )
 _MAX_DEPTH = MAX_NODES // 2  # nodes a walk may visit; deeper means it is not one attention's K/V
 
@@ -137,9 +138,17 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
         raise LayoutError("key and value are gathered over different groups")
     (cp, group), = groups
     return AllGatherMatch(
-        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["query"]),
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(node, args["query"]),
         gathers=gathers, **attention_facts(args),
     )
+
+
+def _layout(attention, rank_tensor) -> str:
+    """"thd" for packed-sequence attention (``[tokens, heads, head_dim]`` with cu_seqlens), else how
+    the rank holds q or dO."""
+    if attention.target in VARLEN_FORWARD + VARLEN_BACKWARD:
+        return "thd"
+    return query_layout(rank_tensor)
 
 
 def _reduce_scatter_below(node) -> set:
@@ -164,13 +173,13 @@ def _backward_match(node, graph_kind) -> AllGatherMatch | None:
     (cp, group), = sizes
     args = bound_args(node)
     return AllGatherMatch(
-        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=query_layout(args["grad_out"]),
+        graph_kind=graph_kind, attention=node, cp=cp, group_name=group, layout=_layout(node, args["grad_out"]),
         reduce_scatters=rs, **attention_facts(args),
     )
 
 
 def _match(node, graph_kind) -> AllGatherMatch | None:
-    if node.target in SDPA_FORWARD:
+    if node.target in FORWARD:
         return _forward_match(node, graph_kind)
     return _backward_match(node, graph_kind)
 
@@ -207,7 +216,7 @@ def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[AllGathe
     """Every K/V all-gather attention op in ``graph``. ``log(node, reason)`` hears why an attention
     op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's),
     including the attention of PyTorch's flex CP (``FLEX_REASON``)."""
-    matches = find_with(_match, graph, graph_kind, cfg, log)
+    matches = find_with(_match, graph, graph_kind, cfg, log, ops=FORWARD + BACKWARD)
     if log is not None:
         for attention, op in _flex_attention_ops(graph):
             log(attention, FLEX_REASON.format(op=op))
