@@ -249,3 +249,62 @@ def test_thd_allgather_rounds_on_fa4_match_fp32(balance, causal):
                       [t.float() for t in (q, k_pack, v_pack)], grad.float())
         errors = [_rel(a, b) for a, b in zip(got, want)]
         assert max(errors) < 2e-2, (rank, errors)
+
+
+def _mirrored_errors(program, local, grad, **options):
+    """``program`` on one GPU playing rank 0 of cp = 2 in a mirrored world: fp32 on the CPU (the
+    reference), eager bf16, and compiled with cp_inductor; (eager's errors, ours, the report)."""
+    from cp_inductor.testing.mirror_group import mirrored_world
+
+    with mirrored_world(2):
+        want = _grads(program, [t.float().cpu() for t in local], grad.float().cpu())
+        eager = _grads(program, local, grad)
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        ours = _grads(torch.compile(program, backend="cp_inductor", fullgraph=True,
+                                    options={f"cp_inductor.{k}": v for k, v in options.items()}), local, grad)
+        report = cp_inductor.report()
+        torch._dynamo.reset()
+    return [_rel(a.cpu(), b) for a, b in zip(eager, want)], [_rel(a.cpu(), b) for a, b in zip(ours, want)], report
+
+
+def test_thd_allgather_handwritten_compiled_matches_eager_and_fp32():
+    """Llama 3's all-gather form over a pack by hand (a varlen_attn per chunk over a slice of the
+    gathered K/V, K/V heads repeated), rank 0 of cp = 2 mirrored: compiled with cp_inductor, each
+    call on the chosen provider reading the slice in place, K/V repeat dropped, against eager
+    flash-2 and fp32, for the output and every gradient."""
+    import varlen_programs as vp
+
+    vp.register_cpu_kernels()
+    lengths = [300, 1000, 77, 671, 1, 1999]  # 4048 tokens: chunks of 1012, documents across chunks
+    q, k, v, _, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    plan, chunk = vp.chunk_plan(lengths, 0, 2), sum(lengths) // 4
+    local = [torch.cat([t[:chunk], t[-chunk:]]) for t in (q, k, v)]
+    grad = torch.randn(local[0].shape, device="cuda", dtype=torch.bfloat16)
+    flash, mine, report = _mirrored_errors(lambda a, b, c: vp.allgather_thd(a, b, c, plan), local, grad,
+                                           varlen_cudnn_min_size=0)
+    print("flash", flash, "cp_inductor", mine, [r.line() for r in report.varlen])
+    assert sorted({(r.graph_kind, r.style, r.layout) for r in report.regions}) == [
+        ("backward", "allgather", "thd"), ("forward", "allgather", "thd")], str(report)
+    assert all(r.style == "allgather" and r.path != "kept" and "repeat dropped" in r.line() for r in report.varlen), report.varlen
+    assert all(e < max(2 * f, 1e-2) for e, f in zip(mine, flash)), (mine, flash)
+
+
+@pytest.mark.parametrize("balance", ["document", "pack"])
+def test_thd_allgather_helper_compiled_matches_eager_and_fp32(balance):
+    """The helper (FA4 rounds reading the gathered K/V in place, kernel "auto"), rank 0 of cp = 2
+    mirrored, compiled with cp_inductor: against fp32 (the portable kernel) and eager."""
+    from cp_inductor.parallel import thd_allgather as tag
+
+    lengths = [300, 1000, 77, 671, 1, 1999, 3]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    full = [torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
+    # a mirrored world: every rank holds rank 0's tokens, so the pack is rank 0's share cp times over
+    _, shard = tag.shard_pack(full[0], lengths, 0, 2, balance)
+    local = [t.index_select(0, shard.local_index) for t in full]
+    grad = torch.randn(local[0].shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    eager, mine, report = _mirrored_errors(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shard), local, grad)
+    print("eager", eager, "cp_inductor", mine)
+    assert sorted({(r.graph_kind, r.style, r.layout) for r in report.regions}) == [
+        ("backward", "allgather", "thd"), ("forward", "allgather", "thd")], str(report)
+    assert max(mine) < 2e-2 and max(eager) < 2e-2, (mine, eager)
