@@ -17,6 +17,8 @@ lengths random / one long among 64 short / equal), fwd+bwd medians, arms alterna
 - ``helper_pack`` / ``helper_doc``: ``cp_inductor.parallel.thd_allgather_attention`` compiled
   with cp_inductor, balance ``pack`` / ``document`` (FA4, one call per round reading the gathered
   K/V in place: cu_seqlens_k at the document starts, seqused_k);
+- ``helper_doc_g4``: ``helper_doc`` with ``head_groups=4`` (a gather and the calls per group of
+  heads: the gathered K/V and the kernels' workspace of a quarter of the heads alive at a time);
 - ``floor_pack`` / ``floor_doc``: the fastest kernel alone over this rank's pieces and their key
   prefixes, no copies, no gather, no reorder: FA4's packed op per round on K/V already in pack order.
 
@@ -27,12 +29,13 @@ up to a constant) and the peak memory of each arm beyond its inputs.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-from common import device_ms, fill_free_memory, write_rows
+from common import device_ms, fill_free_memory, peak_composition, write_rows
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
 import varlen_programs as vp  # noqa: E402
@@ -40,7 +43,7 @@ from bench_thd import HKV, HQ, lengths_for, measure_arms  # noqa: E402
 
 from cp_inductor.parallel import thd_allgather as tag  # noqa: E402
 
-ARMS = ("eager", "inductor", "cp_off", "cp_on", "helper_pack", "helper_doc", "floor_pack", "floor_doc")
+ARMS = ("eager", "inductor", "cp_off", "cp_on", "helper_pack", "helper_doc", "helper_doc_g4", "floor_pack", "floor_doc")
 
 
 def balance_of(lengths, cp: int, balance: str) -> float:
@@ -80,13 +83,15 @@ def arms_for(lengths, head_dim: int, cp: int, rank: int) -> dict:
         shard = tag.make_shard(lengths, rank, cp, balance, device="cuda")
         mine = [t.index_select(0, shard.local_index) for t in (q, k, v)]
 
-        def helper(a, b, c, shard=shard):
-            return tag.thd_allgather_attention(a, b, c, shard)
+        def helper(a, b, c, shard=shard, groups=None):
+            return tag.thd_allgather_attention(a, b, c, shard, head_groups=groups)
 
         def floor(a, b, c, shard=shard):
             return tag.pack_attention(a, b, c, shard, kernel="fa4")
 
         arms[f"helper_{name}"] = steps(compiled(helper), mine)
+        if balance == "document":
+            arms["helper_doc_g4"] = steps(compiled(lambda a, b, c, h=helper: h(a, b, c, groups=4)), mine)
         arms[f"floor_{name}"] = steps(floor, [mine[0], k, v])
     return arms
 
@@ -100,6 +105,8 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="+", default=["random", "one_long", "equal"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--composition", action="store_true",
+                    help="also print what is alive at the peak of cp_on, helper_doc and helper_doc_g4 (first pack)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -109,7 +116,7 @@ def main() -> int:
     print(f"filled {fill_free_memory(0.4):.0f} GiB with random values")
     print(f"K/V all-gather over a pack, one rank's compute (fake group), Hq{HQ} Hkv{HKV} bf16 causal, fwd+bwd ms")
     print(f"{'cp':>2} {'rk':>2} {'T':>6} {'D':>4} {'lengths':>8} | " + " ".join(f"{n:>11}" for n in ARMS)
-          + " | on/ind help_doc/ind on/floor_p help_doc/floor_d | max/mean work pack doc | peak GiB ind/on/help_doc")
+          + " | on/ind help_doc/ind on/floor_p help_doc/floor_d | max/mean work pack doc | peak GiB ind/on/help_doc/g4")
     rows = []
     for cp in a.cp:
         for rank in a.ranks:
@@ -118,8 +125,11 @@ def main() -> int:
                 for head_dim in a.head_dim:
                     for kind in a.kinds:
                         lengths = lengths_for(kind, tokens, seed=tokens + head_dim)
-                        times, peaks = measure_arms(arms_for(lengths, head_dim, cp, rank), a.rounds,
-                                                    lambda fn: device_ms(fn, a.iters))
+                        arms = arms_for(lengths, head_dim, cp, rank)
+                        times, peaks = measure_arms(arms, a.rounds, lambda fn: device_ms(fn, a.iters))
+                        if a.composition and not rows:
+                            for name in ("cp_on", "helper_doc", "helper_doc_g4"):
+                                print(name, json.dumps(peak_composition(arms[name], top=8), indent=1))
                         row = {"cp": cp, "rank": rank, "tokens": tokens, "head_dim": head_dim, "lengths": kind,
                                "docs": lengths, **{f"{n}_ms": t for n, t in times.items()},
                                **{f"{n}_peak_gib": p for n, p in peaks.items()},
@@ -135,7 +145,8 @@ def main() -> int:
                               f"{row['on_vs_inductor']:5.2f}x {row['helper_doc_vs_inductor']:5.2f}x "
                               f"{row['on_vs_floor']:6.3f} {row['helper_doc_vs_floor']:6.3f} | "
                               f"{row['work_max_mean_pack']:.3f} {row['work_max_mean_document']:.3f} | "
-                              f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}/{peaks['helper_doc']:.2f}", flush=True)
+                              f"{peaks['inductor']:.2f}/{peaks['cp_on']:.2f}/{peaks['helper_doc']:.2f}/{peaks['helper_doc_g4']:.2f}",
+                              flush=True)
                         write_rows(a.json, a, rows)
             torch._dynamo.reset()
             dist.destroy_process_group()

@@ -300,10 +300,11 @@ def test_thd_allgather_helper_compiled_matches_eager_and_fp32(balance):
     g = torch.Generator(device="cuda").manual_seed(6)
     full = [torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
     # a mirrored world: every rank holds rank 0's tokens, so the pack is rank 0's share cp times over
-    _, shard = tag.shard_pack(full[0], lengths, 0, 2, balance)
-    local = [t.index_select(0, shard.local_index) for t in full]
+    shards = {d: tag.make_shard(lengths, 0, 2, balance, device=d) for d in ("cpu", "cuda")}
+    local = [t.index_select(0, shards["cuda"].local_index) for t in full]
     grad = torch.randn(local[0].shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    eager, mine, report = _mirrored_errors(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shard), local, grad)
+    eager, mine, report = _mirrored_errors(
+        lambda a, b, c: tag.thd_allgather_attention(a, b, c, shards[a.device.type]), local, grad)
     print("eager", eager, "cp_inductor", mine)
     assert sorted({(r.graph_kind, r.style, r.layout) for r in report.regions}) == [
         ("backward", "allgather", "thd"), ("forward", "allgather", "thd")], str(report)

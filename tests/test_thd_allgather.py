@@ -87,7 +87,7 @@ def _reference(q, k, v, lengths, causal):
     return vp.sequence_reference(q, k, v, cu, causal)
 
 
-def _check(rank, cp, lengths, heads_kv, causal, balance, kernel):
+def _check(rank, cp, lengths, heads_kv, causal, balance, kernel, head_groups=None):
     from cp_inductor.lowerings import varlen_attention
 
     g = torch.Generator().manual_seed(0)
@@ -104,7 +104,7 @@ def _check(rank, cp, lengths, heads_kv, causal, balance, kernel):
     k, v = (t.index_select(0, shard.local_index) for t in (k_full, v_full))
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     with varlen_attention.reference_kernels():  # kernel="fa4": FA4's op on its CPU reference
-        out = tag.thd_allgather_attention(*ins, shard, is_causal=causal, kernel=kernel)
+        out = tag.thd_allgather_attention(*ins, shard, is_causal=causal, kernel=kernel, head_groups=head_groups)
     grads = torch.autograd.grad(out, ins, dout_full.index_select(0, shard.local_index))
     whole = tag.unshard_pack(out.detach(), shard)
 
@@ -128,6 +128,12 @@ def test_numerics_gloo(cp, balance, causal):
     for kernel, heads_kv in (("sdpa", 2), ("sdpa", 4), ("fa4", 2)):
         for errors in run_on_ranks(_check, cp, LENGTHS, heads_kv, causal, balance, kernel):
             assert max(errors.values()) < TOL, (kernel, heads_kv, errors)
+
+
+def test_numerics_gloo_head_groups():
+    """Two head groups, each with its own gather and calls: the answer of one."""
+    for errors in run_on_ranks(_check, 2, LENGTHS, 2, True, "document", "fa4", 2):
+        assert max(errors.values()) < TOL, errors
 
 
 def test_numerics_gloo_cp4_both_balances_causal_gqa():

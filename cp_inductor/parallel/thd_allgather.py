@@ -292,13 +292,25 @@ def _kernel(kernel: str, q: torch.Tensor, v: torch.Tensor) -> str:
 
 def thd_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: PackShard, *,
                             is_causal: bool = True, scale: float | None = None, group=None,
-                            kernel: str = "auto") -> torch.Tensor:
+                            kernel: str = "auto", head_groups: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens ``q [T_local, Hq, D]`` over their documents, K and V
     (``[T_local, Hkv, D]``, this rank's) all-gathered in one collective. ``kernel``: ``"fa4"``
     (reads the gathered K/V in place: cu_seqlens_k at document starts, seqused_k), ``"sdpa"``
     (any device: each piece's keys sliced), ``"auto"`` (FA4 where it can run, see ``_kernel``).
     FA4 takes one call per round (at most two: a document's pieces on one rank are at most two
-    stretches)."""
+    stretches). ``head_groups=G``: G groups of heads one after the other, each with its own
+    gather: the gathered K/V and the kernels' workspace (FA4's fp32 dK/dV accumulators span the
+    gathered keys) of one group alive at a time, 1/G of the whole."""
+    if head_groups not in (None, 1):
+        hq, hkv = q.shape[1], k.shape[1]
+        if hq % head_groups or hkv % head_groups:
+            raise ValueError(f"head_groups={head_groups} must divide the query heads {hq} and the key/value heads {hkv}")
+        step_q, step_kv = hq // head_groups, hkv // head_groups
+        return torch.cat([
+            thd_allgather_attention(q[:, i * step_q:(i + 1) * step_q], k[:, i * step_kv:(i + 1) * step_kv],
+                                    v[:, i * step_kv:(i + 1) * step_kv], shard, is_causal=is_causal, scale=scale,
+                                    group=group, kernel=kernel)
+            for i in range(head_groups)], dim=1)
     kv = _gather_pack(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
     k_pack, v_pack = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     return pack_attention(q, k_pack, v_pack, shard, is_causal=is_causal, scale=scale, kernel=kernel)

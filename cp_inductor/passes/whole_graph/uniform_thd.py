@@ -101,7 +101,7 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
 def _choose_provider(call: varlen_calls.VarlenCall, cfg) -> None:
     """Dense SDPA as the device picks it ("program" in the dense rows of the cost map) or FA4,
     read at the dense bucket of the pack's tokens (B x S = T)."""
-    q, k = call.query, varlen_calls.value(call.args["key"])
+    q, k = call.query, varlen_calls.value(varlen_calls.unrepeated_kv(call)[0])
     v = varlen_calls.value(call.args["value"])
     shape = attention_provider.shape_of("thd", q, k, call.is_causal)
     shape = shape and dataclasses.replace(shape, layout="dense")

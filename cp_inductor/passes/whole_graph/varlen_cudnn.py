@@ -47,7 +47,8 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
         "cudnn": _cudnn_why_not(call, cfg),
         "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
     }
-    shape = attention_provider.shape_of("thd", q, varlen_calls.value(call.args["key"]), call.is_causal)
+    k = varlen_calls.value(varlen_calls.unrepeated_kv(call)[0])  # the heads our op will read (GQA as is)
+    shape = attention_provider.shape_of("thd", q, k, call.is_causal)
     choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured="cudnn")
     if choice.provider == "program":
         return choice.reason
