@@ -13,7 +13,8 @@ lengths random / one long among 64 short / equal), fwd+bwd medians, arms alterna
   (the pack cut in 2*CP chunks, rank r holding r and 2CP-1-r);
 - ``inductor``: the same compiled with default Inductor;
 - ``cp_off`` / ``cp_on``: compiled with cp_inductor, varlen_cudnn off / on (on: each call on the
-  provider the cost map chooses, reading the slice in place, the K/V repeat dropped);
+  provider chosen for queries over longer key prefixes, reading the slice in place, the K/V
+  repeat dropped); ``cp_cudnn`` / ``cp_fa4``: the provider forced;
 - ``helper_pack`` / ``helper_doc``: ``cp_inductor.parallel.thd_allgather_attention`` compiled
   with cp_inductor, balance ``pack`` / ``document`` (FA4, one call per round reading the gathered
   K/V in place: cu_seqlens_k at the document starts, seqused_k);
@@ -43,7 +44,7 @@ from bench_thd import HKV, HQ, lengths_for, measure_arms  # noqa: E402
 
 from cp_inductor.parallel import thd_allgather as tag  # noqa: E402
 
-ARMS = ("eager", "inductor", "cp_off", "cp_on", "helper_pack", "helper_doc", "helper_doc_g4", "floor_pack", "floor_doc")
+ARMS = ("eager", "inductor", "cp_off", "cp_on", "cp_cudnn", "cp_fa4", "helper_pack", "helper_doc", "helper_doc_g4", "floor_pack", "floor_doc")
 
 
 def balance_of(lengths, cp: int, balance: str) -> float:
@@ -78,6 +79,8 @@ def arms_for(lengths, head_dim: int, cp: int, rank: int) -> dict:
         "inductor": steps(torch.compile(handwritten, backend="inductor", fullgraph=True), local),
         "cp_off": steps(compiled(handwritten, varlen_cudnn=False), local),
         "cp_on": steps(compiled(handwritten), local),
+        "cp_cudnn": steps(compiled(handwritten, attention_provider="cudnn"), local),
+        "cp_fa4": steps(compiled(handwritten, attention_provider="fa4"), local),
     }
     for balance, name in (("pack", "pack"), ("document", "doc")):
         shard = tag.make_shard(lengths, rank, cp, balance, device="cuda")

@@ -298,3 +298,23 @@ forward: allgather cp=8 thd _varlen_attn Hq=4 Hkv=4 causal
 backward: allgather cp=8 thd _varlen_attn_backward Hq=4 Hkv=4 causal
 backward: allgather cp=8 thd _varlen_attn_backward Hq=4 Hkv=4 causal
 dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
+
+    def test_handwritten_cp2_calls_read_the_gathered_slices(self):
+        """Each chunk's call moves to our op on the slice of the gathered K/V (a view: no copy),
+        the K/V repeat dropped; a chunk whose keys outnumber its queries is a prefix call, which
+        the self-attention cost map does not cover (FA4 unless measured otherwise)."""
+        import varlen_programs as vp
+        from test_varlen_cudnn import calls, rewritten
+
+        q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
+        plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, 2), q.shape[0] // 4
+        local = [torch.cat([t[:chunk], t[-chunk:]]) for t in (q, k, v)]
+        with fake_pg(2):
+            gm, routes = rewritten(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
+        attention = [line for line in calls(gm).splitlines() if "attention" in line]
+        self.assertExpectedInline("\n".join(attention), """\
+varlen_attention.default(getitem_6, kc, vc, cu_q, cu_k, 19, 19, 0.25, True)
+fa4_varlen_attention.default(getitem_12, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 13, 0.25, True)""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
+varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged: no cost map for cpu: no measurement of thd T24 Hq4 Hkv2 D16 causal float32
+varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_prefix T24 Hq4 Hkv2 D16 causal float32""")

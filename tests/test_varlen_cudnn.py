@@ -72,7 +72,7 @@ class TestGraph(TestCase):
         gm, routes = rewritten(vp.torchtitan_style, q, k, v, cu, m)
         # K/V heads were repeated only for varlen_attn: cuDNN takes the 2 K/V heads as they are.
         self.assertExpectedInline(calls(gm), """varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, l_cu_, 7, 7, 0.25, True)""")
-        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv4 D16 causal float32""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
 
     def test_a_repeat_read_elsewhere_stays(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -394,7 +394,7 @@ transpose(view_2, 1, 2)
 scaled_dot_product_attention(transpose, transpose_1, transpose_2)
 transpose(scaled_dot_product_attention, 1, 2)
 reshape(transpose_3, 12, 4, -1)""")
-        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa: no cost map for cpu: no measurement of dense T12 Hq4 Hkv4 D16 causal float32""")
+        self.assertExpectedInline(routes[0].line(), """varlen attention _varlen_attn: local, thd, lengths proven, causal, K/V head repeat dropped: dense_sdpa: no cost map for cpu: no measurement of dense T12 Hq4 Hkv2 D16 causal float32""")
 
     def test_proven_through_a_dtype_conversion(self):
         def fn(q, k, v):

@@ -26,6 +26,7 @@ to dense SDPA are not seen here.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -49,7 +50,13 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     }
     k = varlen_calls.value(varlen_calls.unrepeated_kv(call)[0])  # the heads our op will read (GQA as is)
     shape = attention_provider.shape_of("thd", q, k, call.is_causal)
-    choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured="cudnn")
+    unmeasured = "cudnn"
+    if shape is not None and k.shape[0] != q.shape[0]:
+        # Queries over more keys (K/V all-gather's chunks over their documents' prefixes): the
+        # cost map's packs are self-attention, so no bucket of it stands for these. FA4 measured fastest on them
+        # (bench_thd_allgather.py, H200: cuDNN ragged took 1.8x FA4's time at D256).
+        shape, unmeasured = dataclasses.replace(shape, layout="thd_prefix"), "fa4"
+    choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured=unmeasured)
     if choice.provider == "program":
         return choice.reason
     call.provider, call.provider_reason = choice.provider, choice.reason
