@@ -313,8 +313,8 @@ dK/dV accumulators: Inductor inlines the zero fill and reads each contribution o
             gm, routes = rewritten(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
         attention = [line for line in calls(gm).splitlines() if "attention" in line]
         self.assertExpectedInline("\n".join(attention), """\
-varlen_attention.default(getitem_6, kc, vc, cu_q, cu_k, 19, 19, 0.25, True)
+fa4_varlen_attention.default(getitem_6, kc, vc, cu_q, cu_k, None, 19, 19, 0.25, True)
 fa4_varlen_attention.default(getitem_12, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 13, 0.25, True)""")
         self.assertExpectedInline("\n".join(r.line() for r in routes), """\
-varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: cudnn_ragged: no cost map for cpu: no measurement of thd T24 Hq4 Hkv2 D16 causal float32
-varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_prefix T24 Hq4 Hkv2 D16 causal float32""")
+varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32
+varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32""")

@@ -149,8 +149,8 @@ class TestFlashAttn(TestCase):
         # Dynamo's autograd_function_apply and the Function's forward / backward subgraphs are gone
         self.assertExpectedInline(calls(gm), """\
 clone(l_cu_)
-varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, arg, 7, 7, 0.25, True)""")
-        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
+fa4_varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, arg, None, 7, 7, 0.25, True)""")
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T11 Hq4 Hkv2 D16 causal float32""")
         assert not [name for name, _ in gm.named_children()]
         assert float((out.double() - vp.sequence_reference(q, k, v, cu, True)).abs().max()) < 1e-5
 
@@ -160,8 +160,8 @@ varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, arg, 7, 7, 0.25, True)""")
         gm, (route,), _ = rewritten_while_compiling(vp.flash_attn_style, q, k, v, cu, m)
         self.assertExpectedInline(calls(gm), """\
 clone(l_cu_)
-varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
+fa4_varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, None, 7, 7, 0.25, True)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T11 Hq4 Hkv2 D16 causal float32""")
 
     def test_a_later_release_s_namespace_too(self):
         if vp.flash_attn_like("flashattn") is None:  # registered before compiling
@@ -169,7 +169,7 @@ varlen_attention.default(l_q_, l_k_, l_v_, l_cu_, clone, 7, 7, 0.25, True)""")
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
         _, (route,), _ = rewritten_while_compiling(functools.partial(vp.flash_attn_style, namespace="flashattn"),
                                                    q.requires_grad_(), k, v, cu, m)
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T8 Hq2 Hkv2 D16 causal float32""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T8 Hq2 Hkv2 D16 causal float32""")
 
     def test_the_qkv_packed_function_moves_with_its_views(self):
         """flash_attn_varlen_qkvpacked_func: q, k, v are views of one [T, 3, H, D] input; the
@@ -193,8 +193,8 @@ arg = stack([l_k_, l_v_])
 arg_1 = clone(l_cu_)
 getitem_1 = arg[:, 0]
 getitem_2 = arg[:, 1]
-varlen_attention_default = varlen_attention.default(l_q_, getitem_1, getitem_2, l_cu_, arg_1, 7, 7, 0.25, True)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: cudnn_ragged: no cost map for cpu: no measurement of thd T11 Hq4 Hkv2 D16 causal float32""")
+fa4_varlen_attention_default = fa4_varlen_attention.default(l_q_, getitem_1, getitem_2, l_cu_, arg_1, None, 7, 7, 0.25, True)""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T11 Hq4 Hkv2 D16 causal float32""")
 
     def test_a_packed_function_that_stays_leaves_no_views_behind(self):
         q, k, v, cu, m = vp.pack([3, 7, 1], 2, 2, 16)
@@ -325,7 +325,11 @@ def test_compiled_numerics_match_the_fp64_reference(causal, heads_kv, lengths, p
         out = fn(*inputs)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, inputs, grad)
-    assert [r.path for r in cp_inductor.report().varlen] == [varlen_cudnn.CUDNN_RAGGED]
+    # flash-attn's calls pass cu_seqlens_k apart from cu_seqlens_q (not its qkv-packed form, MHA):
+    # causal, FA4's (cuDNN would mask bottom-right)
+    cross = causal and (program == "flash_attn" or (program == "flash_attn_packed" and heads_kv != 4))
+    expected = varlen_cudnn.FA4_VARLEN if cross else varlen_cudnn.CUDNN_RAGGED
+    assert [r.path for r in cp_inductor.report().varlen] == [expected]
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = vp.sequence_reference(*ref_inputs, cu, causal)
     want_grads = torch.autograd.grad(want, ref_inputs, grad.double())

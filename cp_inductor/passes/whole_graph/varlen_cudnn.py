@@ -51,11 +51,15 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     k = varlen_calls.value(varlen_calls.unrepeated_kv(call)[0])  # the heads our op will read (GQA as is)
     shape = attention_provider.shape_of("thd", q, k, call.is_causal)
     unmeasured = "cudnn"
-    if shape is not None and k.shape[0] != q.shape[0]:
-        # Queries over more keys (K/V all-gather's chunks over their documents' prefixes): the
-        # cost map's packs are self-attention, so no bucket of it stands for these. FA4 measured fastest on them
-        # (bench_thd_allgather.py, H200: cuDNN ragged took 1.8x FA4's time at D256).
-        shape, unmeasured = dataclasses.replace(shape, layout="thd_prefix"), "fa4"
+    cu_apart = call.args["cu_seq_k"] is not call.args["cu_seq_q"]
+    if shape is not None and (k.shape[0] != q.shape[0] or (cu_apart and call.is_causal)):
+        # Queries over their documents' key prefixes (K/V all-gather's chunks), or causal with
+        # cu_seqlens_k apart from cu_seqlens_q (flash-attn's calls pass both): our cuDNN graphs
+        # mask bottom-right then, which measured 1.6x (D128) and 1.8x (D256) FA4's time on
+        # all-gather chunks, 0.88x / 1.17x flash-2's (bench_thd_allgather.py, H200); the cost
+        # map's packs are self-attention. FA4, else cuDNN up to D128, else the program's op.
+        shape = dataclasses.replace(shape, layout="thd_cross")
+        unmeasured = "fa4" if candidates["fa4"] is None else "cudnn" if q.shape[-1] <= 128 else "program"
     choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured=unmeasured)
     if choice.provider == "program":
         return choice.reason
