@@ -318,3 +318,27 @@ fa4_varlen_attention.default(getitem_12, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 1
         self.assertExpectedInline("\n".join(r.line() for r in routes), """\
 varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32
 varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32""")
+
+    def test_dense_only_rewrites_step_aside_with_their_reason(self):
+        """Every switch on, strict (an internal error would raise): the all-gather rewrites built
+        for dense attention say why they leave a packed region alone."""
+        import varlen_programs as vp
+        from cp_inductor.config_snapshot import snapshot
+        from cp_inductor.passes import pipeline
+
+        vp.register_cpu_kernels()
+        q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
+        plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, 2), q.shape[0] // 4
+        local = [torch.cat([t[:chunk], t[-chunk:]]).requires_grad_() for t in (q, k, v)]
+        cfg = snapshot({"head_split": True, "gather_overlap": True, "owner_grad_return": True, "strict": True})
+        with fake_pg(2):
+            graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
+            skipped = {(kind, name, why) for kind, gm in graphs.items()
+                       for r in pipeline.analyze(gm.graph, kind, cfg=cfg) for name, why in r.skipped.items()}
+        self.assertExpectedInline("\n".join(f"{k} {n}: {w}" for k, n, w in sorted(skipped)), """\
+backward gather_overlap: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
+backward head_split: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
+backward owner_grad_return: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
+forward gather_overlap: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
+forward head_split: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
+forward owner_grad_return: packed (THD) region: this rewrite works on dense [B, S, H, D] attention""")

@@ -212,6 +212,8 @@ def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
             continue
         if not cfg[rewrite.name]:
             reason = "disabled by config"
+        elif match.layout == "thd" and not rewrite.packed:
+            reason = PACKED_REASON
         else:
             reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
         verdicts.record(rewrite.name, reason)
@@ -220,6 +222,9 @@ def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
         else:
             decision.skipped[rewrite.name] = reason
     return decision
+
+
+PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 
 
 def _detector(match):

@@ -58,6 +58,7 @@ class Rewrite:
     inductor_patches: dict = field(default_factory=dict)
     # detail(match, cfg) -> text the report adds to the region's detail when it applies.
     detail: Callable | None = None
+    packed: bool = False  # takes packed-sequence (THD) regions too, not only dense attention
 
 
 def check_order(rewrites) -> None:

@@ -235,4 +235,4 @@ def detail(region: A2AMatch, cfg) -> str:
     return f"unpack={unpack.choice} ({unpack.reason})"
 
 
-REWRITE = Rewrite(NAME, styles=("a2a",), why_not=why_not, apply=apply, detail=detail)
+REWRITE = Rewrite(NAME, styles=("a2a",), why_not=why_not, apply=apply, detail=detail, packed=True)
