@@ -309,3 +309,36 @@ def test_thd_allgather_helper_compiled_matches_eager_and_fp32(balance):
     assert sorted({(r.graph_kind, r.style, r.layout) for r in report.regions}) == [
         ("backward", "allgather", "thd"), ("forward", "allgather", "thd")], str(report)
     assert max(mine) < 2e-2 and max(eager) < 2e-2, (mine, eager)
+
+
+def test_thd_allgather_static_shards_under_cuda_graphs():
+    """``mode="reduce-overhead"``, packs of new lengths every step through static shards
+    (``capacity``, ``max_docs``), rank 0 of cp = 2 mirrored: one compiled graph, no CUDA-graph
+    skip, and each step's output (padding rows zero) and gradients against fp32 (the portable
+    kernel on the CPU)."""
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.parallel import thd_allgather as tag
+    from cp_inductor.testing.mirror_group import mirrored_world
+
+    packs = [[300, 1000, 77, 671, 1, 1999], [4048], [1] * 48 + [4000], [1012] * 4]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda a, b, c, shard: tag.thd_allgather_attention(a, b, c, shard),
+                             backend="cp_inductor", mode="reduce-overhead", fullgraph=True)
+    with mirrored_world(2):
+        for step, lengths in enumerate(packs * 2):  # the second time round: steady state
+            g = torch.Generator(device="cuda").manual_seed(step)
+            full = [torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
+            shards = {d: tag.make_shard(lengths, 0, 2, device=d, capacity=2600, max_docs=64) for d in ("cpu", "cuda")}
+            local = [t.index_select(0, shards["cuda"].local_index) for t in full]
+            grad = torch.randn(local[0].shape, device="cuda", dtype=torch.bfloat16, generator=g)
+            got = _grads(lambda a, b, c: compiled(a, b, c, shards["cuda"]), local, grad)
+            want = _grads(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shards["cpu"]),
+                          [t.float().cpu() for t in local], grad.float().cpu())
+            valid = shards["cpu"].valid
+            errors = [_rel(a.cpu()[valid], b[valid]) for a, b in zip(got, want)]
+            assert max(errors) < 2e-2 and float(got[0][~valid.cuda()].abs().max()) == 0, (step, errors)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()

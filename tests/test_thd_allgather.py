@@ -342,3 +342,55 @@ backward owner_grad_return: packed (THD) region: this rewrite works on dense [B,
 forward gather_overlap: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
 forward head_split: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
 forward owner_grad_return: packed (THD) region: this rewrite works on dense [B, S, H, D] attention""")
+
+
+def _static_steps(rank, cp, packs, capacity, max_docs):
+    """Static shards (``capacity``, ``max_docs``): packs of new lengths each step through one
+    compiled helper on FA4's op (its CPU reference); per step the errors against fp64, and the
+    number of graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.lowerings import varlen_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda a, b, c, shard: tag.thd_allgather_attention(a, b, c, shard, kernel="fa4"),
+                             backend="cp_inductor", fullgraph=True)
+    errors = []
+    for step, lengths in enumerate(packs):
+        g = torch.Generator().manual_seed(step)
+        total = sum(lengths)
+        full = [torch.randn(total, h, 16, generator=g) for h in (4, 2, 2)]
+        dout = torch.randn(total, 4, 16, generator=g)
+        ref_in = [t.double().requires_grad_() for t in full]
+        ref_out = _reference(*ref_in, lengths, True)
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+        shard = tag.make_shard(lengths, rank, cp, capacity=capacity, max_docs=max_docs)
+        ins = [t.index_select(0, shard.local_index).requires_grad_() for t in full]
+        valid = shard.valid.view(-1, 1, 1)
+        with varlen_attention.reference_kernels():
+            out = compiled(*ins, shard)
+            grads = torch.autograd.grad(out, ins, torch.where(valid, dout.index_select(0, shard.local_index), 0))
+        rows = shard.local_index[shard.valid]
+
+        def rel(a, b):
+            return float((a[shard.valid].detach().double() - b).norm() / b.norm())
+
+        step_errors = {"out": rel(out, ref_out.detach()[rows]), "padding": float(out[~shard.valid].abs().max())}
+        step_errors.update({n: rel(g_, r[rows]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+        errors.append(step_errors)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return errors, graphs
+
+
+def test_static_shards_new_lengths_every_step_one_graph():
+    """What CUDA graphs need (``mode="reduce-overhead"``): every rank's rows, the calls' sequence
+    counts and bounds fixed by ``capacity`` and ``max_docs``, so packs of new lengths (1-token
+    documents, one over every rank, fewer documents than max_docs) reuse one compiled graph; the
+    output (padding rows zero) and every gradient match fp64 at each step."""
+    packs = [HAND_LENGTHS, [40, 1, 1, 30, 24], [96], [3] * 32]
+    for errors, graphs in run_on_ranks(_static_steps, 2, packs, 60, 32):
+        assert graphs == 1, graphs
+        for step in errors:
+            assert max(step.values()) < TOL, errors

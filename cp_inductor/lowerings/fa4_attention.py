@@ -191,6 +191,8 @@ def _sequences(cu_q, cu_k, seqused_k):
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
     for i in range(len(starts_q) - 1):
+        if starts_q[i + 1] == starts_q[i]:
+            continue  # an empty sequence (a static batch's unused slot)
         end_k = starts_k[i + 1] if used is None else starts_k[i] + used[i]
         yield slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], end_k)
 

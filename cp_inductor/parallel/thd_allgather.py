@@ -88,6 +88,16 @@ class PackShard:
     pack_index: torch.Tensor  # [T] int64: for each pack position, its row in the gathered [cp * T_pad] buffer
     gather_index: torch.Tensor  # [cp * T_pad] int64: for each gathered row, its pack position (-1: padding)
     pieces: tuple[Piece, ...]  # this rank's, in local order (host copy: the portable kernel and tests)
+    # Static shards (``capacity``): per local row its round, -1 for the padding rows (None otherwise)
+    row_round: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[rows] bool: the local rows that hold tokens (the rest is a static shard's padding)."""
+        rows = self.local_index.shape[0]
+        if self.row_round is None:
+            return torch.ones(rows, dtype=torch.bool, device=self.local_index.device)
+        return self.row_round >= 0
 
 
 def _document_pieces(lengths: list[int], cp: int) -> list[Piece]:
@@ -173,29 +183,59 @@ def _in_rounds(pieces: list[Piece]) -> list[list[Piece]]:
     return rounds
 
 
+def _ints(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def _round(pieces: list[Piece], row_start: int, total: int, device) -> Round:
     sizes = [p.end - p.start for p in pieces]
-
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
     return Round(
         row_start=row_start, row_end=row_start + sum(sizes),
-        cu_seqlens_q=ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()]),
-        cu_seqlens_k=ints([p.doc_start for p in pieces] + [total]),
-        seqused_k_causal=ints([p.end - p.doc_start for p in pieces]),
-        seqused_k_full=ints([p.doc_end - p.doc_start for p in pieces]),
+        cu_seqlens_q=_ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()], device),
+        cu_seqlens_k=_ints([p.doc_start for p in pieces] + [total], device),
+        seqused_k_causal=_ints([p.end - p.doc_start for p in pieces], device),
+        seqused_k_full=_ints([p.doc_end - p.doc_start for p in pieces], device),
         max_q=max(sizes), max_k=max(p.doc_end - p.doc_start for p in pieces),
     )
 
 
-def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=None) -> PackShard:
-    """The record of rank ``rank``'s share (see the module docstring)."""
+def _static_round(pieces: list[Piece], row_start: int, total: int, capacity: int, max_docs: int, device) -> Round:
+    """A round over ALL ``capacity`` local rows, of ``max_docs`` sequences (the unused ones empty):
+    its shapes and bounds are the same for every pack, so one compiled graph (and one CUDA graph)
+    serves packs of any lengths."""
+    if len(pieces) > max_docs:
+        raise ValueError(f"a round holds {len(pieces)} documents, more than max_docs={max_docs}")
+    ends, at = [], row_start
+    for p in pieces:
+        at += p.end - p.start
+        ends.append(at)
+    unused = max_docs - len(pieces)
+    return Round(
+        row_start=0, row_end=capacity,
+        cu_seqlens_q=_ints([row_start, *ends] + [at] * unused, device),
+        cu_seqlens_k=_ints([p.doc_start for p in pieces] + [total] * (unused + 1), device),
+        seqused_k_causal=_ints([p.end - p.doc_start for p in pieces] + [0] * unused, device),
+        seqused_k_full=_ints([p.doc_end - p.doc_start for p in pieces] + [0] * unused, device),
+        max_q=capacity, max_k=max(total, 1),
+    )
+
+
+def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=None, *,
+               capacity: int | None = None, max_docs: int | None = None) -> PackShard:
+    """The record of rank ``rank``'s share (see the module docstring). ``capacity`` and
+    ``max_docs`` (together) make it static: every rank holds ``capacity`` rows (its tokens, then
+    padding), each round is one call over all of them with ``max_docs`` sequences, so packs of
+    new lengths but the same size reuse one compiled graph and its CUDA graph
+    (``mode="reduce-overhead"``). Raises ValueError when the pack does not fit."""
+    if (capacity is None) != (max_docs is None):
+        raise ValueError("capacity and max_docs go together")
     every = plan_pack(lengths, cp, balance)
     total = sum(_lengths(lengths))
     by_rank = [_in_rounds([p for p in every if p.rank == r]) for r in range(cp)]
     counts = [sum(p.end - p.start for rnd in rounds for p in rnd) for rounds in by_rank]
-    padded = max(counts)
+    padded = max(counts) if capacity is None else capacity
+    if max(counts) > padded:
+        raise ValueError(f"a rank holds {max(counts)} tokens of this pack, more than capacity={capacity}")
     pack_index = torch.empty(total, dtype=torch.int64)
     for r, rounds in enumerate(by_rank):  # rank r's local rows sit at r * T_pad in the gather
         row = r * padded
@@ -205,22 +245,33 @@ def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=No
     gather_index = torch.full((cp * padded,), -1, dtype=torch.int64)
     gather_index[pack_index] = torch.arange(total)
     mine, rounds, row = [], [], 0
-    for rnd in by_rank[rank]:
-        rounds.append(_round(rnd, row, total, device))
-        row = rounds[-1].row_end
+    for rnd in by_rank[rank] + ([[]] * (2 - len(by_rank[rank])) if capacity is not None else []):
+        if capacity is None:
+            rounds.append(_round(rnd, row, total, device))
+        else:
+            rounds.append(_static_round(rnd, row, total, capacity, max_docs, device))
+        row += sum(p.end - p.start for p in rnd)
         mine += rnd
+    local = [torch.arange(p.start, p.end) for p in mine]
+    row_round = None
+    if capacity is not None:  # padding rows read pack position 0: any token will do, none is kept
+        local.append(torch.zeros(capacity - counts[rank], dtype=torch.int64))
+        row_round = torch.cat([torch.full((sum(p.end - p.start for p in rnd),), i, dtype=torch.int32)
+                               for i, rnd in enumerate(by_rank[rank])]
+                              + [torch.full((capacity - counts[rank],), -1, dtype=torch.int32)]).to(device)
     return PackShard(
         rank=rank, cp=cp, tokens=total, local_tokens=counts[rank], padded_tokens=padded, rounds=tuple(rounds),
-        local_index=torch.cat([torch.arange(p.start, p.end) for p in mine]).to(device) if mine
-        else torch.empty(0, dtype=torch.int64, device=device),
+        local_index=torch.cat(local).to(device) if local else torch.empty(0, dtype=torch.int64, device=device),
         pack_index=pack_index.to(device), gather_index=gather_index.to(device), pieces=tuple(mine),
+        row_round=row_round,
     )
 
 
 def shard_pack(tokens: torch.Tensor, lengths, rank: int, cp: int, balance: str = "document",
-               dim: int = 0) -> tuple[torch.Tensor, PackShard]:
-    """This rank's tokens of a pack (``tokens`` indexed by pack position on ``dim``) and its record."""
-    shard = make_shard(lengths, rank, cp, balance, device=tokens.device)
+               dim: int = 0, **static) -> tuple[torch.Tensor, PackShard]:
+    """This rank's tokens of a pack (``tokens`` indexed by pack position on ``dim``) and its
+    record; ``static``: ``capacity`` and ``max_docs`` as ``make_shard`` takes them."""
+    shard = make_shard(lengths, rank, cp, balance, device=tokens.device, **static)
     return tokens.index_select(dim, shard.local_index), shard
 
 
@@ -275,6 +326,8 @@ def _pieces_sdpa(q, k, v, shard: PackShard, causal: bool, scale: float) -> torch
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                    enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
         at += n
+    if at < q.shape[0]:  # a static shard's padding rows
+        outs.append(q.new_zeros((q.shape[0] - at, q.shape[1], v.shape[2])))
     return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v.shape[2:])
 
 
@@ -327,5 +380,8 @@ def pack_attention(q: torch.Tensor, k_pack: torch.Tensor, v_pack: torch.Tensor, 
         outs = [torch.ops.cp_inductor.fa4_varlen_attention(
             q[r.row_start:r.row_end], k_pack, v_pack, r.cu_seqlens_q, r.cu_seqlens_k, r.seqused_k(is_causal),
             r.max_q, r.max_k, scale, is_causal)[0] for r in shard.rounds]
+        if shard.row_round is not None:  # static: each call wrote its round's rows of all of them
+            zero = torch.zeros((), dtype=q.dtype, device=q.device)
+            return sum(torch.where((shard.row_round == i).view(-1, 1, 1), o, zero) for i, o in enumerate(outs))
         return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v_pack.shape[2:])
     return _pieces_sdpa(q, k_pack, v_pack, shard, is_causal, scale)
