@@ -129,3 +129,43 @@ class TestGeneratedRingBackwardCode(TestCase):
         last_attention = max(i for i, line in enumerate(body.splitlines()) if "flash_attention_for_cpu.default(" in line)
         merge_line = next(i for i, line in enumerate(body.splitlines()) if line.strip().startswith(merges[0] + "("))
         self.assertGreater(merge_line, last_attention)
+
+
+def _thd_backward_code(form: str) -> str:
+    """cp_inductor's backward code for rank 0 of cp = 2 over a pack (fake group): Llama 3's form by
+    hand, or the helper (FA4 rounds on the CPU reference)."""
+    import varlen_programs as vp
+    from cp_inductor.lowerings import varlen_attention
+    from cp_inductor.parallel import thd_allgather as tag
+
+    vp.register_cpu_kernels()
+    lengths = [1, 3, 1, 61, 2, 1, 9, 5, 13]
+    q, k, v, _, _ = vp.pack(lengths, 4, 2, 16)
+    with fake_pg(2), varlen_attention.reference_kernels():
+        if form == "handwritten":
+            plan, chunk = vp.chunk_plan(lengths, 0, 2), q.shape[0] // 4
+            local = [torch.cat([t[:chunk], t[-chunk:]]).requires_grad_() for t in (q, k, v)]
+            fn = torch.compile(lambda a, b, c: vp.allgather_thd(a, b, c, plan), backend="cp_inductor", fullgraph=True)
+        else:
+            _, shard = tag.shard_pack(q, lengths, 0, 2)
+            local = [t.index_select(0, shard.local_index).requires_grad_() for t in (q, k, v)]
+            fn = torch.compile(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shard, kernel="fa4"),
+                               backend="cp_inductor", fullgraph=True)
+        _, codes = run_and_get_code(lambda: fn(*local).sum().backward())
+    return codes[-1][codes[-1].index("def call("):]
+
+
+class TestGeneratedBackwardCodeTHD(TestCase):
+    def test_packed_reduce_scatter_input_written_by_one_kernel(self):
+        """Packed sequences (THD) through K/V all-gather, both forms: the dK/dV of the calls reach
+        the reduce-scatter through one fused kernel per reduce-scatter, no zero fill in the code."""
+        for form in ("handwritten", "helper"):
+            body = _thd_backward_code(form)
+            for zero_fill in (".fill_(", ".zero_(", "torch.zeros", "aten.full", "memset"):
+                self.assertNotIn(zero_fill, body, form)
+            inputs = re.findall(r"reduce_scatter_tensor\.default\((?:reinterpret_tensor\()?(buf\d+)", body)
+            self.assertTrue(inputs, form)
+            for rs in inputs:
+                writers = [line.strip() for line in body.splitlines()
+                           if re.match(r"\s*\w*fused\w*\(", line) and re.search(rf"\b{rs}\b", line)]
+                self.assertEqual(len(writers), 1, (form, writers))
