@@ -231,7 +231,7 @@ def test_handwritten_form_compiled_on_gloo(cp, heads_kv, causal, gather):
         assert len(lines) == 2 and all(": allgather," in line for line in lines), lines
 
 
-def _golden(cp: int, form: str, heads_kv: int = 2) -> str:
+def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document") -> str:
     """What detection finds in rank 0's graphs (fake group, 96-token pack, Hq 4), each region's
     accumulator note once per graph kind."""
     import varlen_programs as vp
@@ -242,7 +242,7 @@ def _golden(cp: int, form: str, heads_kv: int = 2) -> str:
     q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, heads_kv, 16)
     with fake_pg(cp):
         if form == "helper":
-            _, shard = tag.shard_pack(q, HAND_LENGTHS, 0, cp)
+            _, shard = tag.shard_pack(q, HAND_LENGTHS, 0, cp, balance)
             local = [t.index_select(0, shard.local_index).requires_grad_() for t in (q, k, v)]
             with varlen_attention.reference_kernels():  # FA4's op, as on GPUs
                 graphs = aot_graphs(lambda a, b, c: tag.thd_allgather_attention(a, b, c, shard), *local)
@@ -265,6 +265,12 @@ forward: allgather cp=2 thd fa4_varlen_attention Hq=4 Hkv=2 causal
 forward: allgather cp=2 thd fa4_varlen_attention Hq=4 Hkv=2 causal
 backward: allgather cp=2 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
 backward: allgather cp=2 thd fa4_varlen_attention_backward Hq=4 Hkv=2 causal
+dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero); this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read""")
+
+    def test_helper_cp4_mha_pack_balance(self):
+        self.assertExpectedInline(_golden(4, "helper", heads_kv=4, balance="pack"), """\
+forward: allgather cp=4 thd fa4_varlen_attention Hq=4 Hkv=4 causal
+backward: allgather cp=4 thd fa4_varlen_attention_backward Hq=4 Hkv=4 causal
 dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero); this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read""")
 
     def test_helper_cp8_a_rank_of_short_pieces(self):
