@@ -174,7 +174,7 @@ def test_compiles_in_one_graph_with_the_answer_of_eager():
 HAND_LENGTHS = [*LENGTHS, 13]
 
 
-def _check_handwritten(rank, cp, heads_kv, causal, gather, on_reference_op=True):
+def _check_handwritten(rank, cp, heads_kv, causal, gather, keys="slice", attention="varlen_attn", on_reference_op=True):
     """``allgather_thd`` (Llama 3-style, by hand) compiled with cp_inductor on gloo, against the
     fp64 reference for the output and every gradient; the varlen calls lowered onto our op's
     CPU reference (``on_reference_op``) or kept on torch's varlen op (the tests' CPU kernels)."""
@@ -185,6 +185,8 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, on_reference_op=True)
     from cp_inductor.lowerings import varlen_attention
 
     vp.register_cpu_kernels()
+    if attention == "flash_attn":
+        vp.flash_attn_like()  # its ops, registered before compiling
     g = torch.Generator().manual_seed(2)
     total = sum(HAND_LENGTHS)
     q_full = torch.randn(total, 4, 16, generator=g)
@@ -199,7 +201,8 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, on_reference_op=True)
     plan = vp.chunk_plan(HAND_LENGTHS, rank, cp, causal)
     torch._dynamo.reset()
     cp_inductor.clear_report()
-    compiled = torch.compile(lambda a, b, c: vp.allgather_thd(a, b, c, plan, causal, gather=gather),
+    compiled = torch.compile(lambda a, b, c: vp.allgather_thd(a, b, c, plan, causal, gather=gather, keys=keys,
+                                                              attention=attention),
                              backend="cp_inductor", fullgraph=True)
     ins = [t.index_select(0, rows).clone().requires_grad_() for t in (q_full, k_full, v_full)]
     with varlen_attention.reference_kernels() if on_reference_op else contextlib.nullcontext():
@@ -217,21 +220,23 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, on_reference_op=True)
     return errors, regions, [r.line() for r in report.varlen]
 
 
-@pytest.mark.parametrize("cp,heads_kv,causal,gather", [
-    (2, 2, True, "funcol_dim0"),
-    (2, 4, False, "inplace"),
-    pytest.param(4, 2, True, "list", marks=pytest.mark.wide),
+@pytest.mark.parametrize("cp,heads_kv,causal,gather,keys,attention", [
+    (2, 2, True, "funcol_dim0", "slice", "varlen_attn"),
+    (2, 4, False, "inplace", "slice", "varlen_attn"),
+    (2, 2, True, "funcol_dim0", "index_select", "flash_attn"),  # K/V copied per chunk; flash-attn's Function
+    pytest.param(4, 2, True, "list", "slice", "varlen_attn", marks=pytest.mark.wide),
 ])
-def test_handwritten_form_compiled_on_gloo(cp, heads_kv, causal, gather):
+def test_handwritten_form_compiled_on_gloo(cp, heads_kv, causal, gather, keys, attention):
     """Llama 3's form by hand, compiled with cp_inductor: every call found as a K/V all-gather
-    region (forward and backward), lowered off torch's op, and the answer of the fp64 reference."""
-    for errors, regions, lines in run_on_ranks(_check_handwritten, cp, heads_kv, causal, gather):
+    region (forward and backward), lowered off the program's op, and the answer of the fp64
+    reference."""
+    for errors, regions, lines in run_on_ranks(_check_handwritten, cp, heads_kv, causal, gather, keys, attention):
         assert max(errors.values()) < TOL, errors
         assert regions == [("backward", "allgather", "thd"), ("forward", "allgather", "thd")], regions
         assert len(lines) == 2 and all(": allgather," in line for line in lines), lines
 
 
-def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document") -> str:
+def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document", **variant) -> str:
     """What detection finds in rank 0's graphs (fake group, 96-token pack, Hq 4), each region's
     accumulator note once per graph kind."""
     import varlen_programs as vp
@@ -249,7 +254,7 @@ def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document") ->
         else:
             plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, cp), q.shape[0] // (2 * cp)
             local = [torch.cat([t[:chunk], t[-chunk:]]).requires_grad_() for t in (q, k, v)]
-            graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
+            graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan, **variant), *local)
         notes = {n for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind) for n in r.notes}
         return "\n".join([describe_matches(graphs), *sorted(notes)])
 
@@ -297,6 +302,16 @@ backward: allgather cp=4 thd _varlen_attn_backward Hq=4 Hkv=4 causal
 backward: allgather cp=4 thd _varlen_attn_backward Hq=4 Hkv=4 causal
 dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
 
+    def test_handwritten_keys_by_index_select_gathered_in_place(self):
+        """Each chunk's K/V copied out by index_select; K/V gathered in place inside an
+        autograd.Function (Megatron's form)."""
+        self.assertExpectedInline(_golden(2, "handwritten", keys="index_select", gather="inplace"), """\
+forward: allgather cp=2 thd _varlen_attn Hq=4 Hkv=4 causal
+forward: allgather cp=2 thd _varlen_attn Hq=4 Hkv=4 causal
+backward: allgather cp=2 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+backward: allgather cp=2 thd _varlen_attn_backward Hq=4 Hkv=4 causal
+dK/dV accumulators: a partial one is materialized before aten.index_put.default: its zero fill and add stay""")
+
     def test_handwritten_cp8(self):
         self.assertExpectedInline(_golden(8, "handwritten"), """\
 forward: allgather cp=8 thd _varlen_attn Hq=4 Hkv=4 causal
@@ -319,8 +334,8 @@ dK/dV accumulators: Inductor inlines the zero fill and reads each contribution o
             gm, routes = rewritten(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
         attention = [line for line in calls(gm).splitlines() if "attention" in line]
         self.assertExpectedInline("\n".join(attention), """\
-fa4_varlen_attention.default(getitem_6, kc, vc, cu_q, cu_k, None, 19, 19, 0.25, True)
-fa4_varlen_attention.default(getitem_12, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 13, 0.25, True)""")
+fa4_varlen_attention.default(qc, kc, vc, cu_q, cu_k, None, 19, 19, 0.25, True)
+fa4_varlen_attention.default(qc_1, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 13, 0.25, True)""")
         self.assertExpectedInline("\n".join(r.line() for r in routes), """\
 varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32
 varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32""")

@@ -383,14 +383,17 @@ def chunk_plan(lengths, rank: int, cp: int, causal: bool = True) -> list[dict]:
     return plan
 
 
-def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0"):
+def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0", keys="slice",
+                  attention="varlen_attn"):
     """K/V all-gather CP over a pack as Llama 3-style code writes it by hand: this rank holds
     chunks r and 2cp-1-r of the pack (``[2 * C, H, D]``); K and V all-gathered, put back in pack
     order (first halves in rank order, then the second halves reversed), and one varlen_attn per
     local chunk over its keys' stretch of the pack (a slice: cu_seq_k != cu_seq_q, bottom-right
     causal), K/V heads repeated for GQA as torchtitan feeds varlen_attn. ``gather``: as
     ``allgather_programs.gather_seq``'s (functional with autograd, in place into a tensor or a
-    list inside an autograd.Function)."""
+    list inside an autograd.Function). ``keys``: each chunk's K/V as a slice (a view) or by
+    ``index_select`` (a copy); ``attention``: torch's varlen_attn, or flash-attn's
+    ``flash_attn_varlen_func`` (GQA as is; ``flash_attn_like()`` must have run)."""
     import torch.distributed as dist
     from allgather_programs import gather_seq
     from torch.nn.attention.varlen import varlen_attn
@@ -409,10 +412,17 @@ def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0"):
     window = (-1, 0) if causal else (-1, -1)
     outs = []
     for i, p in enumerate(plan):
-        kc, vc = (t[p["key_lo"]:p["key_hi"]] for t in (k_pack, v_pack))
+        if keys == "slice":
+            kc, vc = (t[p["key_lo"]:p["key_hi"]] for t in (k_pack, v_pack))
+        else:
+            rows = torch.arange(p["key_lo"], p["key_hi"], device=q.device)
+            kc, vc = (t.index_select(0, rows) for t in (k_pack, v_pack))
+        cu_q, cu_k = p["cu_q"].to(q.device), p["cu_k"].to(q.device)
+        qc = q[i * chunk:(i + 1) * chunk]
+        if attention == "flash_attn":
+            outs.append(_flash_attn_made["flash_attn"](qc, kc, vc, cu_q, cu_k, p["max_q"], p["max_k"], causal=causal))
+            continue
         if groups > 1:
             kc, vc = (t.repeat_interleave(groups, dim=1) for t in (kc, vc))
-        cu_q, cu_k = p["cu_q"].to(q.device), p["cu_k"].to(q.device)
-        outs.append(varlen_attn(q[i * chunk:(i + 1) * chunk], kc, vc, cu_q, cu_k, p["max_q"], p["max_k"],
-                                window_size=window))
+        outs.append(varlen_attn(qc, kc, vc, cu_q, cu_k, p["max_q"], p["max_k"], window_size=window))
     return torch.cat(outs)
