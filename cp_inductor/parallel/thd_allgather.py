@@ -26,7 +26,9 @@ back through the reorder (a row gather, not a scatter into zeros) and the gather
 reduce-scatter.
 
 The record is built on the host from the lengths (where a data loader has them) and lives on the
-device; attention needs no host read of the lengths per call.
+device; attention needs no host read of the lengths per call. ``capacity`` and ``max_docs``
+make it static (every rank holds ``capacity`` rows, its tokens then padding; ``shard.valid``
+says which): packs of new lengths reuse one compiled graph and one CUDA graph.
 """
 
 from __future__ import annotations
