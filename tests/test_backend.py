@@ -224,3 +224,47 @@ def test_a_list_of_user_passes_runs_after_ours_in_order():
     assert both.uuid() is not None and both.uuid() != swapped.uuid()
     bare = graph_passes(cfg, {"post_grad_custom_post_pass": [first, lambda graph: None]})["post_grad_custom_post_pass"]
     assert bare.uuid() is None
+
+
+def test_torch_logs_and_trace_artifacts_show_each_pass():
+    """``TORCH_LOGS=cp_inductor`` (here ``set_logs``) says per pass what it did and how long it
+    took; a structured trace (``TORCH_TRACE``, tlparse's input) gets each applied rewrite's
+    graph before and after, as Inductor's own pass graphs are."""
+    import json
+    import logging
+    import re
+    import unittest
+
+    from torch._logging._internal import trace_log
+
+    from cp_inductor.parallel import ulysses_attention
+    from cp_inductor.passes import pipeline
+    from helpers import aot_graphs, fake_pg
+
+    class Artifacts(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def emit(self, record):
+            meta = record.metadata if hasattr(record, "metadata") else json.loads(record.getMessage().split("\n")[0])
+            if "artifact" in meta:
+                self.names.append(meta["artifact"]["name"])
+
+    qkv = [torch.randn(1, 8, 4, 16, requires_grad=True) for _ in range(3)]
+    artifacts = Artifacts()
+    torch._logging.set_logs(modules={"cp_inductor": logging.INFO})
+    try:
+        with fake_pg(2):
+            graphs = aot_graphs(lambda q, k, v: ulysses_attention(q, k, v), *qkv)
+            trace_log.addHandler(artifacts)
+            with unittest.TestCase().assertLogs("cp_inductor", logging.INFO) as logs:
+                pipeline.rewrite_graph(graphs["forward"].graph)
+    finally:
+        trace_log.removeHandler(artifacts)
+        torch._logging.set_logs()
+    passes = [re.sub(r"\(\d+\.\d ms\)", "(ms)", r.getMessage()) for r in logs.records if " pass " in r.getMessage()]
+    assert passes[0] == "cp_inductor pass detect on post_grad_custom_pre_pass: 1 regions (ms)", passes
+    assert any(p.startswith("cp_inductor pass fused_a2a on post_grad_custom_pre_pass, a2a forward ")
+               and p.endswith(": applied (ms)") for p in passes), passes
+    assert artifacts.names == ["cp_inductor_fused_a2a_before", "cp_inductor_fused_a2a_after"], artifacts.names

@@ -38,6 +38,7 @@ from .analysis.graph_walk import node_order
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather, ring
 from .guard import internal_error, reason_or_error
+from .observe import rewrite_traced, timed
 from .rewrites import (
     POST_GRAD,
     Rewrite,
@@ -161,7 +162,11 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
         for lowering in VARLEN_LOWERINGS:
             reason = reason_or_error(lowering.why_not, call, cfg, cfg=cfg)
             if reason is None:
-                reason = _apply_or_undo(gm, lowering, call, cfg)
+                with timed(lowering.NAME, f"the Dynamo graph, {call.name}") as outcome, \
+                        rewrite_traced(lowering.NAME, gm.graph) as traced:
+                    reason = _apply_or_undo(gm, lowering, call, cfg)
+                    traced["kept"] = reason is None
+                    outcome["did"] = f"-> {call.path}" if reason is None else f"undone: {reason}"
             if reason is None:
                 break
             call.reasons[lowering.NAME] = reason
@@ -326,12 +331,17 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
         _rewrite_regions(hook, graph, cfg, only)
     if only is None:
         for graph_pass in GRAPH_PASSES.get(hook, ()):
-            graph_pass(graph, cfg)
+            with timed(graph_pass.__name__.lstrip("_"), hook) as outcome:
+                before = len(graph.nodes)
+                graph_pass(graph, cfg)
+                outcome["did"] = f"{before} -> {len(graph.nodes)} nodes"
 
 
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
-    canonicalize.canonicalize(graph, cfg.strict)
-    matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
+    with timed("detect", hook) as outcome:
+        canonicalize.canonicalize(graph, cfg.strict)
+        matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
+        outcome["did"] = f"{len(matches)} regions"
     order = node_order(graph)
     changed = False
     for match in sorted(matches, key=lambda m: order[m.attention]):
@@ -357,7 +367,11 @@ def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only
     decision = decide(match, cfg, only)
     for rewrite in decision.to_run(hook):
         performs = [name for name in rewrite.replaces if name in decision.applied]
-        if not apply_checked(graph, match, rewrite, detector.match_at, cfg, performs):
+        with timed(rewrite.name, f"{hook}, {match.style} {match.direction} {match.attention.name}") as outcome, \
+                rewrite_traced(rewrite.name, graph) as traced:
+            traced["kept"] = apply_checked(graph, match, rewrite, detector.match_at, cfg, performs)
+            outcome["did"] = "applied" if traced["kept"] else "undone (see the report)"
+        if not traced["kept"]:
             continue
         kept = True
         attention = match.attention
