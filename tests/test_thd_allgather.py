@@ -340,6 +340,22 @@ fa4_varlen_attention.default(qc_1, kc_2, vc_2, cu_q_1, cu_k_1, None, 13, 13, 0.2
 varlen attention _varlen_attn: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32
 varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32""")
 
+    def test_handwritten_on_aten_flash_op_is_lowered_too(self):
+        """The same chunks through aten's flash forward (its varlen form, GQA as is): each call
+        moves to our op on the slice, named an all-gather call."""
+        import varlen_programs as vp
+        from test_varlen_cudnn import rewritten_while_compiling
+
+        q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
+        plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, 2), q.shape[0] // 4
+        local = [torch.cat([t[:chunk], t[-chunk:]]) for t in (q, k, v)]
+        with fake_pg(2):  # aten's op has no CPU kernel: the program runs only as rewritten
+            _, routes, _ = rewritten_while_compiling(
+                lambda a, b, c: vp.allgather_thd(a, b, c, plan, attention="aten_flash"), *local)
+        self.assertExpectedInline("\n".join(r.line() for r in routes), """\
+varlen attention _flash_attention_forward: allgather, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32
+varlen attention _flash_attention_forward_1: allgather, thd, lengths unknown, causal: fa4_varlen: no cost map for cpu: no measurement of thd_cross T24 Hq4 Hkv2 D16 causal float32""")
+
     def test_dense_only_rewrites_step_aside_with_their_reason(self):
         """Every switch on, strict (an internal error would raise): the all-gather rewrites built
         for dense attention say why they leave a packed region alone."""

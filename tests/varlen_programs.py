@@ -392,8 +392,9 @@ def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0", 
     causal), K/V heads repeated for GQA as torchtitan feeds varlen_attn. ``gather``: as
     ``allgather_programs.gather_seq``'s (functional with autograd, in place into a tensor or a
     list inside an autograd.Function). ``keys``: each chunk's K/V as a slice (a view) or by
-    ``index_select`` (a copy); ``attention``: torch's varlen_attn, or flash-attn's
-    ``flash_attn_varlen_func`` (GQA as is; ``flash_attn_like()`` must have run)."""
+    ``index_select`` (a copy); ``attention``: torch's varlen_attn, flash-attn's
+    ``flash_attn_varlen_func`` (GQA as is; ``flash_attn_like()`` must have run) or aten's flash
+    forward called on the chunk ("aten_flash", CUDA only in eager)."""
     import torch.distributed as dist
     from allgather_programs import gather_seq
     from torch.nn.attention.varlen import varlen_attn
@@ -421,6 +422,10 @@ def allgather_thd(q, k, v, plan, causal=True, group=None, gather="funcol_dim0", 
         qc = q[i * chunk:(i + 1) * chunk]
         if attention == "flash_attn":
             outs.append(_flash_attn_made["flash_attn"](qc, kc, vc, cu_q, cu_k, p["max_q"], p["max_k"], causal=causal))
+            continue
+        if attention == "aten_flash":  # nested-jagged SDPA's route, GQA as is
+            outs.append(torch.ops.aten._flash_attention_forward(qc, kc, vc, cu_q, cu_k, p["max_q"], p["max_k"], 0.0,
+                                                                causal, False)[0])
             continue
         if groups > 1:
             kc, vc = (t.repeat_interleave(groups, dim=1) for t in (kc, vc))
