@@ -21,6 +21,7 @@ from .passes import pipeline
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
 from .passes.whole_graph.canonicalize import canonicalize
+from .passes.observe import timed
 from .reporting import clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."
@@ -52,9 +53,11 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, **kwargs):
     rejected = []
-    if cfg.detect and canonicalize(gm.graph, cfg.strict):
-        gm.recompile()
-    rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
+    with timed("analyze", f"the {_graph_kind(kwargs)} graph") as outcome:
+        if cfg.detect and canonicalize(gm.graph, cfg.strict):
+            gm.recompile()
+        rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
+        outcome["did"] = f"{len(rows)} regions, {len(rejected)} other attention ops"
     for row in rows:
         record(row)
     for r in rejected:
@@ -91,7 +94,10 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
     inductor_patches.update(graph_passes(cfg, inductor_patches))
-    for route in pipeline.run_dynamo_passes(gm, cfg):
+    with timed("dynamo_passes", "the Dynamo graph") as outcome:
+        routes = pipeline.run_dynamo_passes(gm, cfg)
+        outcome["did"] = f"{len(routes)} packed calls"
+    for route in routes:
         record_varlen(route)
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.

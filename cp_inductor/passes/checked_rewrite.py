@@ -9,6 +9,8 @@ applied to the real graph; one that fails leaves the graph as it was and says wh
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx
 from torch._dynamo.utils import counters
@@ -25,6 +27,37 @@ def _copy(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
     copy, val_map = torch.fx.Graph(), {}
     copy.output(copy.graph_copy(graph, val_map))
     return copy, val_map
+
+
+# graph -> its trial copy after the last kept rewrite (both rewritten alike). Copying the whole
+# graph per rewrite made our passes' time grow with the square of the layers; the twin is kept
+# and reused while it still matches the graph node for node (else copied afresh).
+_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _twin_map(graph: torch.fx.Graph, twin: torch.fx.Graph) -> dict | None:
+    """node of ``graph`` -> its twin in ``twin``, if ``twin`` has the same ops on the same
+    arguments in the same order; None if anything differs."""
+    if len(graph.nodes) != len(twin.nodes):
+        return None
+    mapping: dict = {}
+    for node, other in zip(graph.nodes, twin.nodes):
+        if node.op != other.op or node.target != other.target:
+            return None
+        try:
+            same = torch.fx.node.map_arg((node.args, node.kwargs), mapping.__getitem__) == (other.args, other.kwargs)
+        except KeyError:  # an argument defined later: not in order
+            return None
+        if not same:
+            return None
+        mapping[node] = other
+    return mapping
+
+
+def _trial_of(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
+    twin = _twins.pop(graph, None)
+    mapping = None if twin is None else _twin_map(graph, twin)
+    return (twin, mapping) if mapping is not None else _copy(graph)
 
 
 def _same_tensor(old, new, strides: bool) -> str | None:
@@ -62,7 +95,7 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
     was kept."""
     attention = match.attention
     try:
-        trial, val_map = _copy(graph)
+        trial, val_map = _trial_of(graph)
         check(trial, rewrite.apply(trial, match_at(val_map[attention], match.graph_kind, cfg), cfg))
     except Exception as e:  # noqa: BLE001 - a bug in a rewrite costs the rewrite only
         if cfg.strict:
@@ -71,7 +104,8 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
         counters["cp_inductor"][f"{rewrite.name}_undone"] += 1
         return False
     rewrite.apply(graph, match, cfg)
-    stable_topological_sort(graph)  # the next region's trial copies the graph in order
+    stable_topological_sort(graph)  # in the order the trial's check sorted its twin into
+    _twins[graph] = trial
     for name in (rewrite.name, *performs):
         counters["cp_inductor"][name] += 1
     return True

@@ -15,14 +15,25 @@ aten = torch.ops.aten
 REPLACES = "cp_inductor_replaces"
 
 
+def _fake_mode(graph: torch.fx.Graph, anchor: torch.fx.Node):
+    """The graph's fake mode, read from the anchor's neighbourhood (every value of one graph shares
+    it); the whole graph only where none is there: reading every value per rewrite made the
+    passes' time grow with the square of the layers."""
+    near = [anchor, *anchor.all_input_nodes, *anchor.users]
+    for nodes in (near, graph.nodes):
+        vals = [n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        if vals:
+            return detect_fake_mode(vals)
+    return None
+
+
 class Emitter:
     """Creates nodes before ``anchor`` (in call order) and fills ``meta["val"]``."""
 
     def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
         self.graph = graph
         self.anchor = anchor
-        vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-        self.fake_mode = detect_fake_mode(vals)
+        self.fake_mode = _fake_mode(graph, anchor)
         # (old value, new node, strides kept?) per tensor handed on in place of an old one: what
         # checked_rewrite.check compares.
         self.replaced: list = []

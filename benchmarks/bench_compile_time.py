@@ -1,0 +1,107 @@
+"""Compile time: the first call (forward and backward) of an L-layer stack, default Inductor
+against cp_inductor, each in a fresh process with every cache off.
+
+    python benchmarks/bench_compile_time.py --layers 4 8 16 32 --styles a2a allgather ring none --repeats 3
+
+The stack: ``cp_inductor.testing.train_step.TransformerBlock`` layers (RMSNorm, QKV projection, CP
+attention through our helpers on PyTorch's fake group of 2 ranks, output projection, MLP), dim
+256, 4 heads / 2 K/V heads, sequence 256 (``none``: plain SDPA, no CP). Per (style, layers,
+backend): the median over ``--repeats`` fresh processes of the first call's wall time, and for
+cp_inductor the time its own passes took (the sum of what ``TORCH_LOGS=cp_inductor`` logs per
+pass, ``passes/observe.py``). CPU by default; ``--device cuda`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, logging, re, sys, time
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import cp_inductor
+from cp_inductor.testing.train_step import StepConfig, TransformerBlock
+
+style, layers, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+by_pass = {}
+NESTED = ("varlen_cudnn", "uniform_thd")  # inside dynamo_passes
+
+class Passes(logging.Handler):
+    def emit(self, record):
+        m = re.search(r"cp_inductor pass (\w+) on .*\((\d+\.\d) ms\)$", record.getMessage())
+        if m and m.group(1) not in NESTED:
+            by_pass[m.group(1)] = by_pass.get(m.group(1), 0.0) + float(m.group(2)) / 1e3
+
+logging.getLogger("cp_inductor").addHandler(Passes())
+logging.getLogger("cp_inductor").setLevel(logging.INFO)
+logging.getLogger("cp_inductor").propagate = False
+cfg = StepConfig(style=style if style != "none" else "a2a", seq=256, dim=256, heads=4, kv_heads=2, batch=1)
+
+class Plain(torch.nn.Module):  # no CP: the same block with SDPA over the local sequence
+    def __init__(self):
+        super().__init__()
+        self.block = TransformerBlock(cfg)
+    def forward(self, x):
+        b = self.block
+        s = x.shape[1]
+        qkv = b.wqkv(b.norm1(x)).view(1, s, cfg.heads + 2 * cfg.kv_heads, -1)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split([cfg.heads, cfg.kv_heads, cfg.kv_heads], dim=2))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        x = x + b.wo(o.flatten(2))
+        return x + b.mlp(b.norm2(x))
+
+stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
+x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
+fn = torch.compile(stack, backend=backend, fullgraph=True)
+start = time.perf_counter()
+fn(x).sum().backward()
+if device == "cuda":
+    torch.cuda.synchronize()
+print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass}))
+"""
+
+
+def first_call(style: str, layers: int, backend: str, device: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--styles", nargs="+", default=["a2a", "allgather", "ring", "none"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} | {'our passes s':>12} | largest passes (s)")
+    rows = []
+    for style in a.styles:
+        for layers in a.layers:
+            runs = {b: [first_call(style, layers, b, a.device) for _ in range(a.repeats)] for b in ("inductor", "cp_inductor")}
+            ind = statistics.median(r["seconds"] for r in runs["inductor"])
+            ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
+            passes = statistics.median(r["passes_s"] for r in runs["cp_inductor"])
+            rows.append({"style": style, "layers": layers, "inductor_s": ind, "cp_inductor_s": ours,
+                         "ratio": ours / ind, "our_passes_s": passes, "runs": runs})
+            top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
+            print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} | {passes:12.2f} | "
+                  + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
