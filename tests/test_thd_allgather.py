@@ -87,19 +87,32 @@ def _reference(q, k, v, lengths, causal):
     return vp.sequence_reference(q, k, v, cu, causal)
 
 
+def _pack_and_reference(lengths, heads_kv, causal, seed):
+    """q, k, v and an output gradient over a pack (Hq 4, D 16), and the fp64 reference's out, dq,
+    dk and dv for them."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    full = [torch.randn(total, h, 16, generator=g) for h in (4, heads_kv, heads_kv)]
+    dout = torch.randn(total, 4, 16, generator=g)
+    ref_in = [t.double().requires_grad_() for t in full]
+    ref_out = _reference(*ref_in, lengths, causal)
+    return full, dout, (ref_out.detach(), *torch.autograd.grad(ref_out, ref_in, dout.double()))
+
+
+def _errors(got, want, rows, keep=None) -> dict:
+    """Relative L2 error of out, dq, dk, dv (``got``: this rank's, ``keep`` its rows that hold
+    tokens) against the reference's pack rows ``rows``."""
+    def rel(a, b):
+        a = a.detach().double() if keep is None else a[keep].detach().double()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    return {name: rel(a, b[rows]) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
 def _check(rank, cp, lengths, heads_kv, causal, balance, kernel, head_groups=None):
     from cp_inductor.lowerings import varlen_attention
 
-    g = torch.Generator().manual_seed(0)
-    total = sum(lengths)
-    q_full = torch.randn(total, 4, 16, generator=g)
-    k_full, v_full = (torch.randn(total, heads_kv, 16, generator=g) for _ in range(2))
-    dout_full = torch.randn(total, 4, 16, generator=g)
-
-    ref_in = [t.double().requires_grad_() for t in (q_full, k_full, v_full)]
-    ref_out = _reference(*ref_in, lengths, causal)
-    ref_grads = torch.autograd.grad(ref_out, ref_in, dout_full.double())
-
+    (q_full, k_full, v_full), dout_full, want = _pack_and_reference(lengths, heads_kv, causal, seed=0)
     q, shard = tag.shard_pack(q_full, lengths, rank, cp, balance)
     k, v = (t.index_select(0, shard.local_index) for t in (k_full, v_full))
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -107,13 +120,8 @@ def _check(rank, cp, lengths, heads_kv, causal, balance, kernel, head_groups=Non
         out = tag.thd_allgather_attention(*ins, shard, is_causal=causal, kernel=kernel, head_groups=head_groups)
     grads = torch.autograd.grad(out, ins, dout_full.index_select(0, shard.local_index))
     whole = tag.unshard_pack(out.detach(), shard)
-
-    def rel(a, b):
-        return float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30))
-
-    index = shard.local_index
-    errors = {"out": rel(out, ref_out.detach()[index]), "out_unsharded": rel(whole, ref_out.detach())}
-    errors.update({n: rel(g_, r[index]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    errors = _errors((out, *grads), want, shard.local_index)
+    errors["out_unsharded"] = _errors((whole,), want, slice(None))["out"]
     return errors
 
 
@@ -187,16 +195,8 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, keys="slice", attenti
     vp.register_cpu_kernels()
     if attention == "flash_attn":
         vp.flash_attn_like()  # its ops, registered before compiling
-    g = torch.Generator().manual_seed(2)
-    total = sum(HAND_LENGTHS)
-    q_full = torch.randn(total, 4, 16, generator=g)
-    k_full, v_full = (torch.randn(total, heads_kv, 16, generator=g) for _ in range(2))
-    dout_full = torch.randn(total, 4, 16, generator=g)
-    ref_in = [t.double().requires_grad_() for t in (q_full, k_full, v_full)]
-    ref_out = _reference(*ref_in, HAND_LENGTHS, causal)
-    ref_grads = torch.autograd.grad(ref_out, ref_in, dout_full.double())
-
-    chunk = total // (2 * cp)
+    (q_full, k_full, v_full), dout_full, want = _pack_and_reference(HAND_LENGTHS, heads_kv, causal, seed=2)
+    chunk = sum(HAND_LENGTHS) // (2 * cp)
     rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
     plan = vp.chunk_plan(HAND_LENGTHS, rank, cp, causal)
     torch._dynamo.reset()
@@ -210,12 +210,7 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, keys="slice", attenti
         grads = torch.autograd.grad(out, ins, dout_full.index_select(0, rows))
     report = cp_inductor.report()
     torch._dynamo.reset()
-
-    def rel(a, b):
-        return float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30))
-
-    errors = {"out": rel(out, ref_out.detach()[rows])}
-    errors.update({n: rel(g_, r[rows]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    errors = _errors((out, *grads), want, rows)
     regions = sorted({(r.graph_kind, r.style, r.layout) for r in report.regions})
     return errors, regions, [r.line() for r in report.varlen]
 
@@ -395,26 +390,15 @@ def _static_steps(rank, cp, packs, capacity, max_docs):
                              backend="cp_inductor", fullgraph=True)
     errors = []
     for step, lengths in enumerate(packs):
-        g = torch.Generator().manual_seed(step)
-        total = sum(lengths)
-        full = [torch.randn(total, h, 16, generator=g) for h in (4, 2, 2)]
-        dout = torch.randn(total, 4, 16, generator=g)
-        ref_in = [t.double().requires_grad_() for t in full]
-        ref_out = _reference(*ref_in, lengths, True)
-        ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+        full, dout, want = _pack_and_reference(lengths, 2, True, seed=step)
         shard = tag.make_shard(lengths, rank, cp, capacity=capacity, max_docs=max_docs)
         ins = [t.index_select(0, shard.local_index).requires_grad_() for t in full]
         valid = shard.valid.view(-1, 1, 1)
         with varlen_attention.reference_kernels():
             out = compiled(*ins, shard)
             grads = torch.autograd.grad(out, ins, torch.where(valid, dout.index_select(0, shard.local_index), 0))
-        rows = shard.local_index[shard.valid]
-
-        def rel(a, b):
-            return float((a[shard.valid].detach().double() - b).norm() / b.norm())
-
-        step_errors = {"out": rel(out, ref_out.detach()[rows]), "padding": float(out[~shard.valid].abs().max())}
-        step_errors.update({n: rel(g_, r[rows]) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+        step_errors = _errors((out, *grads), want, shard.local_index[shard.valid], keep=shard.valid)
+        step_errors["padding"] = float(out[~shard.valid].abs().max())
         errors.append(step_errors)
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()

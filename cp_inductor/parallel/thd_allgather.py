@@ -189,36 +189,28 @@ def _ints(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _round(pieces: list[Piece], row_start: int, total: int, device) -> Round:
-    sizes = [p.end - p.start for p in pieces]
-    return Round(
-        row_start=row_start, row_end=row_start + sum(sizes),
-        cu_seqlens_q=_ints([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()], device),
-        cu_seqlens_k=_ints([p.doc_start for p in pieces] + [total], device),
-        seqused_k_causal=_ints([p.end - p.doc_start for p in pieces], device),
-        seqused_k_full=_ints([p.doc_end - p.doc_start for p in pieces], device),
-        max_q=max(sizes), max_k=max(p.doc_end - p.doc_start for p in pieces),
-    )
-
-
-def _static_round(pieces: list[Piece], row_start: int, total: int, capacity: int, max_docs: int, device) -> Round:
-    """A round over ALL ``capacity`` local rows, of ``max_docs`` sequences (the unused ones empty):
-    its shapes and bounds are the same for every pack, so one compiled graph (and one CUDA graph)
+def _round(pieces: list[Piece], row_start: int, total: int, device, capacity: int | None = None,
+           max_docs: int | None = None) -> Round:
+    """One call's worth of pieces, the local rows from ``row_start``. Static (``capacity``): the
+    call takes ALL ``capacity`` local rows and ``max_docs`` sequences (the unused ones empty), so
+    its shapes and bounds are the same for every pack: one compiled graph (and one CUDA graph)
     serves packs of any lengths."""
-    if len(pieces) > max_docs:
-        raise ValueError(f"a round holds {len(pieces)} documents, more than max_docs={max_docs}")
-    ends, at = [], row_start
-    for p in pieces:
-        at += p.end - p.start
-        ends.append(at)
-    unused = max_docs - len(pieces)
+    sizes = [p.end - p.start for p in pieces]
+    documents = [p.doc_end - p.doc_start for p in pieces]
+    if capacity is None:  # the call takes the round's rows alone
+        rows, offset, unused, max_q, max_k = (row_start, row_start + sum(sizes)), 0, 0, max(sizes), max(documents)
+    else:
+        if len(pieces) > max_docs:
+            raise ValueError(f"a round holds {len(pieces)} documents, more than max_docs={max_docs}")
+        rows, offset, unused, max_q, max_k = (0, capacity), row_start, max_docs - len(pieces), capacity, max(total, 1)
+    cu_q = [offset + end for end in torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0).tolist()]
     return Round(
-        row_start=0, row_end=capacity,
-        cu_seqlens_q=_ints([row_start, *ends] + [at] * unused, device),
+        row_start=rows[0], row_end=rows[1],
+        cu_seqlens_q=_ints(cu_q + [cu_q[-1]] * unused, device),
         cu_seqlens_k=_ints([p.doc_start for p in pieces] + [total] * (unused + 1), device),
         seqused_k_causal=_ints([p.end - p.doc_start for p in pieces] + [0] * unused, device),
-        seqused_k_full=_ints([p.doc_end - p.doc_start for p in pieces] + [0] * unused, device),
-        max_q=capacity, max_k=max(total, 1),
+        seqused_k_full=_ints(documents + [0] * unused, device),
+        max_q=max_q, max_k=max_k,
     )
 
 
@@ -246,12 +238,10 @@ def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=No
             row += p.end - p.start
     gather_index = torch.full((cp * padded,), -1, dtype=torch.int64)
     gather_index[pack_index] = torch.arange(total)
+    static = {} if capacity is None else {"capacity": capacity, "max_docs": max_docs}
     mine, rounds, row = [], [], 0
-    for rnd in by_rank[rank] + ([[]] * (2 - len(by_rank[rank])) if capacity is not None else []):
-        if capacity is None:
-            rounds.append(_round(rnd, row, total, device))
-        else:
-            rounds.append(_static_round(rnd, row, total, capacity, max_docs, device))
+    for rnd in by_rank[rank] + ([[]] * (2 - len(by_rank[rank])) if static else []):  # static: always two calls
+        rounds.append(_round(rnd, row, total, device, **static))
         row += sum(p.end - p.start for p in rnd)
         mine += rnd
     local = [torch.arange(p.start, p.end) for p in mine]

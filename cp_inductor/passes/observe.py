@@ -38,18 +38,6 @@ def graph_artifact(name: str, graph: torch.fx.Graph, text: str | None = None) ->
 
 
 @contextlib.contextmanager
-def rewrite_traced(name: str, graph: torch.fx.Graph):
-    """Around one rewrite's apply: the graph before and, if it was kept (the block yields a dict
-    the caller sets ``kept`` in), after."""
-    before = _graph_text(graph) if tracing() else None
-    outcome: dict = {"kept": False}
-    yield outcome
-    if outcome["kept"] and before is not None:
-        graph_artifact(f"{name}_before", graph, before)
-        graph_artifact(f"{name}_after", graph)
-
-
-@contextlib.contextmanager
 def timed(pass_name: str, where: str):
     """Logs ``cp_inductor pass <name> on <where>: <what it did> (<ms>)``; the block yields a dict
     whose ``did`` it sets."""
@@ -61,3 +49,17 @@ def timed(pass_name: str, where: str):
         if log.isEnabledFor(logging.INFO):
             log.info("cp_inductor pass %s on %s: %s (%.1f ms)", pass_name, where, outcome["did"],
                      (time.perf_counter() - start) * 1e3)
+
+
+@contextlib.contextmanager
+def rewrite_observed(name: str, where: str, graph: torch.fx.Graph):
+    """Around one rewrite's apply: timed, and, if it was kept (the block sets ``kept`` in the
+    dict it yields), the graph before and after as trace artifacts."""
+    before = _graph_text(graph) if tracing() else None
+    outcome: dict = {"kept": False}
+    with timed(name, where) as logged:
+        yield outcome
+        logged["did"] = outcome.get("did") or ("applied" if outcome["kept"] else "undone (see the report)")
+    if outcome["kept"] and before is not None:
+        graph_artifact(f"{name}_before", graph, before)
+        graph_artifact(f"{name}_after", graph)

@@ -38,7 +38,7 @@ from .analysis.graph_walk import node_order
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather, ring
 from .guard import internal_error, reason_or_error
-from .observe import rewrite_traced, timed
+from .observe import rewrite_observed, timed
 from .rewrites import (
     POST_GRAD,
     Rewrite,
@@ -162,10 +162,9 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
         for lowering in VARLEN_LOWERINGS:
             reason = reason_or_error(lowering.why_not, call, cfg, cfg=cfg)
             if reason is None:
-                with timed(lowering.NAME, f"the Dynamo graph, {call.name}") as outcome, \
-                        rewrite_traced(lowering.NAME, gm.graph) as traced:
+                with rewrite_observed(lowering.NAME, f"the Dynamo graph, {call.name}", gm.graph) as outcome:
                     reason = _apply_or_undo(gm, lowering, call, cfg)
-                    traced["kept"] = reason is None
+                    outcome["kept"] = reason is None
                     outcome["did"] = f"-> {call.path}" if reason is None else f"undone: {reason}"
             if reason is None:
                 break
@@ -367,11 +366,10 @@ def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only
     decision = decide(match, cfg, only)
     for rewrite in decision.to_run(hook):
         performs = [name for name in rewrite.replaces if name in decision.applied]
-        with timed(rewrite.name, f"{hook}, {match.style} {match.direction} {match.attention.name}") as outcome, \
-                rewrite_traced(rewrite.name, graph) as traced:
-            traced["kept"] = apply_checked(graph, match, rewrite, detector.match_at, cfg, performs)
-            outcome["did"] = "applied" if traced["kept"] else "undone (see the report)"
-        if not traced["kept"]:
+        where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
+        with rewrite_observed(rewrite.name, where, graph) as outcome:
+            outcome["kept"] = apply_checked(graph, match, rewrite, detector.match_at, cfg, performs)
+        if not outcome["kept"]:
             continue
         kept = True
         attention = match.attention

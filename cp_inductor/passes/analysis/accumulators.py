@@ -29,6 +29,7 @@ import torch.fx
 
 from .graph_walk import Walk, node_order
 from .layout_algebra import is_layout_op
+from .op_schema import bind
 from .sdpa_ops import tuple_outputs
 
 aten = torch.ops.aten
@@ -72,7 +73,7 @@ def _in_place_reads(attention: torch.fx.Node) -> str:
     """What a call reading the gathered keys in place (FA4 with ``seqused_k``) adds: its dK/dV
     cover the whole gathered buffer, the rows it does not read zeroed inside the op."""
     fa4 = getattr(torch.ops.cp_inductor, "fa4_varlen_attention_backward", None)
-    if fa4 is None or attention.target is not fa4.default or attention.args[9] is None:
+    if fa4 is None or attention.target is not fa4.default or bind(attention).get("seqused_k") is None:
         return ""
     return "; this call reads keys in place (seqused_k): its dK/dV span the gathered K/V and the op zero-fills the rows it does not read"
 

@@ -122,11 +122,8 @@ def _calls(node: torch.fx.Node, names: set) -> bool:
 
 
 def _collective_above(start: torch.fx.Node, names: set) -> bool:
-    def is_one(n):
-        return _calls(n, names)
-
-    above = Walk([start], lambda n: () if is_one(n) else n.all_input_nodes, limit=_NEAR)
-    return any(is_one(n) for n in above)
+    above = Walk([start], lambda n: () if _calls(n, names) else n.all_input_nodes, limit=_NEAR)
+    return any(_calls(n, names) for n in above)
 
 
 def _style(query: torch.fx.Node, key) -> str:
