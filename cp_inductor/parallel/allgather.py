@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .allgather_groups import HeadGroupedAllGather
 from .kernels import KERNELS, _kernel
-from .sharding import chunk_runs, load_balanced_chunks, sequence_order
+from .sharding import chunk_runs, gqa, load_balanced_chunks, sequence_order
 from .ulysses import LAYOUTS
 
 aten = torch.ops.aten
@@ -113,7 +113,7 @@ def _stretch_attention(q, k, v, k_full, v_full, start: int, scale: float, kernel
         # graph would drop its all-gather and reduce-scatter while the others wait.
         length = q.shape[2]
         k, v = k_full[:, :, :length], v_full[:, :, :length]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa(q.shape[1], k.shape[1]))
     return _PrefixThenDiagonal.apply(q, k_full[:, :, :start], v_full[:, :, :start], k, v, scale, kernel)
 
 
@@ -154,7 +154,7 @@ def allgather_attention(
         # Key order does not matter without a mask: [cp*2, B, H, S/cp, D] -> [B, H, S, D] any order.
         kv = _all_gather(torch.stack([k, v]), group).view(cp, 2, *k.shape)
         k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=hq != hkv)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=gqa(hq, hkv))
         return out.transpose(1, 2) if layout == "bshd" else out
 
     _check_even(q, load_balanced)

@@ -10,6 +10,13 @@ import torch
 import torch.distributed as dist
 
 
+
+def gqa(heads_q, heads_kv) -> bool:
+    """SDPA's ``enable_gqa`` for these head counts, as a Python bool: under ``dynamic=True`` head
+    counts are symbolic and SDPA takes no SymBool, so the comparison is branched on (Dynamo
+    guards on it, as it would on any head-count check)."""
+    return True if heads_q != heads_kv else False
+
 def load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
     # Two-chunk (head-tail) causal balance: rank r holds chunks r and 2*cp-1-r.
     return rank, 2 * cp - 1 - rank

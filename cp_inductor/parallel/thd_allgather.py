@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .allgather import _all_gather
+from .sharding import gqa
 
 BALANCES = ("document", "pack")
 
@@ -316,7 +317,7 @@ def _pieces_sdpa(q, k, v, shard: PackShard, causal: bool, scale: float) -> torch
             n_k = ks.shape[1]
             mask = torch.ones(n, n_k, dtype=torch.bool, device=q.device).tril(n_k - n)
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                   enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
+                                                   enable_gqa=gqa(ks.shape[0], qs.shape[0])).transpose(0, 1))
         at += n
     if at < q.shape[0]:  # a static shard's padding rows
         outs.append(q.new_zeros((q.shape[0] - at, q.shape[1], v.shape[2])))

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from .sharding import gqa
+
 LAYOUTS = ("bshd", "bhsd")
 
 
@@ -83,6 +85,6 @@ def ulysses_attention(
     kh = _scatter_heads(k, layout, cp, group)
     vh = _scatter_heads(v, layout, cp, group)
     out = F.scaled_dot_product_attention(
-        qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv
+        qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=gqa(hq, hkv)
     )
     return _gather_heads(out, layout, cp, group)
