@@ -38,25 +38,6 @@ def test_hand_written_variants_cp2():
     assert_cp_results(run_on_ranks(check_cp_attention, 2, cases, fn)[0], TOL, cp=2, check_layout=True)
 
 
-def _dynamic_shapes(rank, cp, case):
-    import cp_inductor
-
-    full = full_inputs(case)
-    eager = run_cp(ulysses_fn(case), case, full, rank, cp)
-    torch._dynamo.reset()
-    compiled = torch.compile(ulysses_fn(case), backend="cp_inductor", fullgraph=True)
-    got = run_cp(compiled, case, full, rank, cp, dynamic_seq=True)
-    return {n: float((got[n] - eager[n]).abs().max()) for n in got}, cp_inductor.report()
-
-
-def test_dynamic_shapes_fall_back_with_a_reason():
-    case = AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)
-    diffs, report = run_on_ranks(_dynamic_shapes, 2, case)[0]
-    assert max(diffs.values()) < 1e-6, diffs  # plain Inductor's answer
-    assert not report.regions
-    assert {r.reason for r in report.rejected} == {"dynamic shapes"} and len(report.rejected) == 2
-
-
 def _self_attention(rank, cp):
     from torch._dynamo.utils import counters
 

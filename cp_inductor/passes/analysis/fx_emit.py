@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+import weakref
+
+import sympy
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.utils._sympy.functions import FloorDiv
 
 from .layout_algebra import Relayout
+from .sym_sizes import NotASize, size_of, sizes_of
 
 aten = torch.ops.aten
 
@@ -38,6 +45,9 @@ class Emitter:
         # checked_rewrite.check compares.
         self.replaced: list = []
         self.created: list = []  # every node made, in order
+        # Symbolic size -> node: the graph's SymInt inputs, then the sizes this emitter computed
+        # (before its own anchor, so no other emitter may reuse them).
+        self._sizes = dict(_graph_sizes(graph))
 
     def replace(self, old: torch.fx.Node, new: torch.fx.Node, strides: bool = True, **kwargs) -> None:
         """``old.replace_all_uses_with(new)``, recorded for the check. ``strides=False`` where the
@@ -46,6 +56,7 @@ class Emitter:
         old.replace_all_uses_with(new, **kwargs)
 
     def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        args, kwargs = self._sizes_as_nodes(args), self._sizes_as_nodes(kwargs)
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
         fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
@@ -55,14 +66,83 @@ class Emitter:
         return node
 
     def relayout(self, x: torch.fx.Node, plan: Relayout) -> torch.fx.Node:
-        shape = tuple(x.meta["val"].shape)
-        if plan.split != shape:
+        if plan.split != sizes_of(x.meta["val"].shape):
             x = self(aten.reshape.default, x, list(plan.split))
         if plan.perm != tuple(range(len(plan.perm))):
             x = self(aten.permute.default, x, list(plan.perm))
-        if plan.shape != tuple(x.meta["val"].shape):
+        if plan.shape != sizes_of(x.meta["val"].shape):
             x = self(aten.reshape.default, x, list(plan.shape))
         return x
+
+    # --- symbolic sizes ---
+    def _sizes_as_nodes(self, x):
+        """Arguments with each symbolic size (a SymInt, or a sympy expression from the layout
+        algebra) replaced by a node computing it: an FX graph passes sizes as nodes."""
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._sizes_as_nodes(a) for a in x)
+        if isinstance(x, dict):
+            return {k: self._sizes_as_nodes(v) for k, v in x.items()}
+        if isinstance(x, (torch.SymInt, sympy.Basic)):
+            x = size_of(x)
+            return x if isinstance(x, int) else self._size_node(x)
+        return x
+
+    def _size_node(self, expr) -> torch.fx.Node:
+        known = self._sizes
+        if expr in known:
+            return known[expr]
+        if isinstance(expr, sympy.Symbol):
+            node = _symbol_from_shapes(self.graph, expr)
+            if node is None:
+                raise NotASize(f"no input of the graph carries the size {expr}")
+            node = self(aten.sym_size.int, *node)
+        elif isinstance(expr, sympy.Add):
+            node = functools.reduce(lambda a, b: self(operator.add, a, b), [self._operand(t) for t in expr.args])
+        elif isinstance(expr, sympy.Mul):
+            coeff, terms = expr.as_coeff_mul()
+            node = functools.reduce(lambda a, b: self(operator.mul, a, b), [self._operand(t) for t in terms])
+            if coeff.p != 1:
+                node = self(operator.mul, node, int(coeff.p))
+            if coeff.q != 1:  # exact: the size is whole
+                node = self(operator.floordiv, node, int(coeff.q))
+        elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 1:
+            base = self._operand(expr.base)
+            node = functools.reduce(lambda a, _: self(operator.mul, a, base), range(int(expr.exp) - 1), base)
+        elif isinstance(expr, FloorDiv):
+            node = self(operator.floordiv, self._operand(expr.args[0]), self._operand(expr.args[1]))
+        else:
+            raise NotASize(f"cannot compute the size {expr} in the graph")
+        known[expr] = node
+        return node
+
+    def _operand(self, expr):
+        return int(expr) if expr.is_number else self._size_node(size_of(expr))
+
+
+_SIZES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _graph_sizes(graph: torch.fx.Graph) -> dict:
+    """Symbolic size -> the graph's SymInt input that holds it (read once per graph)."""
+    if graph not in _SIZES:
+        _SIZES[graph] = {
+            size_of(n.meta["val"]): n for n in graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt) and n.meta["val"].node.maybe_as_int() is None
+        }
+    return _SIZES[graph]
+
+
+def _symbol_from_shapes(graph: torch.fx.Graph, symbol) -> tuple | None:
+    """(input tensor, dim) whose size is ``symbol``, for ``sym_size``."""
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                if isinstance(s, torch.SymInt) and size_of(s) == symbol:
+                    return n, d
+    return None
 
 
 def stride_order(t: torch.Tensor) -> list:

@@ -20,16 +20,22 @@ axis of either.
 This is what lets detection check the algebra instead of one op sequence: any chain of
 reshape/permute/contiguous around any 4-D, 5-D or flattened all-to-all is accepted iff the
 layout that reaches attention is the Ulysses one.
+
+Sizes and strides may be symbolic (:mod:`sym_sizes`): a factor of ``s0`` tokens splits or merges
+only where the split provably divides it for every ``s0``, so what holds at the traced sizes holds
+at every size the compiled graph runs with.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from dataclasses import dataclass, replace
 
+import sympy
 import torch
+
+from .sym_sizes import NotASize, equal, exact_div, hint, less, prod, size_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -45,12 +51,33 @@ class Factor:
     stride: int
     size: int
 
+    def __post_init__(self):
+        # Symbolic sizes in the environment's current form (a guard since may have equated two).
+        for name in ("stride", "size"):
+            if not isinstance(getattr(self, name), int):
+                object.__setattr__(self, name, size_of(getattr(self, name)))
+
+    def refreshed(self) -> "Factor":
+        return self if isinstance(self.size, int) and isinstance(self.stride, int) else Factor(self.axis, self.stride, self.size)
+
     @property
     def end(self) -> int:
         return self.stride * self.size
 
+    def within(self, other: "Factor") -> bool:
+        """Whether this run of source indices lies inside ``other``'s (same axis) at every size."""
+        try:
+            return self.axis == other.axis and not less(self.stride, other.stride) and not less(other.end, self.end)
+        except NotASize:
+            return False
+
     def overlaps(self, other: "Factor") -> bool:
-        return self.axis == other.axis and self.stride < other.end and other.stride < self.end
+        if self.axis != other.axis:
+            return False
+        try:
+            return less(self.stride, other.end) and less(other.stride, self.end)
+        except NotASize as e:
+            raise LayoutError(str(e)) from None
 
 
 RANK_AXIS = "rank"
@@ -94,7 +121,7 @@ def canonical(factors) -> tuple:
 
 
 def dim_size(dim: Dim) -> int:
-    return math.prod(f.size for f in dim)
+    return prod(f.size for f in dim)
 
 
 @dataclass(frozen=True)
@@ -107,7 +134,7 @@ class Layout:
     @staticmethod
     def source(shape, name: object, cp: int) -> "Layout":
         """A rank-local tensor: axis i of ``name`` for each dim, the rank axis pinned."""
-        dims = tuple((Factor((name, i), 1, int(n)),) for i, n in enumerate(_static(shape)))
+        dims = tuple((Factor((name, i), 1, n),) for i, n in enumerate(_static(shape)))
         return Layout(tuple(canonical(d) for d in dims), Factor(RANK_AXIS, 1, cp))
 
     @property
@@ -116,27 +143,29 @@ class Layout:
 
     # --- view algebra ---
     def reshape(self, shape) -> "Layout":
-        shape = _infer_size(_static(shape), math.prod(self.shape))
-        if math.prod(shape) != math.prod(self.shape):
+        shape = _infer_size(_static(shape), prod(self.shape))
+        if not equal(prod(shape), prod(self.shape)):
             raise LayoutError(f"reshape {self.shape} -> {shape} changes numel")
         queue = [f for d in self.dims for f in canonical(d)]
         dims = []
         for n in shape:
             cur: list[Factor] = []
             need = n
-            while need > 1:
+            while need != 1:
+                if not queue:
+                    raise LayoutError(f"reshape to {shape} splits a factor unevenly")
                 f = queue.pop(0)
-                if f.size <= need:
-                    if need % f.size:
-                        raise LayoutError(f"reshape to {shape} splits a factor unevenly")
+                rest = exact_div(need, f.size)
+                if rest is not None:  # the whole factor fits
                     cur.append(f)
-                    need //= f.size
-                else:
-                    if f.size % need:
-                        raise LayoutError(f"reshape to {shape} splits a factor unevenly")
-                    cur.append(Factor(f.axis, f.stride * (f.size // need), need))
-                    queue.insert(0, Factor(f.axis, f.stride, f.size // need))
-                    need = 1
+                    need = rest
+                    continue
+                inner = exact_div(f.size, need)  # the factor's outer part fills the dim
+                if inner is None:
+                    raise LayoutError(f"reshape to {shape} splits a factor unevenly")
+                cur.append(Factor(f.axis, f.stride * inner, need))
+                queue.insert(0, Factor(f.axis, f.stride, inner))
+                need = 1
             dims.append(tuple(cur))
         return replace(self, dims=tuple(dims))
 
@@ -182,28 +211,36 @@ class Layout:
         """``x.select(dim, index)``: the dim's factors are fixed to the digits of ``index``."""
         dim = dim % len(self.dims)
         factors = canonical(self.dims[dim])
-        index = index % dim_size(factors) if factors else 0
+        if not isinstance(index, int) or (index < 0 and not isinstance(dim_size(factors), int)):
+            raise LayoutError("select at a symbolic index")
+        index = index % dim_size(factors) if factors and index < 0 else index
         fixed = []
         for f in reversed(factors):  # inner to outer: mixed-radix digits
-            fixed.append((f, index % f.size))
-            index //= f.size
+            if not isinstance(f.size, int) and index:
+                raise LayoutError("select at an index past a symbolic factor")
+            fixed.append((f, index % f.size if isinstance(f.size, int) else 0))
+            index = index // f.size if isinstance(f.size, int) else 0
         return Layout(self.dims[:dim] + self.dims[dim + 1:], self.pinned, self.fixed + tuple(fixed[::-1]))
 
     def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Layout":
         """``x[..., start:end]`` along ``dim``: an aligned block of the dim (a split of it)."""
         dim = dim % len(self.dims)
         n = dim_size(self.dims[dim])
-        start = max(0, min(n, start + n if start < 0 else start))
-        end = max(start, min(n, end + n if end < 0 else end))
-        length = end - start
-        if step != 1 or length == 0:
+        start, end = _clamp(start, n), _clamp(end, n)
+        length = _exact_sub(end, start)
+        if step != 1 or length is None or length == 0:
             raise LayoutError(f"slice [{start}:{end}:{step}] of a dim of {n} is not an aligned block")
         if length == n:
             return self
-        if n % length == 0 and start % length == 0:
+        blocks, block = exact_div(n, length), exact_div(start, length) if start != 0 else 0
+        if blocks is not None and block is not None:
+            if not isinstance(block, int):
+                raise LayoutError(f"slice [{start}:{end}] picks a symbolic block")
             shape = list(self.shape)
-            shape[dim:dim + 1] = [n // length, length]
-            return self.reshape(shape).select(dim, start // length)
+            shape[dim:dim + 1] = [blocks, length]
+            return self.reshape(shape).select(dim, block)
+        if not all(isinstance(x, int) for x in (n, start, length)):
+            raise LayoutError(f"slice [{start}:{end}] of a dim of {n} is not an aligned block of every size")
         return self._part_of_inner_factor(dim, start, length)
 
     def _part_of_inner_factor(self, dim: int, start: int, length: int) -> "Layout":
@@ -231,13 +268,14 @@ class Layout:
         if not self.dims:
             raise LayoutError("all_to_all of a scalar")
         dim0 = canonical(self.dims[0])
-        if not dim0 or dim_size(dim0) % cp:
+        if not dim0 or exact_div(dim_size(dim0), cp) is None:
             raise LayoutError(f"dim 0 of size {dim_size(dim0)} does not split over cp={cp}")
         head = dim0[0]
-        if head.size % cp:
+        per_rank = exact_div(head.size, cp)
+        if per_rank is None:
             return self._all_to_all_of_replicas(cp, dim0)
-        outer = Factor(head.axis, head.stride * (head.size // cp), cp)
-        rest = (Factor(head.axis, head.stride, head.size // cp),) + dim0[1:]
+        outer = Factor(head.axis, head.stride * per_rank, cp)
+        rest = (Factor(head.axis, head.stride, per_rank),) + dim0[1:]
         return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
 
     def _all_to_all_of_replicas(self, cp: int, dim0: tuple) -> "Layout":
@@ -246,31 +284,58 @@ class Layout:
         ``k = cp / size`` ranks receive each index. The rank's block is then the factor
         ``("replicated", axis, k)``: rank r holds index ``r // k`` of the outer factor."""
         head = dim0[0]
-        k = cp // head.size if head.size and cp % head.size == 0 else 0
-        if not k or len(dim0) < 2 or not is_broadcast(dim0[1]) or dim0[1].size % k:
+        k = cp // head.size if isinstance(head.size, int) and head.size and cp % head.size == 0 else 0
+        if not k or len(dim0) < 2 or not is_broadcast(dim0[1]) or exact_div(dim0[1].size, k) is None:
             raise LayoutError("the cp-chunks of dim 0 cut across a factor")
         outer = Factor(("replicated", head.axis, k), head.stride, cp)
-        rest = (Factor(dim0[1].axis, 0, dim0[1].size // k),) + dim0[2:]
+        rest = (Factor(dim0[1].axis, 0, exact_div(dim0[1].size, k)),) + dim0[2:]
         return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
 
 
 def _static(shape) -> tuple:
-    out = []
-    for s in shape:
-        if isinstance(s, torch.SymInt):
-            raise LayoutError("dynamic shapes")
-        out.append(int(s))
-    return tuple(out)
+    """A shape argument's sizes (ints, or symbolic sizes read from its SymInts or size nodes)."""
+    try:
+        return tuple(size_of(s) for s in shape)
+    except NotASize as e:
+        raise LayoutError(str(e)) from None
 
 
-def _infer_size(shape: tuple, numel: int) -> tuple:
+def _infer_size(shape: tuple, numel) -> tuple:
     """Resolve the one ``-1`` a view or reshape may hold."""
     if -1 not in shape:
         return shape
-    known = math.prod(s for s in shape if s != -1)
-    if shape.count(-1) != 1 or known == 0 or numel % known:
+    known = prod(s for s in shape if s != -1)
+    inferred = exact_div(numel, known) if known != 0 else None
+    if shape.count(-1) != 1 or inferred is None:
         raise LayoutError(f"cannot infer {shape} from {numel} elements")
-    return tuple(numel // known if s == -1 else s for s in shape)
+    return tuple(inferred if s == -1 else s for s in shape)
+
+
+def _clamp(i, n):
+    """A slice bound in ``[0, n]`` (Python's rules); symbolic bounds are taken as written."""
+    if isinstance(i, int) and isinstance(n, int):
+        return max(0, min(n, i + n if i < 0 else i))
+    if isinstance(i, int) and i >= 2**62:  # "to the end"
+        return n
+    if isinstance(i, int) and i < 0:
+        return n + i
+    return i
+
+
+def _exact_sub(end, start):
+    """``end - start`` where it is a size (non-negative for every value), else None."""
+    d = size_of(end - start) if not isinstance(end - start, int) else end - start
+    if isinstance(d, int):
+        return max(d, 0)
+    return d if _positive_form(d) else None
+
+
+def _positive_form(expr) -> bool:
+    """A polynomial with non-negative coefficients in positive symbols: non-negative everywhere."""
+    try:
+        return all(c >= 0 for c in sympy.Poly(expr, *sorted(expr.free_symbols, key=str)).coeffs())
+    except sympy.PolynomialError:
+        return False
 
 
 def _same_shape_only(layout: Layout, node) -> Layout:
@@ -337,7 +402,14 @@ def is_value_op(node) -> bool:
     if torch.Tag.pointwise not in getattr(node.target, "tags", ()) or not node.args:
         return False
     src, out = node_val(node.args[0]), node_val(node)
-    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and _same_shape(src, out)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return tuple(size_of(s) for s in a.shape) == tuple(size_of(s) for s in b.shape)
+    except NotASize:
+        return False
 
 
 def _slice_args(node) -> tuple:
@@ -347,9 +419,8 @@ def _slice_args(node) -> tuple:
     start = node.kwargs.get("start", start) or 0
     end = node.kwargs.get("end", end)
     step = node.kwargs.get("step", step) or 1
-    if any(isinstance(x, torch.SymInt) for x in (start, end, step)):
-        raise LayoutError("dynamic shapes")
-    return dim, int(start), int(end) if end is not None else 2**62, int(step)
+    start, step = _static((start, step))
+    return dim, start, _static((end,))[0] if end is not None else 2**62, step
 
 
 def _piece(layout: Layout, node) -> Layout:
@@ -360,10 +431,15 @@ def _piece(layout: Layout, node) -> Layout:
     dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
     n = layout.shape[dim % len(layout.dims)]
     if src.target is aten.split.Tensor:
-        size = src.args[1]
-        sizes = [min(size, n - j) for j in range(0, n, size)]
+        size = _static((src.args[1],))[0]
+        if isinstance(size, int) and isinstance(n, int):
+            sizes = [min(size, n - j) for j in range(0, n, size)]
+        elif exact_div(n, size) is not None:  # equal pieces, whatever the length
+            sizes = [size] * (i + 1)
+        else:
+            raise LayoutError(f"split of {n} into pieces of {size}")
     else:
-        sizes = list(src.args[1])
+        sizes = list(_static(src.args[1]))
     start = sum(sizes[:i])
     return layout.slice(dim, start, start + sizes[i])
 
@@ -395,25 +471,25 @@ def _atoms_of(axis_factors: list) -> dict:
         bounds.setdefault(f.axis, set()).update({f.stride, f.end})
     atoms = {}
     for axis, bs in bounds.items():
-        bs = sorted(bs)
-        for lo, hi in zip(bs, bs[1:]):
-            if hi % lo:
-                raise LayoutError(f"factors of {axis} do not nest")
-        atoms[axis] = [Factor(axis, lo, hi // lo) for lo, hi in zip(bs, bs[1:])]
+        bs = sorted(bs, key=hint)  # bounds that nest are ordered alike at every size
+        ratios = [exact_div(hi, lo) for lo, hi in zip(bs, bs[1:])]
+        if any(r is None for r in ratios):
+            raise LayoutError(f"factors of {axis} do not nest")
+        atoms[axis] = [Factor(axis, lo, r) for lo, r in zip(bs, ratios)]
     return atoms
 
 
 def _split(f: Factor, atoms: dict) -> list:
-    inside = [a for a in atoms[f.axis] if f.stride <= a.stride and a.end <= f.end]
-    return sorted(inside, key=lambda a: -a.stride)  # outer to inner
+    inside = [a for a in atoms[f.axis] if a.within(f)]
+    return sorted(inside, key=lambda a: -hint(a.stride))  # outer to inner
 
 
 def plan_relayout(src: Layout, dst: Layout) -> Relayout:
     """How to view/copy a tensor laid out as ``src`` into ``dst`` (same elements, same pinned)."""
-    if src.pinned != dst.pinned:
+    if src.pinned.refreshed() != dst.pinned.refreshed():
         raise LayoutError("relayout cannot change which block this rank holds")
-    src_f = [f for d in src.dims for f in canonical(d)]
-    dst_f = [f for d in dst.dims for f in canonical(d)]
+    src_f = [f for d in src.dims for f in canonical([g.refreshed() for g in d])]
+    dst_f = [f for d in dst.dims for f in canonical([g.refreshed() for g in d])]
     if any(is_broadcast(f) for f in src_f + dst_f):
         raise LayoutError("relayout of broadcast factors")
     atoms = _atoms_of(src_f + dst_f)

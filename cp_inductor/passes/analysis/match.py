@@ -14,6 +14,7 @@ import torch.fx
 
 from .layout_algebra import node_val
 from .sdpa_ops import BACKWARD
+from .sym_sizes import size_of
 
 
 @dataclass
@@ -49,8 +50,8 @@ def attention_facts(args: dict, heads_per_rank: int = 1) -> dict:
     window = args.get("window_size")  # torch's varlen_attn: causal is the window (-1, 0)
     return dict(
         is_causal=bool(args.get("is_causal", False)) or (window is not None and list(window) == [-1, 0]),
-        heads_q=int(q.shape[1]) * heads_per_rank,
-        heads_kv=int(k.shape[1]) * heads_per_rank,
+        heads_q=size_of(q.shape[1]) * heads_per_rank,
+        heads_kv=size_of(k.shape[1]) * heads_per_rank,
         has_mask=any(args.get(n) is not None for n in ("attn_mask", "attn_bias")),
         dropout_p=float(args.get("dropout_p", 0.0) or 0.0),
     )

@@ -45,12 +45,15 @@ from ..analysis.layout_algebra import (
     node_val,
 )
 from ..analysis.match import CPMatch, attention_facts
+from ..analysis.sym_sizes import exact_div, hint, size_of, sizes_of
 from ..analysis.sdpa_ops import BACKWARD, FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 ROLE_NAMES = "bhsd"  # roles of the four attention dims
+# Under dynamic=True even head counts are symbols (a model's views name them as ints).
+SYMBOLIC_HEADS = "symbolic head counts (dynamic=True)"
 # The reason for an attention op no all-to-all feeds: not this style's (another may claim it).
 NO_ALL_TO_ALL = "input does not come from an all_to_all"
 
@@ -92,12 +95,10 @@ def _next_layout(lay: Layout, node) -> Layout:
 
 def _equal_split_cp(coll: Collective) -> int:
     cp = _group_size(coll.group_name)
-    n0 = node_val(coll.input).shape[0]
-    # Comparing symbolic sizes would add guards: the compiler must not specialize the user's graph.
-    if any(isinstance(x, torch.SymInt) for x in [n0, *(coll.splits[0] or ()), *(coll.splits[1] or ())]):
-        raise LayoutError("dynamic shapes")
+    # Read as sizes, not compared as SymInts: that would add guards to the user's program.
+    n0 = size_of(node_val(coll.input).shape[0])
     for splits in coll.splits:
-        if splits is not None and (len(splits) != cp or any(s * cp != n0 for s in splits)):
+        if splits is not None and (len(splits) != cp or any(size_of(s) * cp != n0 for s in splits)):
             raise LayoutError(f"uneven all_to_all splits {splits}")
     return cp
 
@@ -194,6 +195,8 @@ def _head_ids(lay: Layout, cp: int) -> tuple[list, int]:
     index ``i``, numbered densely over the real (not broadcast) head factors and the rank's
     block factor, outer to inner by source stride; and how many distinct heads there are."""
     heads = _heads_of(lay)
+    if not all(isinstance(f.size, int) for f in (lay.pinned, *heads)):
+        raise LayoutError(f"{SYMBOLIC_HEADS}: heads are paired on static head counts")
     real = [f for f in (lay.pinned, *heads) if not is_broadcast(f)]
     axes = list(dict.fromkeys(base_axis(f.axis) for f in real))
     order = sorted(real, key=lambda f: (axes.index(base_axis(f.axis)), -f.stride))
@@ -244,8 +247,7 @@ def _as_source(g: Factor) -> Factor:
 def _split_by_roles(f: Factor, roles: dict) -> list:
     """``f`` as the role factors it is made of, outer to inner (a [B * S] dim is batch then
     sequence), or ``[f]``."""
-    inside = sorted((g for g in roles if g.axis == f.axis and f.stride <= g.stride and g.end <= f.end),
-                    key=lambda g: -g.stride)
+    inside = sorted((g for g in roles if g.within(f)), key=lambda g: -hint(g.stride))
     if len(inside) < 2 or canonical(inside) != (f,):
         return [f]
     return inside
@@ -355,7 +357,7 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
 
 def _matmul_rows(rows: Layout, node: torch.fx.Node) -> Layout:
     """A matmul's result: the rows of ``rows``, columns of an axis of its own."""
-    cols = (Factor((node.name, 1), 1, int(node_val(node).shape[1])),)
+    cols = (Factor((node.name, 1), 1, size_of(node_val(node).shape[1])),)
     return Layout((rows.dims[0], canonical(cols)), rows.pinned, rows.fixed)
 
 
@@ -423,11 +425,11 @@ def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node, roles: dic
         vals = [node_val(a) for a in node.args[:2]]
         if node.kwargs.get("alpha", 1) != 1 or any(not isinstance(v, torch.Tensor) for v in vals):
             raise LayoutError("add of a scaled or non-tensor operand")
-        if vals[0].shape != vals[1].shape:
+        if sizes_of(vals[0].shape) != sizes_of(vals[1].shape):
             raise LayoutError("add that broadcasts")
         return lay
     parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    shapes = {tuple(node_val(p).shape) for p in parts}
+    shapes = {sizes_of(node_val(p).shape) for p in parts}
     dim = dim % len(lay.dims)
     cut = canonical(lay.dims[dim])
     # (a stack's new dim has no factor; a piece with one local head neither, but pieces differ)
@@ -437,7 +439,7 @@ def _merged(lay: Layout, node: torch.fx.Node, tracked: torch.fx.Node, roles: dic
     if along_heads:
         # The gradients of q, k and v cut out of one fused heads dim, put back together: the
         # merged tensor is what crosses, this rank's block of the fused heads.
-        total = int(node_val(node).shape[dim])
+        total = size_of(node_val(node).shape[dim])
         axis = ("cat", node.name)
         dims = lay.dims[:dim] + ((Factor(axis, 1, total),),) + lay.dims[dim + 1:]
         return Layout(dims, Factor(axis, total, lay.pinned.size), lay.fixed)
@@ -580,12 +582,12 @@ def _pointwise_on(user: torch.fx.Node, n: torch.fx.Node) -> bool:
     if user.op != "call_function" or torch.Tag.pointwise not in getattr(user.target, "tags", ()):
         return False
     out, val = node_val(user), node_val(n)
-    return n in user.args and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and out.shape == val.shape
+    return n in user.args and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and sizes_of(out.shape) == sizes_of(val.shape)
 
 
 def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
     """An attention-side layout with the head_dim of ``like`` (the output takes v's head_dim)."""
-    head_dim = (Factor(name, 1, int(node_val(like).shape[-1])),)
+    head_dim = (Factor(name, 1, size_of(node_val(like).shape[-1])),)
     return Layout(lay.dims[:-1] + (head_dim,), lay.pinned)
 
 
@@ -596,12 +598,30 @@ def _fresh_heads_layouts(like: Layout, heads: int, head_dim: int, name: str, cp:
     smaller inner run down to one head in cp (``i * cp + r``)."""
     axis, d = (name, "h"), (Factor((name, "d"), 1, head_dim),)
     out = []
-    for inner in [heads] + [n for n in range(heads - 1, 0, -1) if heads % n == 0]:
-        outer = heads // inner
+    # (a symbolic head count: only the block)
+    splits = range(heads - 1, 0, -1) if isinstance(heads, int) else ()
+    for inner in [heads] + [n for n in splits if heads % n == 0]:
+        outer = exact_div(heads, inner)
         h = canonical((Factor(axis, inner * cp, outer), Factor(axis, 1, inner)))
         dims = (like.dims[0], h, d) if len(like.dims) == 3 else (like.dims[0], h, like.dims[2], d)
         out.append(Layout(dims, Factor(axis, inner, cp)))
     return out
+
+
+def _with_sequence_of(lay: Layout, kv: torch.Tensor, name: str, cp: int) -> Layout:
+    """``lay`` (q's side of attention) with the sequence length of ``kv`` (attention's k or v):
+    under dynamic shapes the two lengths are separate symbols, equal only where the program
+    makes them so. The sequence keeps q's (source rank, local position) order."""
+    seq = 0 if len(lay.dims) == 3 else 2
+    want = size_of(kv.shape[seq])
+    if dim_size(lay.dims[seq]) == want:
+        return lay
+    local = [f for f in canonical(lay.dims[seq]) if f.axis != RANK_AXIS]
+    per_rank = exact_div(want, cp)
+    if len(local) != 1 or per_rank is None:
+        raise LayoutError(f"{name}'s sequence of {want} does not split over cp={cp} like the query's")
+    dim = tuple(f if f.axis == RANK_AXIS else Factor((name, "s"), 1, per_rank) for f in canonical(lay.dims[seq]))
+    return Layout(lay.dims[:seq] + (dim,) + lay.dims[seq + 1:], lay.pinned, lay.fixed)
 
 
 def _roles_for(lay: Layout) -> dict:
@@ -673,7 +693,8 @@ def _backward_region(node, graph_kind) -> A2AMatch:
         else:
             # k and v arrive saved from the forward: which heads this rank holds shows only in
             # where their gradients go back to. A block first (the usual split), then the others.
-            candidates = _fresh_heads_layouts(go_lay, int(shape[1]), int(shape[-1]), name, cp)
+            like_lay = _with_sequence_of(go_lay, node_val(args[like]), name, cp)
+            candidates = _fresh_heads_layouts(like_lay, size_of(shape[1]), size_of(shape[-1]), name, cp)
         errors = []
         for start in candidates:
             try:

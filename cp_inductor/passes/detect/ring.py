@@ -37,6 +37,7 @@ from ..analysis.graph_walk import MAX_NODES, Walk, node_order
 from ..analysis.layout_algebra import SPLIT_OPS, LayoutError, is_layout_op, is_value_op
 from ..analysis.match import CPMatch, attention_facts
 from ..analysis.sdpa_ops import SDPA_FORWARD, bound_args
+from ..analysis.sym_sizes import NotASize, size_of
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 from .allgather import ACCUMULATE_OPS
 
@@ -79,9 +80,11 @@ def rotation(node) -> tuple[int, str] | None:
     _, out_splits, in_splits, group = node.args[:4]
     if not isinstance(out_splits, (list, tuple)) or not isinstance(in_splits, (list, tuple)):
         return None
-    if any(isinstance(s, torch.SymInt) for s in (*out_splits, *in_splits)):
+    try:  # sizes, not SymInts: a SymInt's truth value would add a guard
+        out_splits, in_splits = [size_of(s) for s in out_splits], [size_of(s) for s in in_splits]
+    except NotASize:
         return None
-    if sum(1 for s in out_splits if s) != 1 or sum(1 for s in in_splits if s) != 1:
+    if sum(1 for s in out_splits if s != 0) != 1 or sum(1 for s in in_splits if s != 0) != 1:
         return None
     return len(out_splits), group
 

@@ -44,6 +44,7 @@ from ..analysis.fx_emit import Emitter, stride_order
 from ..analysis.graph_walk import node_order
 from ..analysis.layout_algebra import LayoutError, plan_relayout
 from ..analysis.sdpa_ops import bound_args
+from ..analysis.sym_sizes import equal, may_guard
 from ..detect.a2a import A2AMatch
 from ..whole_graph import cudnn_frontend_backward
 from . import Rewrite
@@ -101,8 +102,11 @@ def _group_ineligible(region: A2AMatch, crossings: list) -> str | None:
             plan_relayout(lay.all_to_all(region.cp), c.send.all_to_all(region.cp))
     except LayoutError as e:
         return f"cannot relayout: {e}"
+    # One buffer needs one batch, sequence and head_dim. Under dynamic shapes q's and k's lengths
+    # may be separate symbols; a forward graph guards them equal (self-attention always is).
     shapes = [lay.shape for lay in layouts]
-    if len({(s[0], s[1], s[2], s[4]) for s in shapes}) != 1:
+    guard = may_guard(region.attention.graph)
+    if not all(equal(s[i], shapes[0][i], guard=guard) for s in shapes[1:] for i in (0, 1, 2, 4)):
         return "q/k/v differ in batch, sequence or head_dim"
     return None
 

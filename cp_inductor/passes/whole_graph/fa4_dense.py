@@ -24,13 +24,13 @@ import operator
 
 import torch
 from torch._dynamo.utils import counters
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ... import reporting
 from ...lowerings import fa4_attention
 from ..analysis import attention_provider, sdpa_ops
 from ..analysis.fx_emit import Emitter
 from ..analysis.op_schema import value
+from ..analysis.sym_sizes import equal
 
 NAME = "fa4_dense"
 aten = torch.ops.aten
@@ -61,7 +61,9 @@ def why_not(node: torch.fx.Node, cfg, swapped_backward=frozenset()) -> tuple[str
     if a.get("dropout_p"):
         return f"dropout {a['dropout_p']}", ""
     causal = bool(a.get("is_causal"))
-    if causal and not statically_known_true(q.shape[2] == k.shape[2]):
+    # Runs on the joint (or inference) graph, inside the forward's compile: it may guard the
+    # lengths equal under dynamic shapes (self-attention's q and k are separate symbols).
+    if causal and not equal(q.shape[2], k.shape[2], guard=True):
         return "top-left causal over query and key lengths not known equal (FA4's causal is bottom-right)", ""
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads", ""

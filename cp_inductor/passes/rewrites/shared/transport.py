@@ -9,6 +9,7 @@ import torch.fx
 
 from ...analysis.fx_emit import Emitter
 from ...analysis.sdpa_ops import bound_args
+from ...analysis.sym_sizes import exact_div, hint, size_of
 
 c10d = torch.ops._c10d_functional
 
@@ -46,8 +47,8 @@ def attention_tflop(region) -> float:
     """The region's attention on this rank, forward FLOPs (4 B H Sq Sk D, half where causal)."""
     args = bound_args(region.attention)
     q, k = args["query"].meta["val"], args["key"].meta["val"]
-    b, h, sq, d = q.shape
-    flop = 4 * b * h * sq * k.shape[2] * d * (0.5 if region.is_causal else 1.0)
+    b, h, sq, d = (hint(size_of(x)) for x in q.shape)  # symbolic: at the traced sizes
+    flop = 4 * b * h * sq * hint(size_of(k.shape[2])) * d * (0.5 if region.is_causal else 1.0)
     return flop / 1e12
 
 
@@ -71,7 +72,7 @@ def retire(graph: torch.fx.Graph, emit: Emitter, collective: torch.fx.Node, wait
 
 def all_to_all(emit: Emitter, buf, cp: int, group: str) -> torch.fx.Node:
     """Equal-split all_to_all_single of ``buf`` along dim 0 (the caller waits on it)."""
-    splits = [int(buf.meta["val"].shape[0]) // cp] * cp
+    splits = [exact_div(size_of(buf.meta["val"].shape[0]), cp)] * cp
     return emit(c10d.all_to_all_single.default, buf, splits, splits, group)
 
 

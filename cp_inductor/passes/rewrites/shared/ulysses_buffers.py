@@ -16,6 +16,7 @@ from ...analysis.cost_model import UnpackChoice, choose_unpack
 from ...analysis.fx_emit import Emitter
 from ...analysis.layout_algebra import Layout, LayoutError, apply_chain, canonical, plan_relayout
 from ...analysis.sdpa_ops import bound_args
+from ...analysis.sym_sizes import hint, size_of
 from ...detect.a2a import A2ACrossing, A2AMatch
 
 aten = torch.ops.aten
@@ -47,8 +48,12 @@ def unpack_choice(region: A2AMatch, cfg) -> UnpackChoice:
         return UnpackChoice("views", f"no cost map for {q.device.type}")
     if q.dim() == 3:
         return UnpackChoice("skip", PACKED_SKIP)
-    b, hq, s, d = (int(x) for x in q.shape)
-    return choose_unpack(b, s, hq, int(k.shape[1]), d, region.is_causal, q.element_size())
+    # Symbolic sizes: the map is read at the traced ones (the report says which).
+    b, hq, s, d = (hint(size_of(x)) for x in q.shape)
+    choice = choose_unpack(b, s, hq, hint(size_of(k.shape[1])), d, region.is_causal, q.element_size())
+    if any(not isinstance(size_of(x), int) for x in (*q.shape, *k.shape)):
+        choice = UnpackChoice(choice.choice, f"{choice.reason}; sizes symbolic, read at the traced B{b} S{s}")
+    return choice
 
 
 def crossing_groups(region: A2AMatch, unpack: str = "views") -> list[tuple[list, list]]:

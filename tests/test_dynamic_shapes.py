@@ -1,0 +1,117 @@
+"""Dynamic shapes: CP regions found and rewritten with a symbolic sequence length, under
+torch.compile's automatic dynamic (a second length recompiles with the dim dynamic),
+``mark_dynamic`` and ``dynamic=True``; the reasons where a rewrite needs static sizes."""
+
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.parallel import ulysses_attention
+from cp_inductor.passes.analysis.layout_algebra import Layout, LayoutError
+from cp_inductor.passes.analysis.sym_sizes import size_of
+from cp_inductor.testing.checks import AttentionCase, errors, full_inputs, reference, run_cp, ulysses_fn
+from cp_inductor.testing.launch import run_on_ranks
+from helpers import aot_graphs, describe_matches, fake_pg, fused_a2a_pass, rewrite_summary
+
+TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
+
+
+def _symbols_numbered(text: str) -> str:
+    """Shape-environment symbols (``s34``: hashed from their source) as S0, S1, ... by first use."""
+    names: dict = {}
+    return re.sub(r"\bs\d+\b", lambda m: names.setdefault(m.group(), f"S{len(names)}"), text)
+
+
+def _dynamic_qkv(seq=8):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, seq, h, 16, generator=g).requires_grad_() for h in (8, 4, 4))
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 1)
+    return q, k, v
+
+
+def _ulysses(q, k, v):
+    return ulysses_attention(q, k, v, is_causal=True)
+
+
+class TestGolden(TestCase):
+    def test_ulysses_regions_with_a_symbolic_sequence(self):
+        with fake_pg(2):
+            text = describe_matches(aot_graphs(_ulysses, *_dynamic_qkv()))
+        self.assertExpectedInline(text, """\
+forward: a2a cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 causal
+backward: a2a cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4 causal""")
+
+    def test_fused_a2a_sends_one_buffer_of_symbolic_length(self):
+        # q, k and v arrive with three length symbols; the forward guards them equal (the
+        # backward then reads one), and the fused buffer is [cp, S/cp, B, Hq + 2 Hkv, D].
+        with fake_pg(2):
+            text = _symbols_numbered(rewrite_summary(aot_graphs(_ulysses, *_dynamic_qkv()), fused_a2a_pass))
+        self.assertExpectedInline(text, """\
+forward before: a2a[2, 2, S0, 4, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S2, 2, 16], a2a[2, 2, S0, 4, 16] (all_to_all=4 clone=8)
+forward after:  a2a[2, S1, 2, 8, 16], a2a[2, S1, 2, 4, 16] (all_to_all=2 clone=2)
+backward before: a2a[2, 2, S1, 4, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S1, 4, 16] (all_to_all=4 clone=8)
+backward after:  a2a[2, S1, 2, 4, 16], a2a[2, S1, 2, 8, 16] (all_to_all=2 clone=7)""")
+
+
+def test_the_algebra_splits_a_symbolic_length_only_where_it_divides():
+    with fake_pg(2):
+        graphs = aot_graphs(lambda x: x * 2, _dynamic_qkv()[0])
+    x = next(n.meta["val"] for n in graphs["forward"].graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+    b, s, h, d = x.shape
+    lay = Layout.source(x.shape, "x", 2)
+    merged = lay.reshape((b, s * h, d))  # merging a symbol with a static size is exact
+    assert merged.reshape((b, s, h, d)) == lay
+    assert lay.reshape((b, s * h // 2, 2, d)).shape[1] == size_of(s) * 4  # 2 of the 8 heads split off
+    with pytest.raises(LayoutError, match="unevenly"):
+        lay.reshape((b, 2, s * h // 2, d))  # 2 blocks of the sequence: s / 2 is not whole for every s
+
+
+def _lengths_changing(rank, cp, mode):
+    """Ulysses compiled once, run at three sequence lengths: the fp64 reference errors per length,
+    the report, and how many graphs Dynamo compiled, under cp_inductor and default Inductor."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for backend in ("cp_inductor", "inductor"):
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        counters.clear()
+        base = AttentionCase(heads_q=8, heads_kv=4)
+        compiled = torch.compile(ulysses_fn(base), backend=backend, fullgraph=True, dynamic=True if mode == "true" else None)
+        errs = []
+        for seq in (32, 48, 80):
+            case = AttentionCase(seq=seq, heads_q=8, heads_kv=4)
+            full = full_inputs(case, seed=seq)
+            got = run_cp(compiled, case, full, rank, cp, dynamic_seq=mode == "mark")
+            errs.append(max(errors(got, reference(case, full)).values()))
+        report = cp_inductor.report()
+        out[backend] = {
+            "errors": errs,
+            "graphs": counters["stats"]["unique_graphs"],
+            "regions": [(r.graph_kind, r.applied) for r in report.regions],
+            "rejected": [r.reason for r in report.rejected],
+        }
+    return out
+
+
+@pytest.mark.parametrize("mode", ["auto", "mark"])
+def test_ulysses_rewritten_at_lengths_that_change(mode):
+    got = run_on_ranks(_lengths_changing, 2, mode)[0]
+    ours, default = got["cp_inductor"], got["inductor"]
+    assert max(ours["errors"]) < TOL and max(default["errors"]) < TOL, got
+    assert ours["graphs"] == default["graphs"] == (2 if mode == "auto" else 1), got
+    # Every compiled graph, the dynamic one included, has its forward and backward fused.
+    assert ours["regions"] and all(applied == ["fused_a2a"] for _, applied in ours["regions"]), ours
+    assert len(ours["regions"]) == 2 * ours["graphs"] and not ours["rejected"], ours
+
+
+def test_dynamic_true_says_why_per_region():
+    # dynamic=True makes head counts symbols too: the regions are reported, with the reason.
+    got = run_on_ranks(_lengths_changing, 2, "true")[0]
+    ours, default = got["cp_inductor"], got["inductor"]
+    assert max(ours["errors"]) < TOL and ours["graphs"] == default["graphs"], got
+    assert ours["rejected"] and all(r.startswith("symbolic head counts (dynamic=True)") for r in ours["rejected"]), ours
