@@ -196,7 +196,9 @@ def test_a_bug_in_our_analysis_costs_the_rewrite_not_the_compile(monkeypatch):
         f = torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)
         out = f(q, k, v)
         out.sum().backward()
-        assert torch.allclose(out, _ulysses(q, k, v), atol=1e-6)  # plain Inductor's answer
+        # The compile and its backward complete (a fake group's collectives return no data to
+        # compare values with: the fallback's numerics are the gloo tests' to check).
+        assert out.shape == q.shape and q.grad is not None and q.grad.shape == q.shape
         report = cp_inductor.report()
         (fwd,) = report.regions
         assert fwd.skipped["fused_a2a"] == "internal error, left to Inductor: KeyError: 'grad_out'"

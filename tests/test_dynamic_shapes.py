@@ -9,12 +9,13 @@ import torch
 from expecttest import TestCase
 
 import cp_inductor
-from cp_inductor.parallel import ulysses_attention
+from cp_inductor.parallel import allgather_attention, ulysses_attention
 from cp_inductor.passes.analysis.layout_algebra import Layout, LayoutError
 from cp_inductor.passes.analysis.sym_sizes import size_of
 from cp_inductor.testing.checks import AttentionCase, errors, full_inputs, reference, run_cp, ulysses_fn
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, describe_matches, fake_pg, fused_a2a_pass, rewrite_summary
+from ring_programs import ring_by_hand
 
 TOL = 1e-5  # fp32 CP attention vs the fp64 reference, relative L2
 
@@ -55,6 +56,30 @@ forward before: a2a[2, 2, S0, 4, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S2, 2, 16]
 forward after:  a2a[2, S1, 2, 8, 16], a2a[2, S1, 2, 4, 16] (all_to_all=2 clone=2)
 backward before: a2a[2, 2, S1, 4, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S1, 2, 16], a2a[2, 2, S1, 4, 16] (all_to_all=4 clone=8)
 backward after:  a2a[2, S1, 2, 4, 16], a2a[2, S1, 2, 8, 16] (all_to_all=2 clone=7)""")
+
+
+    def test_allgather_and_ring_regions_with_a_symbolic_sequence(self):
+        # The load-balanced all-gather's local diagonal block reads no gathered data, as under
+        # static shapes; each ring step is a region.
+        programs = {
+            "allgather": lambda q, k, v: allgather_attention(q, k, v, is_causal=True),
+            "ring": lambda q, k, v: ring_by_hand(q, k, v, causal=True),
+        }
+        with fake_pg(2):
+            text = "\n".join(f"{name}:\n{describe_matches(aot_graphs(fn, *_dynamic_qkv()))}" for name, fn in programs.items())
+        self.assertExpectedInline(text, """\
+allgather:
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 causal
+forward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4
+forward: not a region: _scaled_dot_product_flash_attention_for_cpu: no all_to_all or all_gather feeds q, k or v (attention on local data)
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4
+backward: allgather cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4 causal
+backward: not a region: _scaled_dot_product_flash_attention_for_cpu_backward: no all_to_all or all_gather feeds q, k or v (attention on local data)
+ring:
+forward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 step=0 causal
+forward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu Hq=8 Hkv=4 step=1
+backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4 causal
+backward: ring cp=2 bshd _scaled_dot_product_flash_attention_for_cpu_backward Hq=8 Hkv=4""")
 
 
 def test_the_algebra_splits_a_symbolic_length_only_where_it_divides():
