@@ -141,6 +141,11 @@ class Layout:
     def shape(self) -> tuple:
         return tuple(dim_size(d) for d in self.dims)
 
+    def refreshed(self) -> "Layout":
+        """The same layout with symbolic sizes in the shape environment's current form."""
+        dims = tuple(canonical([f.refreshed() for f in d]) for d in self.dims)
+        return Layout(dims, self.pinned.refreshed(), tuple((f.refreshed(), i) for f, i in self.fixed))
+
     # --- view algebra ---
     def reshape(self, shape) -> "Layout":
         shape = _infer_size(_static(shape), prod(self.shape))

@@ -140,6 +140,19 @@ def equal(a, b, *, guard: bool = False) -> bool:
     return size_of(a) == size_of(b)
 
 
+def specialize(x: Size) -> Size:
+    """``x`` guarded to its traced value (a forward graph's choice; see :func:`equal`), or ``x``
+    where the environment refuses."""
+    if isinstance(x, int) or _env() is None:
+        return x
+    value = hint(x)
+    try:
+        _env().evaluate_expr(sympy.Eq(x, value))
+    except Exception:  # a private API across torch versions: no guard, still symbolic
+        return x
+    return size_of(x)
+
+
 def may_guard(graph: torch.fx.Graph) -> bool:
     """Whether :func:`equal` may guard in ``graph``: not in a backward graph (AOTAutograd names
     its gradient inputs ``tangents_*``)."""

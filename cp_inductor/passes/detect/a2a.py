@@ -45,7 +45,7 @@ from ..analysis.layout_algebra import (
     node_val,
 )
 from ..analysis.match import CPMatch, attention_facts
-from ..analysis.sym_sizes import exact_div, hint, size_of, sizes_of
+from ..analysis.sym_sizes import exact_div, hint, may_guard, size_of, sizes_of, specialize
 from ..analysis.sdpa_ops import BACKWARD, FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
 
@@ -190,13 +190,30 @@ def _heads_of(lay: Layout) -> tuple:
     return canonical(lay.dims[1])  # [B, H, S, D] and a pack's [T, H, D] alike
 
 
+def _static_heads(lay: Layout, guard: bool) -> Layout:
+    """``lay`` with its head factors (and the rank's block) as static sizes. Under dynamic=True
+    head counts are symbols; a forward graph guards them to the traced counts (a model's head
+    count never changes; a later call where one did would recompile), a backward graph reads
+    the forward's guards."""
+    def static(f: Factor) -> Factor:
+        f = f.refreshed()
+        if guard and not (isinstance(f.stride, int) and isinstance(f.size, int)):
+            f = Factor(f.axis, specialize(f.stride), specialize(f.size))
+        if not (isinstance(f.stride, int) and isinstance(f.size, int)):
+            raise LayoutError(f"{SYMBOLIC_HEADS}: heads are paired on static head counts")
+        return f
+
+    dims = list(lay.dims)
+    dims[1] = tuple(static(f) for f in lay.dims[1])
+    return Layout(tuple(dims), static(lay.pinned), lay.fixed)
+
+
 def _head_ids(lay: Layout, cp: int) -> tuple[list, int]:
-    """For an attention-side layout: ``ids[r][i]``, the head that rank ``r`` sees at local head
-    index ``i``, numbered densely over the real (not broadcast) head factors and the rank's
-    block factor, outer to inner by source stride; and how many distinct heads there are."""
+    """For an attention-side layout (static head factors): ``ids[r][i]``, the head that rank
+    ``r`` sees at local head index ``i``, numbered densely over the real (not broadcast) head
+    factors and the rank's block factor, outer to inner by source stride; and how many distinct
+    heads there are."""
     heads = _heads_of(lay)
-    if not all(isinstance(f.size, int) for f in (lay.pinned, *heads)):
-        raise LayoutError(f"{SYMBOLIC_HEADS}: heads are paired on static head counts")
     real = [f for f in (lay.pinned, *heads) if not is_broadcast(f)]
     axes = list(dict.fromkeys(base_axis(f.axis) for f in real))
     order = sorted(real, key=lambda f: (axes.index(base_axis(f.axis)), -f.stride))
@@ -217,13 +234,13 @@ def _head_ids(lay: Layout, cp: int) -> tuple[list, int]:
     return ids, w
 
 
-def _check_head_pairing(q_lay: Layout, kv_lays, cp: int) -> None:
+def _check_head_pairing(q_lay: Layout, kv_lays, cp: int, guard: bool = False) -> None:
     """Raise unless attention pairs every rank's query heads with the key/value heads one device
     would: query head ``n`` with key/value head ``n // (Hq / Hkv)`` (a GQA group), local index
     ``i`` with ``i // (local Hq / local Hkv)`` as attention does."""
-    q_ids, hq = _head_ids(q_lay, cp)
+    q_ids, hq = _head_ids(_static_heads(q_lay, guard), cp)
     for lay in kv_lays:
-        kv_ids, hkv = _head_ids(lay, cp)
+        kv_ids, hkv = _head_ids(_static_heads(lay, guard), cp)
         local_q, local_kv = len(q_ids[0]), len(kv_ids[0])
         if hq % hkv or not local_kv or local_q % local_kv:
             raise LayoutError(f"{hq} query heads do not group over {hkv} key/value heads")
@@ -662,7 +679,7 @@ def _forward_region(node, graph_kind) -> A2AMatch:
         crossings[name[0]] = c
         kv_lays.append(lay)
         groups.add(g)
-    _check_head_pairing(q_lay, kv_lays, cp)
+    _check_head_pairing(q_lay, kv_lays, cp, guard=may_guard(node.graph))
     outs = tuple_outputs(node)
     if 0 not in outs:
         raise LayoutError("attention output unused")
@@ -706,7 +723,7 @@ def _backward_region(node, graph_kind) -> A2AMatch:
             raise errors[0]
         outgoing[name], starts[name] = c, start
         groups.add(g)
-    _check_head_pairing(starts["dq"], [starts["dk"], starts["dv"]], cp)
+    _check_head_pairing(starts["dq"], [starts["dk"], starts["dv"]], cp, guard=may_guard(node.graph))
     if len(groups) != 1:
         raise LayoutError("crossings use different process groups")
     return A2AMatch(

@@ -71,11 +71,12 @@ def crossing_groups(region: A2AMatch, unpack: str = "views") -> list[tuple[list,
 
 def pack_layout(c: A2ACrossing, cp: int) -> Layout:
     """[chunk destination, local seq, batch, heads, head_dim] of this crossing's send."""
-    swapped = c.send.all_to_all(cp).pinned  # the factor that chooses the destination rank
+    # (refreshed: a forward graph may have guarded symbolic head counts since detection)
+    swapped = c.send.all_to_all(cp).pinned.refreshed()  # the factor that chooses the destination rank
     by_role = {"b": [], "h": [], "s": [], "d": []}
     for f, role in c.roles.items():
-        if f not in (swapped, c.send.pinned):
-            by_role[role].append(f)
+        if f.refreshed() not in (swapped, c.send.pinned.refreshed()):
+            by_role[role].append(f.refreshed())
     if len(by_role["s"]) != 1 or len(by_role["d"]) != 1 or len(by_role["h"]) > 1:
         raise LayoutError("cannot name sequence, head and head_dim factors")
     dims = ((swapped,), tuple(by_role["s"]), tuple(by_role["b"]), tuple(by_role["h"]), tuple(by_role["d"]))
@@ -98,7 +99,7 @@ def reads_as_view(lay: Layout, c: A2ACrossing, cp: int, attn_arg) -> bool:
         mine = lay.all_to_all(cp).reshape((cp_ * s_l, h, d))
     else:
         mine = lay.all_to_all(cp).reshape((cp_ * s_l, b, h, d)).permute((1, 2, 0, 3))
-    return [canonical(x) for x in mine.dims] == [canonical(x) for x in want.dims]
+    return [canonical(x) for x in mine.refreshed().dims] == [canonical(x) for x in want.refreshed().dims]
 
 
 def heads_view(emit: Emitter, part, packed: bool = False) -> torch.fx.Node:
