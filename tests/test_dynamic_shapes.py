@@ -143,3 +143,17 @@ def test_dynamic_true_guards_head_counts_and_rewrites():
     assert ours["graphs"] == default["graphs"], got
     assert ours["regions"] and all(applied == ["fused_a2a"] for _, applied in ours["regions"]), ours
     assert len(ours["regions"]) == 2 * ours["graphs"] and not ours["rejected"], ours
+
+
+def test_packed_ulysses_at_token_counts_that_change():
+    # Packs of 32, 48 and 64 tokens through one compiled program: the second recompiles with
+    # the token count dynamic (automatic dynamic), the third reuses it.
+    import varlen_programs as vp
+
+    packs, regions, lines = run_on_ranks(vp.check_ulysses_thd, 2, [5, 11, 8, 8], 8, 4, True, True, "cpu",
+                                         torch.float32, [[16, 2, 17, 13], [30, 2, 20, 12]])[0]
+    for errors, _ in packs:
+        assert max(errors.values()) < TOL, packs
+    # Both compiles (static, then dynamic) rewrite forward and backward.
+    assert regions == [("backward", "thd", ("fused_a2a",))] * 2 + [("forward", "thd", ("fused_a2a",))] * 2, regions
+    assert len(lines) == 2 and all(": a2a, thd," in line and ": cudnn_ragged" in line for line in lines), lines

@@ -351,7 +351,7 @@ def check_ulysses_thd(rank, cp, lengths, heads_q, heads_kv, causal, on_reference
         with reference_kernels() if on_reference_op else contextlib.nullcontext():
             results.append((run(compiled), run(program) if device == "cuda" else None))
     report = cp_inductor.report()
-    regions = sorted({(r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions})
+    regions = sorted((r.graph_kind, r.layout, tuple(r.applied)) for r in report.regions)  # per compiled graph
     torch._dynamo.reset()
     return results, regions, [r.line() for r in report.varlen]
 
