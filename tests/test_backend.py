@@ -280,3 +280,32 @@ def test_torch_logs_and_trace_artifacts_show_each_pass():
     assert any(p.startswith("cp_inductor pass fused_a2a on post_grad_custom_pre_pass, a2a forward ")
                and p.endswith(": applied (ms)") for p in passes), passes
     assert artifacts.names == ["cp_inductor_fused_a2a_before", "cp_inductor_fused_a2a_after"], artifacts.names
+
+
+def test_a_backward_is_a_region_only_where_its_forward_is(monkeypatch):
+    """A region is one thing: where detection refuses a forward attention op (forced here; in
+    the wild, a check only the forward's chains show), its backward op is refused too with that
+    reason, and nothing is rewritten in either graph. A backward whose forward was never
+    analysed is proved on its own, and the report says so."""
+    from cp_inductor.passes import pipeline
+    from cp_inductor.passes.analysis.layout_algebra import LayoutError
+    from cp_inductor.passes.detect import a2a as detect_a2a
+    from helpers import aot_graphs
+
+    with fake_pg(2):
+        graphs = aot_graphs(_ulysses, *_qkv())
+        alone = pipeline.analyze(graphs["backward"].graph, "backward")  # its forward not analysed
+        assert [r.notes for r in alone] == [["backward region proved on its own (its forward op was not analysed)"]]
+
+        def refused(node, graph_kind):
+            raise LayoutError("q's heads dealt to ranks otherwise than k/v's")
+
+        monkeypatch.setattr(detect_a2a, "_forward_region", refused)
+        graphs = aot_graphs(_ulysses, *_qkv())
+        rejected = []
+        rows = [r for kind in ("forward", "backward") for r in pipeline.analyze(graphs[kind].graph, kind, rejected)]
+        assert rows == []
+        assert [(r.graph_kind, r.reason) for r in rejected] == [
+            ("forward", "q's heads dealt to ranks otherwise than k/v's"),
+            ("backward", "its forward is not a region: q's heads dealt to ranks otherwise than k/v's"),
+        ]

@@ -36,7 +36,7 @@ from .analysis import accumulators, varlen_calls
 from .analysis.fx_emit import REPLACES
 from .analysis.graph_walk import node_order
 from .checked_rewrite import apply_checked
-from .detect import a2a, allgather, ring
+from .detect import a2a, allgather, forward_seen, ring
 from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .rewrites import (
@@ -262,11 +262,11 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
                     detail += " " + rewrite.detail(match, cfg)
             if cudnn_frontend_backward.is_cudnn_backward(match.attention):
                 detail += f" backward={cudnn_frontend_backward.route(match.attention, cfg).path}"
-            note = accumulators.note(match)
+            notes = [n for n in (accumulators.note(match), _proved_alone(match, detector)) if n]
             rows.append((order[match.attention], Region(
                 style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
                 applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
-                detail=detail, notes=[note] if note else [],
+                detail=detail, notes=notes,
             )))
     matched = {i for i, _ in rows}
     if rejected is not None:
@@ -274,6 +274,14 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
             if order[node] not in matched:
                 rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
     return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+def _proved_alone(match, detector) -> str | None:
+    """A backward region whose forward op was not analysed (a graph of its own) is proved from
+    the backward alone; one whose forward was is a region because its forward is one."""
+    if match.direction != "backward" or forward_seen(match.attention, detector.__name__):
+        return None
+    return "backward region proved on its own (its forward op was not analysed)"
 
 
 def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:

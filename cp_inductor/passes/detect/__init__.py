@@ -12,13 +12,15 @@ where a match is a :class:`~cp_inductor.passes.analysis.match.CPMatch`. ``a2a`` 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx
 
 from ..analysis import graph_walk
 from ..analysis.graph_walk import MAX_NODES, node_order, reached_below  # noqa: F401 - reached_below: the detectors' import
 from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
-from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
+from ..analysis.sdpa_ops import BACKWARD, SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
 from ..guard import internal_error
 
 aten = torch.ops.aten
@@ -31,11 +33,14 @@ def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None, 
     unexpected error becomes one (strict mode raises); both go to ``log(node, reason)``; ``None``
     means the op is not this style's business."""
     matches = []
+    style = match_one.__module__
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in ops:
             continue
         try:
             match = match_one(node, graph_kind)
+            if match is not None and node.target in BACKWARD:
+                _agree_with_forward(node, style)
         except LayoutError as e:
             reason = str(e)
         except Exception as e:  # noqa: BLE001 - see guard.py
@@ -43,10 +48,53 @@ def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None, 
         else:
             if match is not None:
                 matches.append(match)
+                _record_forward(node, style, None)
             continue
+        _record_forward(node, style, reason)
         if log is not None:
             log(node, reason)
     return matches
+
+
+# What each style made of each forward attention op, per compile (the fake mode its forward and
+# backward graphs share): AOTAutograd's ``seq_nr`` -> None (a region) or the reason it is not.
+_FORWARD_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _verdicts(node) -> dict | None:
+    val = node_val(node)
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    mode = getattr(first, "fake_mode", None)
+    if mode is None or node.meta.get("seq_nr") is None:
+        return None
+    return _FORWARD_VERDICTS.setdefault(mode, {})
+
+
+def _record_forward(node, style: str, reason: str | None) -> None:
+    verdicts = _verdicts(node) if node.target not in BACKWARD else None
+    if verdicts is not None:
+        # A region stays one: a later look at the rewritten forward graph finds other chains.
+        if verdicts.get((style, node.meta["seq_nr"]), "") is not None:
+            verdicts[(style, node.meta["seq_nr"])] = reason
+
+
+def _agree_with_forward(node, style: str) -> None:
+    """A region is one thing in both graphs: a backward op whose forward op this style found not
+    to be a region is not one either (its rewrite would assume what the forward's check refused)."""
+    verdicts = _verdicts(node)
+    reason = verdicts.get((style, node.meta["seq_nr"])) if verdicts is not None else None
+    if reason is not None:
+        raise LayoutError(f"{FORWARD_NOT_A_REGION}: {reason}")
+
+
+FORWARD_NOT_A_REGION = "its forward is not a region"
+
+
+def forward_seen(node, style: str) -> bool:
+    """Whether this style analysed the forward op of the backward op ``node`` (else the backward
+    region was proved on its own)."""
+    verdicts = _verdicts(node)
+    return verdicts is not None and (style, node.meta["seq_nr"]) in verdicts
 
 
 def match_or_none(match_one, node: torch.fx.Node, graph_kind: str, cfg):
