@@ -13,6 +13,7 @@ import functools
 import torch
 import torch._functorch.config
 import torch._inductor.config as inductor_config
+import torch.nn.functional as F
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from . import config
@@ -22,7 +23,7 @@ from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
 from .passes.whole_graph.canonicalize import canonicalize
 from .passes.observe import timed
-from .reporting import clear_report, record, record_backward_route, record_rejected, record_varlen
+from .reporting import Rejected, clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."
 
@@ -51,13 +52,16 @@ def _graph_kind(kwargs) -> str:
     return "inference" if kwargs.get("is_inference") else "forward"
 
 
-def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, **kwargs):
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0, **kwargs):
     rejected = []
     with timed("analyze", f"the {_graph_kind(kwargs)} graph") as outcome:
         if cfg.detect and canonicalize(gm.graph, cfg.strict):
             gm.recompile()
         rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
         outcome["did"] = f"{len(rows)} regions, {len(rejected)} other attention ops"
+    if cfg.detect and dynamo_sdpa and not rows and not rejected and _graph_kind(kwargs) != "backward":
+        # The program called SDPA, but no attention op reached this graph: the report says why.
+        rejected.append(Rejected(_graph_kind(kwargs), "scaled_dot_product_attention", DECOMPOSED))
     for row in rows:
         record(row)
     for r in rejected:
@@ -66,6 +70,14 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record_backward_route(r)
     with inductor_config.patch(pipeline.inductor_patches(rows)):
         return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+DECOMPOSED = ("decomposed into matmul and softmax before our passes (SDPA's math backend was "
+              "chosen for these inputs: no fused attention op to find a region around)")
+
+
+def _sdpa_calls(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and n.target is F.scaled_dot_product_attention for n in gm.graph.nodes)
 
 
 def graph_passes(cfg, inductor_patches: dict) -> dict:
@@ -108,7 +120,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=functools.partial(_inner_compile, cfg=cfg),
+            inner_compile=functools.partial(_inner_compile, cfg=cfg, dynamo_sdpa=_sdpa_calls(gm)),
             config_patches=inductor_patches,
         )
 

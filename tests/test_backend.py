@@ -309,3 +309,17 @@ def test_a_backward_is_a_region_only_where_its_forward_is(monkeypatch):
             ("forward", "q's heads dealt to ranks otherwise than k/v's"),
             ("backward", "its forward is not a region: q's heads dealt to ranks otherwise than k/v's"),
         ]
+
+
+def test_attention_decomposed_before_our_passes_is_reported():
+    """SDPA's math backend (chosen here by the user's sdpa_kernel; Dynamo keeps the choice)
+    reaches our passes as matmul and softmax: the report says so instead of staying empty."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cp_inductor.backend import DECOMPOSED
+
+    with fake_pg(2), sdpa_kernel(SDPBackend.MATH):
+        cp_inductor.clear_report()
+        torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv())
+        report = cp_inductor.report()
+    assert not report.regions and [(r.graph_kind, r.reason) for r in report.rejected] == [("forward", DECOMPOSED)]
