@@ -95,9 +95,14 @@ def test_the_algebra_splits_a_symbolic_length_only_where_it_divides():
         lay.reshape((b, 2, s * h // 2, d))  # 2 blocks of the sequence: s / 2 is not whole for every s
 
 
-def _lengths_changing(rank, cp, mode):
-    """Ulysses compiled once, run at three sequence lengths: the fp64 reference errors per length,
-    the report, and how many graphs Dynamo compiled, under cp_inductor and default Inductor."""
+def _ring(q, k, v):
+    return ring_by_hand(q, k, v, causal=True)
+
+
+def _lengths_changing(rank, cp, mode, style="ulysses"):
+    """Ulysses (or the hand-written zigzag ring) compiled once, run at three sequence lengths: the
+    fp64 reference errors per length, the report, and how many graphs Dynamo compiled, under
+    cp_inductor and default Inductor."""
     from torch._dynamo.utils import counters
 
     out = {}
@@ -105,11 +110,11 @@ def _lengths_changing(rank, cp, mode):
         torch._dynamo.reset()
         cp_inductor.clear_report()
         counters.clear()
-        base = AttentionCase(heads_q=8, heads_kv=4)
-        compiled = torch.compile(ulysses_fn(base), backend=backend, fullgraph=True, dynamic=True if mode == "true" else None)
+        fn = ulysses_fn(AttentionCase(heads_q=8, heads_kv=4)) if style == "ulysses" else _ring
+        compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True if mode == "true" else None)
         errs = []
         for seq in (32, 48, 80):
-            case = AttentionCase(seq=seq, heads_q=8, heads_kv=4)
+            case = AttentionCase(seq=seq, heads_q=8, heads_kv=4, load_balanced=style == "ring")
             full = full_inputs(case, seed=seq)
             got = run_cp(compiled, case, full, rank, cp, dynamic_seq=mode == "mark")
             errs.append(max(errors(got, reference(case, full)).values()))
@@ -132,6 +137,17 @@ def test_ulysses_rewritten_at_lengths_that_change(mode):
     # Every compiled graph, the dynamic one included, has its forward and backward fused.
     assert ours["regions"] and all(applied == ["fused_a2a"] for _, applied in ours["regions"]), ours
     assert len(ours["regions"]) == 2 * ours["graphs"] and not ours["rejected"], ours
+
+
+def test_ring_found_at_lengths_that_change():
+    # The ring's rewrites are GPU ones (copy engines, narrow dtypes): every compiled graph, the
+    # dynamic one included, has its ring regions, and the answer is the reference's.
+    got = run_on_ranks(_lengths_changing, 2, "auto", "ring")[0]
+    ours, default = got["cp_inductor"], got["inductor"]
+    assert max(ours["errors"]) < TOL and max(default["errors"]) < TOL, got
+    assert ours["graphs"] == default["graphs"] == 2, got
+    assert [kind for kind, _ in ours["regions"]].count("backward") == 2 * ours["graphs"], ours
+    assert not ours["rejected"], ours
 
 
 def test_dynamic_true_guards_head_counts_and_rewrites():

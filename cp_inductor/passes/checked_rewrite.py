@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from ..reporting import RewriteUndone, record_undone
+from .analysis.fx_emit import recording_values, replaying_values
 
 
 class RewriteCheckError(Exception):
@@ -72,8 +73,9 @@ def _same_tensor(old, new, strides: bool) -> str | None:
     return None
 
 
-def check(graph: torch.fx.Graph, replaced: list) -> None:
-    """Raise :class:`RewriteCheckError` unless the rewritten ``graph`` is sound.
+def check(graph: torch.fx.Graph, replaced: list) -> bool:
+    """Raise :class:`RewriteCheckError` unless the rewritten ``graph`` is sound; returns whether
+    it had to be sorted topologically (nodes emitted after a reader of theirs).
 
     ``replaced``: ``(old value, new node, strides kept?)`` for each tensor the rewrite handed to
     the rest of the graph in place of an old one."""
@@ -81,10 +83,16 @@ def check(graph: torch.fx.Graph, replaced: list) -> None:
         if (why := _same_tensor(old, new.meta.get("val"), strides)) is not None:
             raise RewriteCheckError(f"{new.name}: {why}")
     try:
+        graph.lint()  # also: every argument defined before its use, i.e. in topological order
+        return False
+    except RuntimeError:
+        pass
+    try:
         stable_topological_sort(graph)
     except AssertionError as e:
         raise RewriteCheckError("the rewritten graph has a cycle") from e
     graph.lint()
+    return True
 
 
 def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs=()) -> bool:
@@ -96,15 +104,19 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
     attention = match.attention
     try:
         trial, val_map = _trial_of(graph)
-        check(trial, rewrite.apply(trial, match_at(val_map[attention], match.graph_kind, cfg), cfg))
+        with recording_values() as values:
+            replaced = rewrite.apply(trial, match_at(val_map[attention], match.graph_kind, cfg), cfg)
+        sorted_trial = check(trial, replaced)
     except Exception as e:  # noqa: BLE001 - a bug in a rewrite costs the rewrite only
         if cfg.strict:
             raise
         record_undone(RewriteUndone(rewrite.name, attention.name, f"{type(e).__name__}: {e}"))
         counters["cp_inductor"][f"{rewrite.name}_undone"] += 1
         return False
-    rewrite.apply(graph, match, cfg)
-    stable_topological_sort(graph)  # in the order the trial's check sorted its twin into
+    with replaying_values(values):
+        rewrite.apply(graph, match, cfg)
+    if sorted_trial:
+        stable_topological_sort(graph)  # in the order the trial's check sorted its twin into
     _twins[graph] = trial
     for name in (rewrite.name, *performs):
         counters["cp_inductor"][name] += 1

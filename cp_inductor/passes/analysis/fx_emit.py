@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import operator
 import weakref
@@ -59,9 +61,15 @@ class Emitter:
         args, kwargs = self._sizes_as_nodes(args), self._sizes_as_nodes(kwargs)
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
-        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        replayed = _replayed(target)
+        if replayed is not None:
+            node.meta["val"] = replayed[0]
+        else:
+            fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        if _values.recording is not None:
+            _values.recording.append((target, node.meta["val"]))
         self.created.append(node)
         return node
 
@@ -117,6 +125,50 @@ class Emitter:
 
     def _operand(self, expr):
         return int(expr) if expr.is_number else self._size_node(size_of(expr))
+
+
+class _Values:
+    """The values a rewrite's trial computed, handed to the same rewrite on the real graph: it
+    emits the same ops in the same order, and fake-tensor propagation was most of the passes'
+    time (``checked_rewrite.apply_checked``)."""
+
+    recording: list | None = None
+    replay: collections.deque | None = None
+
+
+_values = _Values()
+
+
+@contextlib.contextmanager
+def recording_values():
+    """Collect ``(target, value)`` of every node emitted inside."""
+    _values.recording = []
+    try:
+        yield _values.recording
+    finally:
+        _values.recording = None
+
+
+@contextlib.contextmanager
+def replaying_values(values: list):
+    """Emitters inside take each node's value from ``values`` while the targets agree, then
+    compute their own."""
+    _values.replay = collections.deque(values)
+    try:
+        yield
+    finally:
+        _values.replay = None
+
+
+def _replayed(target) -> tuple | None:
+    replay = _values.replay
+    if not replay:
+        return None
+    want, value = replay.popleft()
+    if want is not target:  # the apply went another way: compute from here on
+        replay.clear()
+        return None
+    return (value,)
 
 
 _SIZES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
