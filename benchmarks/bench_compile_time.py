@@ -6,7 +6,8 @@ against cp_inductor, each in a fresh process with every cache off.
 The stack: ``cp_inductor.testing.train_step.TransformerBlock`` layers (RMSNorm, QKV projection, CP
 attention through our helpers on PyTorch's fake group of 2 ranks, output projection, MLP), dim
 256, 4 heads / 2 K/V heads, sequence 256 (``none``: plain SDPA, no CP). Per (style, layers,
-backend): the median over ``--repeats`` fresh processes of the first call's wall time, and for
+backend): the median over ``--repeats`` fresh processes (the backends interleaved) of the first
+call's wall time, the median of the paired ratios, and for
 cp_inductor the time its own passes took (the sum of what ``TORCH_LOGS=cp_inductor`` logs per
 pass, ``passes/observe.py``). CPU by default; ``--device cuda`` on a GPU machine.
 """
@@ -84,18 +85,24 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} | {'our passes s':>12} | largest passes (s)")
+    print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
     rows = []
     for style in a.styles:
         for layers in a.layers:
-            runs = {b: [first_call(style, layers, b, a.device) for _ in range(a.repeats)] for b in ("inductor", "cp_inductor")}
+            # Interleaved (A B A B ...): single first calls vary by 10-20% on 2 cores, and drift
+            # over minutes; each pair's ratio is taken, then their median.
+            runs = {"inductor": [], "cp_inductor": []}
+            for _ in range(a.repeats):
+                for b in runs:
+                    runs[b].append(first_call(style, layers, b, a.device))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
+            paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))
             passes = statistics.median(r["passes_s"] for r in runs["cp_inductor"])
             rows.append({"style": style, "layers": layers, "inductor_s": ind, "cp_inductor_s": ours,
-                         "ratio": ours / ind, "our_passes_s": passes, "runs": runs})
+                         "ratio": ours / ind, "paired_ratio": paired, "our_passes_s": passes, "runs": runs})
             top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
-            print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} | {passes:12.2f} | "
+            print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
             if a.json:
                 with open(a.json, "w") as f:
