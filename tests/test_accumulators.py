@@ -25,6 +25,7 @@ class TestAccumulatorReasons(TestCase):
             rows = [row for kind, gm in aot_graphs(causal_allgather, *allgather_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
         notes = sorted({f"{row.graph}: {note}" for row in rows for note in row.notes})
         self.assertExpectedInline("\n".join(notes), """\
+backward: backward region proved on its own (no forward op paired with it)
 backward: dK/dV accumulators: Inductor inlines the zero fill and reads each contribution once in the kernel that writes the reduce-scatter input (no fill, no add-into-zero)""")
 
     def test_accumulator_read_by_an_unfusable_op_is_found(self):

@@ -295,7 +295,7 @@ def test_a_backward_is_a_region_only_where_its_forward_is(monkeypatch):
     with fake_pg(2):
         graphs = aot_graphs(_ulysses, *_qkv())
         alone = pipeline.analyze(graphs["backward"].graph, "backward")  # its forward not analysed
-        assert [r.notes for r in alone] == [["backward region proved on its own (its forward op was not analysed)"]]
+        assert [r.notes for r in alone] == [["backward region proved on its own (no forward op paired with it)"]]
 
         def refused(node, graph_kind):
             raise LayoutError("q's heads dealt to ranks otherwise than k/v's")

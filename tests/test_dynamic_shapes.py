@@ -168,8 +168,8 @@ def test_packed_ulysses_at_token_counts_that_change():
 
     packs, regions, lines = run_on_ranks(vp.check_ulysses_thd, 2, [5, 11, 8, 8], 8, 4, True, True, "cpu",
                                          torch.float32, [[16, 2, 17, 13], [30, 2, 20, 12]])[0]
-    for errors, _ in packs:
-        assert max(errors.values()) < TOL, packs
+    for errs, _ in packs:
+        assert max(errs.values()) < TOL, packs
     # Both compiles (static, then dynamic) rewrite forward and backward.
     assert regions == [("backward", "thd", ("fused_a2a",))] * 2 + [("forward", "thd", ("fused_a2a",))] * 2, regions
     assert len(lines) == 2 and all(": a2a, thd," in line and ": cudnn_ragged" in line for line in lines), lines

@@ -277,11 +277,12 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
 
 
 def _proved_alone(match, detector) -> str | None:
-    """A backward region whose forward op was not analysed (a graph of its own) is proved from
-    the backward alone; one whose forward was is a region because its forward is one."""
+    """A backward region paired with no forward op (its forward graph not analysed, or the op
+    called in an autograd.Function's backward, which AOTAutograd numbers apart) is proved from
+    the backward alone; one paired with its forward is a region because its forward is one."""
     if match.direction != "backward" or forward_seen(match.attention, detector.__name__):
         return None
-    return "backward region proved on its own (its forward op was not analysed)"
+    return "backward region proved on its own (no forward op paired with it)"
 
 
 def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:

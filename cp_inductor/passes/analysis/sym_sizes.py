@@ -81,10 +81,6 @@ def sizes_of(shape) -> tuple:
     return tuple(size_of(s) for s in shape)
 
 
-def is_static(x) -> bool:
-    return isinstance(x, int)
-
-
 def exact_div(b: Size, a: Size) -> Size | None:
     """``b / a`` where it is provably a whole number for every value of the symbols, else None."""
     if isinstance(a, int) and isinstance(b, int):
@@ -164,10 +160,6 @@ def may_guard(graph: torch.fx.Graph) -> bool:
     return True
 
 
-def divides(a: Size, b: Size) -> bool:
-    return exact_div(b, a) is not None
-
-
 def hint(x: Size) -> int:
     """The size at the example inputs the graph was traced with."""
     if isinstance(x, int):
@@ -183,8 +175,3 @@ def hint(x: Size) -> int:
 def prod(sizes) -> Size:
     out = math.prod(sizes)
     return int(out) if isinstance(out, sympy.Basic) and out.is_number else out
-
-
-def describe(x: Size) -> str:
-    """A size for the report: the int, or the expression with its example value."""
-    return str(x) if isinstance(x, int) else f"{x} (traced at {hint(x)})"
