@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import sympy
 import torch
 
-from .sym_sizes import NotASize, equal, exact_div, hint, less, prod, size_of
+from .sym_sizes import NotASize, equal, exact_div, hint, less, prod, size_of, sizes_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -412,7 +412,7 @@ def is_value_op(node) -> bool:
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
-        return tuple(size_of(s) for s in a.shape) == tuple(size_of(s) for s in b.shape)
+        return sizes_of(a.shape) == sizes_of(b.shape)
     except NotASize:
         return False
 

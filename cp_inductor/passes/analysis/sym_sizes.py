@@ -127,26 +127,29 @@ def equal(a, b, *, guard: bool = False) -> bool:
     a, b = size_of(a), size_of(b)
     if a == b:
         return True
-    if not guard or (isinstance(a, int) and isinstance(b, int)) or hint(a) != hint(b) or _env() is None:
+    if not guard or (isinstance(a, int) and isinstance(b, int)) or hint(a) != hint(b):
         return False
-    try:
-        _env().evaluate_expr(sympy.Eq(a, b))
-    except Exception:  # a private API across torch versions: no guard, no equality
-        return False
+    _guard(sympy.Eq(a, b))
     return size_of(a) == size_of(b)
 
 
 def specialize(x: Size) -> Size:
     """``x`` guarded to its traced value (a forward graph's choice; see :func:`equal`), or ``x``
     where the environment refuses."""
-    if isinstance(x, int) or _env() is None:
+    if isinstance(x, int):
         return x
-    value = hint(x)
-    try:
-        _env().evaluate_expr(sympy.Eq(x, value))
-    except Exception:  # a private API across torch versions: no guard, still symbolic
-        return x
+    _guard(sympy.Eq(x, hint(x)))
     return size_of(x)
+
+
+def _guard(claim) -> None:
+    """Record ``claim`` (true at the traced sizes) as a guard; nothing where the environment
+    refuses (a private API across torch versions: the caller then sees no equality)."""
+    if _env() is not None:
+        try:
+            _env().evaluate_expr(claim)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
 
 
 def may_guard(graph: torch.fx.Graph) -> bool:
