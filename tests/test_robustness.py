@@ -90,6 +90,35 @@ class TestUndoneRewrite(TestCase):
             """RewriteCheckError: (1, 1, 8, 2, 16) torch.float32""",
         )
 
+    def test_one_failing_region_costs_that_region_only(self):
+        """Every region is tried on one copy together; where that trial fails, each rewrite is
+        tried alone: the sound region is still rewritten, the broken one undone."""
+        from torch._dynamo.utils import counters
+
+        real = fused_a2a.REWRITE.apply
+        with fake_pg(2), cp_inductor.config.patch(strict=False):
+            graphs = aot_graphs(variants.chained_layers, *qkv((1, 4, 4, 8), (1, 4, 4, 8)))
+            forward = graphs["forward"].graph
+            second = [n for n in forward.nodes if "attention" in str(n.target)][-1].name
+
+            def broken_on_second(graph, region, cfg):
+                replaced = real(graph, region, cfg)
+                if region.attention.name != second:
+                    return replaced
+                old, new, strides = replaced[0]
+                return [(old, graph.call_function(torch.ops.aten.slice.Tensor, (new, 0, 0, 1)), strides)] + replaced[1:]
+
+            object.__setattr__(fused_a2a.REWRITE, "apply", broken_on_second)  # a frozen record
+            try:
+                clear_report()
+                counters.clear()
+                fused_a2a_pass(forward)
+            finally:
+                object.__setattr__(fused_a2a.REWRITE, "apply", real)
+            forward.lint()
+        assert [u.attention for u in report().undone] == [second], (report().undone, dict(counters["cp_inductor"]), second)
+        assert counters["cp_inductor"]["fused_a2a"] == 1, dict(counters["cp_inductor"])
+
     def test_strict_mode_raises(self):
         import pytest
 

@@ -10,6 +10,7 @@ applied to the real graph; one that fails leaves the graph as it was and says wh
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -118,6 +119,43 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
     if sorted_trial:
         stable_topological_sort(graph)  # in the order the trial's check sorted its twin into
     _twins[graph] = trial
+    count(rewrite, performs)
+    return True
+
+
+def count(rewrite, performs=()) -> None:
+    """A kept ``rewrite`` (and the rewrites it performs) in ``counters["cp_inductor"]``."""
     for name in (rewrite.name, *performs):
         counters["cp_inductor"][name] += 1
+
+
+@dataclass
+class Trial:
+    """Every region's rewrites tried together on one copy, checked: the values the emitters
+    computed there (replayed on the graph) and whether the copy had to be sorted."""
+
+    values: list
+    sorted: bool
+
+
+def apply_unchecked(graph, match, rewrite, match_at, cfg, performs) -> bool:
+    """On the trial copy: ``rewrite`` applied, the tensors it hands on compared with the old."""
+    for old, new, strides in rewrite.apply(graph, match, cfg):
+        if (why := _same_tensor(old, new.meta.get("val"), strides)) is not None:
+            raise RewriteCheckError(f"{rewrite.name}: {new.name}: {why}")
     return True
+
+
+def trial_all(graph: torch.fx.Graph, matches: list, detector_of, each_region, cfg) -> Trial | None:
+    """``each_region(copy, matches on the copy, apply_unchecked)`` on one copy of ``graph``, then
+    :func:`check`; None if anything raised or the check failed (the caller then tries each
+    rewrite alone, which finds and reports the culprit). ``detector_of(match)``: the detector
+    that finds ``match`` again on the copy."""
+    try:
+        trial, val_map = _copy(graph)
+        found = (detector_of(m).match_at(val_map[m.attention], m.graph_kind, cfg) for m in matches)
+        with recording_values() as values:
+            each_region(trial, [m for m in found if m is not None], apply_unchecked)
+        return Trial(values, check(trial, []))
+    except Exception:  # noqa: BLE001 - the rewrites are then tried one by one
+        return None

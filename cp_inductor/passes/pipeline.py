@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 
 import torch.fx
 from torch._dynamo.utils import counters
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from ..config_snapshot import ConfigSnapshot, snapshot
 from ..reporting import BackwardRoute, Region, Rejected
 from .analysis import accumulators, varlen_calls
-from .analysis.fx_emit import REPLACES
+from .analysis.fx_emit import REPLACES, replaying_values
 from .analysis.graph_walk import node_order
+from . import checked_rewrite
 from .checked_rewrite import apply_checked
 from .detect import a2a, allgather, forward_seen, ring
 from .guard import internal_error, reason_or_error
@@ -350,6 +352,36 @@ def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only
         canonicalize.canonicalize(graph, cfg.strict)
         matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
         outcome["did"] = f"{len(matches)} regions"
+    if not matches:
+        return
+    # Every region's rewrites are tried together on one copy of the graph, checked once; only if
+    # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
+    # checking per rewrite made our passes' time grow with the square of the layers.
+    with timed("trial", hook) as outcome:
+        trial = checked_rewrite.trial_all(graph, matches, _detector, lambda g, ms, apply: _each_region(g, ms, hook, cfg, only, apply), cfg)
+        outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
+    if trial is not None:
+        with replaying_values(trial.values):
+            _each_region(graph, matches, hook, cfg, only, _apply_tried)
+        if trial.sorted:
+            stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
+    else:
+        _each_region(graph, matches, hook, cfg, only, apply_checked)
+    graph.eliminate_dead_code()
+    graph.lint()
+
+
+def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
+    """``rewrite`` on ``match`` once the trial of every region passed: applied, counted."""
+    rewrite.apply(graph, match, cfg)
+    checked_rewrite.count(rewrite, performs)
+    return True
+
+
+def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, only, apply) -> bool:
+    """Per region of ``matches`` (in graph order), the rewrites :func:`decide` chose for ``hook``,
+    each through ``apply(graph, match, rewrite, match_at, cfg, performs) -> kept?``; whether any
+    was kept."""
     order = node_order(graph)
     changed = False
     for match in sorted(matches, key=lambda m: order[m.attention]):
@@ -362,23 +394,24 @@ def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only
             match = detector.match_at(match.attention, "post_grad", cfg)
             if match is None:
                 continue
-        changed |= _rewrite_region(graph, match, detector, hook, cfg, only)
-    if changed:
-        graph.eliminate_dead_code()
-        graph.lint()
+        changed |= _rewrite_region(graph, match, detector, hook, cfg, only, apply)
+    return changed
 
 
-def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only) -> bool:
-    """Apply what :func:`decide` chose for ``match`` on ``hook``, each rewrite checked first;
-    whether any was kept."""
+def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only, apply) -> bool:
+    """Apply what :func:`decide` chose for ``match`` on ``hook`` through ``apply``; whether any
+    was kept."""
     kept = False
     decision = decide(match, cfg, only)
     for rewrite in decision.to_run(hook):
         performs = [name for name in rewrite.replaces if name in decision.applied]
         where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
-        with rewrite_observed(rewrite.name, where, graph) as outcome:
-            outcome["kept"] = apply_checked(graph, match, rewrite, detector.match_at, cfg, performs)
-        if not outcome["kept"]:
+        if apply is checked_rewrite.apply_unchecked:  # the trial copy: nothing to show or log
+            kept_now = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+        else:
+            with rewrite_observed(rewrite.name, where, graph) as outcome:
+                kept_now = outcome["kept"] = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+        if not kept_now:
             continue
         kept = True
         attention = match.attention
