@@ -18,10 +18,9 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from . import config
 from .config_snapshot import ConfigSnapshot, snapshot
-from .passes import pipeline
+from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
-from .passes.whole_graph.canonicalize import canonicalize
 from .passes.observe import timed
 from .reporting import Rejected, clear_report, record, record_backward_route, record_rejected, record_varlen
 
@@ -55,9 +54,9 @@ def _graph_kind(kwargs) -> str:
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0, **kwargs):
     rejected = []
     with timed("analyze", f"the {_graph_kind(kwargs)} graph") as outcome:
-        if cfg.detect and canonicalize(gm.graph, cfg.strict):
+        if cfg.detect and engine.canonicalize(gm.graph, cfg):
             gm.recompile()
-        rows = pipeline.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
+        rows = engine.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
         outcome["did"] = f"{len(rows)} regions, {len(rejected)} other attention ops"
     if cfg.detect and dynamo_sdpa and not rows and not rejected and _graph_kind(kwargs) != "backward":
         # The program called SDPA, but no attention op reached this graph: the report says why.
@@ -66,9 +65,9 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record(row)
     for r in rejected:
         record_rejected(r)
-    for r in pipeline.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
+    for r in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
         record_backward_route(r)
-    with inductor_config.patch(pipeline.inductor_patches(rows)):
+    with inductor_config.patch(engine.inductor_patches(rows)):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -84,9 +83,9 @@ def graph_passes(cfg, inductor_patches: dict) -> dict:
     """One CPGraphPass per hook key, chaining whatever pass the user had set there."""
     cfg = cfg if isinstance(cfg, ConfigSnapshot) else ConfigSnapshot(cfg)
     out = {}
-    for hook in pipeline.HOOKS:
+    for hook in engine.HOOKS:
         user = inductor_patches.get(hook, getattr(inductor_config, hook))
-        out[hook] = CPGraphPass(hook, pipeline.run_hook, cfg, user_pass=user)
+        out[hook] = CPGraphPass(hook, engine.run_hook, cfg, user_pass=user)
     return out
 
 
@@ -107,7 +106,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
     inductor_patches.update(graph_passes(cfg, inductor_patches))
     with timed("dynamo_passes", "the Dynamo graph") as outcome:
-        routes = pipeline.run_dynamo_passes(gm, cfg)
+        routes = engine.run_dynamo_passes(gm, cfg)
         outcome["did"] = f"{len(routes)} packed calls"
     for route in routes:
         record_varlen(route)

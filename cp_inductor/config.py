@@ -7,7 +7,7 @@ One switch per rewrite (its name in the report), and each rewrite's knobs named
         ...
 
 or per compile: ``torch.compile(fn, backend="cp_inductor", options={"cp_inductor.fused_a2a": False})``.
-What each rewrite does and what it was measured to give: ``docs/rewrites/<name>.md``.
+What each rewrite does and what it was measured to give: ``docs/passes/<name>.md``.
 """
 
 import os
@@ -16,36 +16,36 @@ import sys
 from torch.utils._config_module import install_config_module
 
 # --- rewrite switches ---
-# Ulysses: one all-to-all for q, k, v (and dq, dk, dv); docs/rewrites/fused_a2a.md.
+# Ulysses: one all-to-all for q, k, v (and dq, dk, dv); docs/passes/fused_a2a.md.
 fused_a2a: bool = True
 # Ulysses: head groups whose all-to-alls travel under another group's attention;
-# docs/rewrites/head_overlap.md. Off: within +-2.5% of fused_a2a alone where measured.
+# docs/passes/head_overlap.md. Off: within +-2.5% of fused_a2a alone where measured.
 head_overlap: bool = False
 # K/V all-gather and ring: attention calls split by head groups to bound their workspace;
-# docs/rewrites/head_split.md. Off: costs time, pays only where memory is short.
+# docs/passes/head_split.md. Off: costs time, pays only where memory is short.
 head_split: bool = False
-# K/V all-gather backward: reduce-scatters as copy-engine pulls; docs/rewrites/owner_grad_return.md.
+# K/V all-gather backward: reduce-scatters as copy-engine pulls; docs/passes/owner_grad_return.md.
 owner_grad_return: bool = False
-# K/V all-gather: attention on local K/V while the gather travels; docs/rewrites/gather_overlap.md.
+# K/V all-gather: attention on local K/V while the gather travels; docs/passes/gather_overlap.md.
 gather_overlap: bool = False
-# Ring: rotations on the copy engines; docs/rewrites/ce_rotation.md.
+# Ring: rotations on the copy engines; docs/passes/ce_rotation.md.
 ce_rotation: bool = True
-# Ring: the last dK/dV rotation sent in the inputs' dtype (same bits); docs/rewrites/narrow_rotation.md.
+# Ring: the last dK/dV rotation sent in the inputs' dtype (same bits); docs/passes/narrow_rotation.md.
 narrow_rotation: bool = True
-# Ring, cp = 2: each dK/dV contribution sent home once; docs/rewrites/ring_grad_return.md.
+# Ring, cp = 2: each dK/dV contribution sent home once; docs/passes/ring_grad_return.md.
 ring_grad_return: bool = False
-# A cat a collective sends that reassembles one tensor -> that tensor; docs/rewrites/cat_of_slices.md.
+# A cat a collective sends that reassembles one tensor -> that tensor; docs/passes/cat_of_slices.md.
 cat_of_slices: bool = False
 # Every cuDNN attention backward on the cuDNN frontend's op (torch < 2.14: aten's plan cache
-# ignores dO's layout); docs/rewrites/cudnn_frontend_backward.md. Needs the [cudnn] extra.
+# ignores dO's layout); docs/passes/cudnn_frontend_backward.md. Needs the [cudnn] extra.
 cudnn_frontend_backward: bool = True
 # Packed-sequence (THD) attention (torch's varlen_attn) on cuDNN's ragged SDPA, GQA without
-# repeated K/V; docs/rewrites/varlen_cudnn.md. Needs the [cudnn] extra on CUDA.
+# repeated K/V; docs/passes/varlen_cudnn.md. Needs the [cudnn] extra on CUDA.
 varlen_cudnn: bool = True
 # ... only for packs of at least this many tokens x query heads x head_dim: below it cuDNN's
-# ragged attention measured slower than flash-2 (docs/rewrites/varlen_cudnn.md).
+# ragged attention measured slower than flash-2 (docs/passes/varlen_cudnn.md).
 varlen_cudnn_min_size: int = 2**26
-# Packed sequences of equal length to dense SDPA; docs/rewrites/uniform_thd.md. "proven": where
+# Packed sequences of equal length to dense SDPA; docs/passes/uniform_thd.md. "proven": where
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"
 
@@ -78,7 +78,7 @@ ce_rotation_min_bytes: int = 256 << 20
 # --- whole-graph ---
 # Common-subexpression elimination of graphs with ring rotations (ranks trace different graphs
 # there, so merging must be decided alike on every rank; docs/architecture.md):
-# "collective": our joint-graph pass (passes/whole_graph/collective_cse.py) merges what every rank merges
+# "collective": our joint-graph pass (passes/joint/collective_cse.py) merges what every rank merges
 # alike and pins each collective to its graph; "pin": only pins; "aot": AOTAutograd's own CSE.
 ring_cse: str = "collective"
 # Run region detection and fill the report even when every rewrite is off.
@@ -86,17 +86,5 @@ detect: bool = True
 # Raise unexpected errors of detection and eligibility instead of leaving the op to Inductor
 # with the error in the report (the tests turn it on).
 strict: bool = os.environ.get("CP_INDUCTOR_STRICT", "") == "1"
-
-# --- deprecated: accepted for one release with a warning (config_snapshot.DEPRECATED) ---
-head_partition = None
-head_groups = None
-head_partition_forward = None
-head_partition_min_gib = None
-transport = None
-transport_min_tflop = None
-ring_aot_cse = None
-collective_cse = None
-zero_init = None
-first_grad_reuse = None
 
 install_config_module(sys.modules[__name__])

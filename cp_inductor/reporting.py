@@ -62,7 +62,7 @@ class Rejected:
 @dataclass
 class BackwardRoute:
     """Which op runs one cuDNN attention backward of a compiled graph, CP region or not, and why
-    (``passes/whole_graph/cudnn_frontend_backward.py``)."""
+    (``passes/post_grad/cudnn_frontend_backward.py``)."""
 
     graph_kind: str
     attention: str  # the node's name in the graph Inductor was handed
@@ -73,7 +73,7 @@ class BackwardRoute:
 @dataclass
 class VarlenRoute:
     """One packed-sequence (THD) attention call of a compiled program and where it runs
-    (``passes/whole_graph/varlen_cudnn.py``)."""
+    (``passes/dynamo/varlen_cudnn.py``)."""
 
     attention: str  # the call's node in the graph Dynamo handed the backend
     style: str  # "local" | "a2a" (an all-to-all delivers its tokens)
@@ -102,7 +102,7 @@ class RewriteUndone:
 @dataclass
 class DenseRoute:
     """Which kernel runs one dense attention call (forward and its backward) of a compiled
-    training graph, CP region or not (``passes/whole_graph/fa4_dense.py``)."""
+    training graph, CP region or not (``passes/joint/fa4_dense.py``)."""
 
     attention: str  # the forward op's node in the joint graph
     provider: str  # "fa4" | "program"

@@ -16,7 +16,9 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cp_inductor.config_snapshot import snapshot
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
+from cp_inductor.passes.pipeline import PASSES
+from cp_inductor.passes.record import JOINT, POST_GRAD, REGION
 from cp_inductor.passes.detect.a2a import find
 
 
@@ -90,12 +92,12 @@ def ring_graphs(cp: int, fn, inputs, rank: int = 0, post_grad: bool = True, **cf
 
     with fake_pg(cp, rank), cp_inductor.config.patch(**cfg), torch._functorch.config.patch(cse=False):
         compile_cfg = snapshot()
-        graphs = aot_graphs(fn, *inputs, joint_pass=functools.partial(pipeline.run_hook, pipeline.JOINT, cfg=compile_cfg))
+        graphs = aot_graphs(fn, *inputs, joint_pass=functools.partial(engine.run_hook, JOINT, cfg=compile_cfg))
         if not post_grad:
             return [], graphs
-        rows = [r for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind, cfg=compile_cfg)]
+        rows = [r for kind, gm in graphs.items() for r in engine.analyze(gm.graph, kind, cfg=compile_cfg)]
         for gm in graphs.values():
-            pipeline.run_hook(pipeline.POST_GRAD, gm.graph, compile_cfg)
+            engine.run_hook(POST_GRAD, gm.graph, compile_cfg)
     return rows, graphs
 
 
@@ -124,7 +126,7 @@ def describe_matches(graphs: dict) -> str:
     lines = []
     for kind, gm in graphs.items():
         rejected = []
-        for row in pipeline.analyze(gm.graph, kind, rejected):
+        for row in engine.analyze(gm.graph, kind, rejected):
             causal = " causal" if "causal" in row.detail.split() else ""
             lines.append(f"{kind}: {row.style} cp={row.cp_size} {row.layout} {row.attention} {row.detail.split(' causal')[0]}{causal}")
         lines += [f"{kind}: not a region: {r.attention}: {r.reason}" for r in rejected]
@@ -143,7 +145,7 @@ def report_text(graphs: dict) -> str:
     """The report rows analysis would record for these graphs, then the rejected attention ops."""
     rows, rejected = [], []
     for kind, gm in graphs.items():
-        for r in pipeline.analyze(gm.graph, kind, rejected):
+        for r in engine.analyze(gm.graph, kind, rejected):
             rows.append(f"{r.graph} {r.style} cp={r.cp_size} {r.layout} applied={r.applied} skipped={r.skipped}")
     rows += [f"rejected {r.graph} {r.attention}: {r.reason}" for r in rejected]
     return "\n".join(rows)
@@ -160,7 +162,7 @@ def collectives(gm) -> str:
 
 def fused_a2a_pass(graph) -> None:
     """fused_a2a alone on a post-grad graph, with the global config as it is now."""
-    pipeline.rewrite_graph(graph, only=("fused_a2a",))
+    engine.rewrite_graph(graph, only=("fused_a2a",))
 
 
 def rewrite_summary(graphs: dict, graph_pass) -> str:
@@ -223,9 +225,9 @@ def rotations(gm, heads: bool = False) -> str:
     return " ".join(out)
 
 
-# Whole-graph passes, not region rewrites in the report: collective_cse (ring graphs),
-# cat_of_slices and cudnn_frontend_backward (it counts the cuDNN backward calls it moves on GPUs).
-WHOLE_GRAPH_PASSES = ("collective_cse", "cat_of_slices", "cudnn_frontend_backward")
+# Passes that are not region rewrites in the report (graph and packed-call passes count too:
+# cudnn_frontend_backward the cuDNN backward calls it moves on GPUs, ring_cse the merges).
+WHOLE_GRAPH_PASSES = tuple(p.name for p in PASSES if p.unit != REGION)
 
 
 def region_rewrites(result: dict) -> dict:
@@ -279,3 +281,17 @@ def tally_detection(stats, misses: list, spec, regions: int, found: dict, reject
         if any(found.values()):
             stats["false_positive"] += 1
             misses.append((spec, found))
+
+
+@contextlib.contextmanager
+def pass_replaced(record, **fields):
+    """A pass record's fields (``apply=...``) swapped for the block: records are frozen, and the
+    pipeline holds them, so patching the module's function would not reach the engine."""
+    old = {k: getattr(record, k) for k in fields}
+    for k, v in fields.items():
+        object.__setattr__(record, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            object.__setattr__(record, k, v)

@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cp_inductor.passes.analysis.accumulators import materialized_at
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
 from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
 
 aten = torch.ops.aten
@@ -22,7 +22,7 @@ aten = torch.ops.aten
 class TestAccumulatorReasons(TestCase):
     def test_backward_region_note(self):
         with fake_pg(2):
-            rows = [row for kind, gm in aot_graphs(causal_allgather, *allgather_qkv()).items() for row in pipeline.analyze(gm.graph, kind)]
+            rows = [row for kind, gm in aot_graphs(causal_allgather, *allgather_qkv()).items() for row in engine.analyze(gm.graph, kind)]
         notes = sorted({f"{row.graph}: {note}" for row in rows for note in row.notes})
         self.assertExpectedInline("\n".join(notes), """\
 backward: backward region proved on its own (no forward op paired with it)

@@ -176,9 +176,9 @@ def _ops(gm) -> str:
 
 
 def _fa4_joint_pass(graph):
-    from cp_inductor.passes import pipeline
+    from cp_inductor.passes import engine
 
-    pipeline.run_hook("joint_custom_post_pass", graph, snapshot())
+    engine.run_hook("joint_custom_post_pass", graph, snapshot())
 
 
 class TestGraphs(TestCase):

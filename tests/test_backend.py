@@ -27,7 +27,7 @@ def test_in_a_fresh_process_found_by_name_apart_from_the_helpers_and_forkable():
         "f = torch.compile(lambda x: x.sin() * 2, backend='cp_inductor')\n"
         "x = torch.randn(8)\n"
         "torch.testing.assert_close(f(x), x.sin() * 2)\n"
-        "import cp_inductor.backend, cp_inductor.passes.pipeline\n"
+        "import cp_inductor.backend, cp_inductor.passes.engine\n"
         "print(sorted(m for m in sys.modules if m.startswith(('cp_inductor.testing', 'cp_inductor.parallel'))))\n"
         "torch._dynamo.reset()\n"
         "from torch._inductor.fx_passes import joint_graph\n"
@@ -183,7 +183,7 @@ def test_a_bug_in_our_analysis_costs_the_rewrite_not_the_compile(monkeypatch):
     """An unexpected error in detection or eligibility leaves the op to Inductor with the error
     as its reason; strict mode (what the tests run with) raises it instead."""
     from cp_inductor.passes.detect import a2a as detect_a2a
-    from cp_inductor.passes.rewrites import fused_a2a
+    from cp_inductor.passes.post_grad import fused_a2a
 
     def broken(*args, **kwargs):
         raise KeyError("grad_out")
@@ -250,7 +250,7 @@ def test_torch_logs_and_trace_artifacts_show_each_pass():
     from torch._logging._internal import trace_log
 
     from cp_inductor.parallel import ulysses_attention
-    from cp_inductor.passes import pipeline
+    from cp_inductor.passes import engine
     from helpers import aot_graphs, fake_pg
 
     class Artifacts(logging.Handler):
@@ -271,7 +271,7 @@ def test_torch_logs_and_trace_artifacts_show_each_pass():
             graphs = aot_graphs(lambda q, k, v: ulysses_attention(q, k, v), *qkv)
             trace_log.addHandler(artifacts)
             with unittest.TestCase().assertLogs("cp_inductor", logging.INFO) as logs:
-                pipeline.rewrite_graph(graphs["forward"].graph)
+                engine.rewrite_graph(graphs["forward"].graph)
     finally:
         trace_log.removeHandler(artifacts)
         torch._logging.set_logs()
@@ -287,14 +287,14 @@ def test_a_backward_is_a_region_only_where_its_forward_is(monkeypatch):
     the wild, a check only the forward's chains show), its backward op is refused too with that
     reason, and nothing is rewritten in either graph. A backward whose forward was never
     analysed is proved on its own, and the report says so."""
-    from cp_inductor.passes import pipeline
+    from cp_inductor.passes import engine
     from cp_inductor.passes.analysis.layout_algebra import LayoutError
     from cp_inductor.passes.detect import a2a as detect_a2a
     from helpers import aot_graphs
 
     with fake_pg(2):
         graphs = aot_graphs(_ulysses, *_qkv())
-        alone = pipeline.analyze(graphs["backward"].graph, "backward")  # its forward not analysed
+        alone = engine.analyze(graphs["backward"].graph, "backward")  # its forward not analysed
         assert [r.notes for r in alone] == [["backward region proved on its own (no forward op paired with it)"]]
 
         def refused(node, graph_kind):
@@ -303,7 +303,7 @@ def test_a_backward_is_a_region_only_where_its_forward_is(monkeypatch):
         monkeypatch.setattr(detect_a2a, "_forward_region", refused)
         graphs = aot_graphs(_ulysses, *_qkv())
         rejected = []
-        rows = [r for kind in ("forward", "backward") for r in pipeline.analyze(graphs[kind].graph, kind, rejected)]
+        rows = [r for kind in ("forward", "backward") for r in engine.analyze(graphs[kind].graph, kind, rejected)]
         assert rows == []
         assert [(r.graph_kind, r.reason) for r in rejected] == [
             ("forward", "q's heads dealt to ranks otherwise than k/v's"),

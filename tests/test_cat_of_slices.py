@@ -11,7 +11,7 @@ from expecttest import TestCase
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cp_inductor.passes.whole_graph.cat_of_slices import cat_of_slices_pass
+from cp_inductor.passes.experimental.cat_of_slices import cat_of_slices_pass
 from cp_inductor.testing.checks import AttentionCase, full_inputs, run_cp
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import ring_graphs

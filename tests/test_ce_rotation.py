@@ -13,7 +13,7 @@ import torch
 from expecttest import TestCase
 
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes.rewrites import ce_rotation
+from cp_inductor.passes.post_grad import ce_rotation
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import rotations, ring_graphs

@@ -12,8 +12,8 @@ import torch.fx
 from expecttest import TestCase
 from torch.utils.checkpoint import checkpoint
 
-from cp_inductor.passes.whole_graph import collective_cse
-from cp_inductor.passes.whole_graph.collective_cse import merge_repeated
+from cp_inductor.passes.joint import collective_cse
+from cp_inductor.passes.joint.collective_cse import merge_repeated
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, assert_cp_results, fake_pg, rotations, ring_graphs

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.cudnn_backward import aten_cache_key_complete
-from cp_inductor.passes import pipeline
-from cp_inductor.passes.whole_graph.cudnn_frontend_backward import cudnn_frontend_backward_pass, route
+from cp_inductor.passes import engine
+from cp_inductor.passes.post_grad.cudnn_frontend_backward import cudnn_frontend_backward_pass, route
 
 AVAILABLE = ""  # the frontend's state: importable
 MISSING = "nvidia-cudnn-frontend is not importable (ModuleNotFoundError: No module named 'cudnn')"
@@ -95,7 +95,7 @@ cudagraphs: aten: CUDA graphs (reduce-overhead): aten's op, dO as the program ma
         from cp_inductor.lowerings.cudnn_backward import unavailable
 
         g, call = backward_graph()
-        rows = pipeline.backward_routes(g, "backward")
+        rows = engine.backward_routes(g, "backward")
         # In CI (no CUDA) the call stays on aten's op; with a GPU and the [cudnn] extra it moves.
         path = "aten" if unavailable() else "cudnn_frontend"
         assert [(r.graph_kind, r.attention, r.path) for r in rows] == [("backward", call.name, path)]

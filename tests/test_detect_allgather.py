@@ -207,7 +207,7 @@ class TestFlexCP(TestCase):
         from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather_backward
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        from cp_inductor.passes import pipeline
+        from cp_inductor.passes import engine
 
         def backward(dout, q, k_full, v_full, out, lse):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -218,5 +218,5 @@ class TestFlexCP(TestCase):
             t = [torch.randn(1, 2, n, 8) for n in (8, 8, 16, 16, 8)]
             gm = make_fx(backward)(*t, torch.randn(1, 2, 8))
             rejected = []
-            pipeline.analyze(gm.graph, "backward", rejected)
+            engine.analyze(gm.graph, "backward", rejected)
         self.assertExpectedInline("\n".join(f"{r.attention}: {r.reason}" for r in rejected), """_scaled_dot_product_flash_attention_for_cpu_backward: the K/V all-gather (or its backward) is PyTorch's flex CP op cplib::flex_cp_allgather_backward: its collectives run and wait inside one opaque custom op, so Inductor can neither overlap, fuse nor re-route them: reported, not rewritten""")

@@ -13,7 +13,7 @@ from expecttest import TestCase
 
 import cp_inductor
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
 from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 from cp_inductor.testing.checks import AttentionCase, allgather_fn
 from cp_inductor.testing.launch import run_on_ranks
@@ -26,7 +26,7 @@ ON = {"gather_overlap": True}
 def _gathered(node) -> bool:
     """Whether attention ``node`` needs the collective: its K comes from an all-gather's wait
     (forward), or its dK reaches a reduce-scatter (backward)."""
-    from cp_inductor.passes.analysis.schedule import ancestors, descendants
+    from cp_inductor.passes.analysis.graph_walk import ancestors, descendants
 
     if node.target in SDPA_BACKWARD:
         return any(n.target is c10d.reduce_scatter_tensor.default or "ce_all_to_all_start" in str(n.target)
@@ -58,8 +58,8 @@ def _graphs(cp: int, rank: int, fn=causal_allgather, **cfg):
     with fake_pg(cp, rank), cp_inductor.config.patch(**cfg):
         for kind, gm in aot_graphs(fn, *allgather_qkv()).items():
             before = schedule(gm)
-            rows = pipeline.analyze(gm.graph, kind)
-            pipeline.rewrite_graph(gm.graph)
+            rows = engine.analyze(gm.graph, kind)
+            engine.rewrite_graph(gm.graph)
             out[kind] = (before, schedule(gm), rows)
     return out
 
@@ -118,7 +118,7 @@ no attention call of this region's queries that the gather does not concern is o
 no attention call of this region's queries that the reduce-scatter does not concern is ordered where it would wait for it (one call per chunk, or already ahead)
 # head_split
 applied
-head_split splits this region's attention calls (one or the other)""")
+head_split applies to this region (the two exclude each other)""")
 
     def test_owner_grad_return_pulls_travel_under_the_moved_attention(self):
         with mock.patch.object(ce_transport, "why_unavailable", lambda group, device: None):
@@ -184,7 +184,7 @@ def test_inductor_keeps_the_pulls_under_the_attention():
 
     from torch._inductor.utils import run_and_get_code
 
-    from cp_inductor.passes.rewrites import owner_grad_return
+    from cp_inductor.passes.experimental import owner_grad_return
 
     with fake_pg(2, 1), torch._inductor.config.patch(fx_graph_cache=False), \
             mock.patch.object(owner_grad_return, "copy_engine_unavailable", lambda region: None):

@@ -132,7 +132,7 @@ def test_compiled_varlen_new_lengths_no_recompile_no_jit():
     import varlen_programs as vp
     from torch._dynamo.utils import counters
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import FA4_VARLEN
+    from cp_inductor.passes.dynamo.varlen_cudnn import FA4_VARLEN
 
     torch._dynamo.reset()
     counters.clear()

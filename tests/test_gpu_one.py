@@ -426,7 +426,7 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
     no worse than flash-2 varlen (eager) is against it. Lengths of 1 token and off 128."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
     lengths = [1, 300, 77, 1024, 1, 129]
     q, k, v, cu, m = vp.pack(lengths, 8, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=head_dim)
@@ -446,7 +446,7 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
     program in eager (aten's flash kernels)."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
     def program(q, k, v):
         return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, causal, False)[0]
@@ -469,7 +469,7 @@ def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal, form, heads
     gradient against fp32, no worse than the Function in eager."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
     if vp.flash_attn_like() is None:
         pytest.skip("flash-attn itself defines its ops here")
@@ -480,7 +480,7 @@ def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal, form, heads
     print("eager", eager, "cp_inductor", ours)
     # causal with cu_seqlens_k apart from cu_seqlens_q (all but the qkv-packed form): FA4 where it runs
     from cp_inductor.lowerings import fa4_attention
-    from cp_inductor.passes.whole_graph.varlen_cudnn import FA4_VARLEN
+    from cp_inductor.passes.dynamo.varlen_cudnn import FA4_VARLEN
 
     cross = causal and not (form == "packed" and heads_kv == 8)
     fa4 = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1]) is None
@@ -530,7 +530,7 @@ def test_pack_from_position_ids_on_cudnn_matches_eager_and_fp32():
     than eager."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
     lengths = [1, 300, 77, 1024, 129]
     q, k, v, cu, _ = vp.pack(lengths, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=9)
@@ -573,7 +573,7 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
     import varlen_programs as vp
     from torch._dynamo.utils import counters
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
     from cp_inductor.testing.train_step import _cudagraphs_recorded
 
     torch._dynamo.reset()
@@ -608,7 +608,7 @@ def test_thd_ulysses_on_a_mirrored_world_matches_eager_and_fp32():
     in eager (flash-2 varlen) and in fp32 on the CPU, for the output and every gradient."""
     import varlen_programs as vp
 
-    from cp_inductor.passes.whole_graph.varlen_cudnn import CUDNN_RAGGED
+    from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
     from cp_inductor.testing.mirror_group import mirrored_world
 
     vp.register_cpu_kernels()

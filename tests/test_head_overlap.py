@@ -15,8 +15,8 @@ import variants
 from cp_inductor.testing.checks import AttentionCase, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes import pipeline
-from cp_inductor.passes.rewrites import head_overlap
+from cp_inductor.passes import engine
+from cp_inductor.passes.experimental import head_overlap
 from helpers import aot_graphs, assert_cp_results, fake_pg, region_rewrites, schedule
 from test_fused_a2a import qkv, ulysses
 
@@ -26,7 +26,7 @@ VIEWS = {"cp_inductor.fused_a2a_unpack": "views"}
 
 
 def run_passes(graph):
-    pipeline.rewrite_graph(graph)
+    engine.rewrite_graph(graph)
 
 
 def partitioned(cp, fn, *inputs, **cfg) -> str:
@@ -113,7 +113,7 @@ def skip_reasons(cp, fn, *inputs, **cfg) -> str:
         graphs = aot_graphs(fn, *inputs)
         lines = []
         for kind, gm in graphs.items():
-            for r in pipeline.analyze(gm.graph, kind):
+            for r in engine.analyze(gm.graph, kind):
                 lines.append(f"{kind}: {r.skipped.get('head_overlap', 'applied')}")
     return "\n".join(lines)
 
@@ -197,7 +197,7 @@ class TestTransportReport(TestCase):
     def test_copy_engine_falls_back_with_the_reason(self):
         with fake_pg(2), cp_inductor.config.patch(head_overlap=True, fused_a2a_unpack="views", head_overlap_transport="copy_engine"):
             graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
-            details = [r.detail for r in pipeline.analyze(graphs["backward"].graph, "backward")]
+            details = [r.detail for r in engine.analyze(graphs["backward"].graph, "backward")]
             for gm in graphs.values():
                 run_passes(gm.graph)
             text = "\n".join(details) + "\n" + "\n".join(f"{k}: {schedule(gm)}" for k, gm in graphs.items())
@@ -215,7 +215,7 @@ backward: a2a#0[2, 8, 2, 2, 16] a2a#1[2, 8, 2, 2, 16] wait#0 attn(h=2) a2a#2[2, 
                 with fake_pg(2), cp_inductor.config.patch(head_overlap=True, fused_a2a_unpack="views",
                                                           head_overlap_transport="auto", head_overlap_transport_min_tflop=threshold):
                     graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
-                    details += [r.detail.split("G=")[1] for r in pipeline.analyze(graphs["backward"].graph, "backward")]
+                    details += [r.detail.split("G=")[1] for r in engine.analyze(graphs["backward"].graph, "backward")]
         self.assertExpectedInline("\n".join(details), """\
 2, transport=nccl (attention 6.6e-08 TFLOP < head_overlap_transport_min_tflop 2)
 2, transport=copy_engine (attention 6.6e-08 TFLOP >= head_overlap_transport_min_tflop 0)""")

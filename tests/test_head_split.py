@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import cp_inductor
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
 from cp_inductor.passes.analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD
 from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
@@ -53,7 +53,7 @@ def split(cp, fn, *inputs, **cfg) -> str:
     with fake_pg(cp), cp_inductor.config.patch(head_split=True, strict=True, **{**ANY_SIZE, **cfg}):
         lines = []
         for kind, gm in aot_graphs(fn, *inputs).items():
-            pipeline.rewrite_graph(gm.graph)
+            engine.rewrite_graph(gm.graph)
             lines.append(f"{kind}: {calls(gm)}")
     return "\n".join(lines)
 
@@ -102,7 +102,7 @@ def reasons(cp, fn, *inputs, **cfg) -> str:
     with fake_pg(cp), cp_inductor.config.patch(head_split=True, strict=True, **{**ANY_SIZE, **cfg}):
         return "\n".join(sorted({
             f"{kind}: {row.skipped.get('head_split', 'applied: ' + row.detail.split(' G=')[-1])}"
-            for kind, gm in aot_graphs(fn, *inputs).items() for row in pipeline.analyze(gm.graph, kind)
+            for kind, gm in aot_graphs(fn, *inputs).items() for row in engine.analyze(gm.graph, kind)
         }))
 
 
@@ -127,7 +127,7 @@ class TestEligibility(TestCase):
         }
         with fake_pg(2), cp_inductor.config.patch(head_split=True, owner_grad_return=True, **ANY_SIZE):
             rows = [row for kind, gm in aot_graphs(causal_allgather, *qkv(4, 2)).items()
-                    for row in pipeline.analyze(gm.graph, kind) if kind == "backward"]
+                    for row in engine.analyze(gm.graph, kind) if kind == "backward"]
         cases["owner_grad_return on too"] = "\n".join(sorted({
             f"{r.skipped.get('head_split', 'head_split applied')}; "
             f"owner_grad_return: {r.skipped.get('owner_grad_return', 'applied')}" for r in rows
@@ -155,7 +155,7 @@ backward: its backward allocates ~3 KiB beyond its gradients (< head_split_min_g
 backward: its backward allocates ~7 KiB beyond its gradients (< head_split_min_gib 1: smaller calls pay 2-3% time for the split); head_split_groups=G forces it
 forward: forward region (head_split_forward=False; its kernel's workspace is small)
 # owner_grad_return on too
-head_split applied; owner_grad_return: head_split splits this region's attention calls (one or the other)""")
+head_split applied; owner_grad_return: head_split applies to this region (the two exclude each other)""")
 
 
 HP = {"cp_inductor.head_split": True, "cp_inductor.head_split_forward": True,

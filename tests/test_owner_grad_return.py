@@ -13,8 +13,8 @@ from expecttest import TestCase
 
 import cp_inductor
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes import pipeline
-from cp_inductor.passes.rewrites import owner_grad_return
+from cp_inductor.passes import engine
+from cp_inductor.passes.experimental import owner_grad_return
 from cp_inductor.testing.checks import AttentionCase, allgather_fn, check_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, allgather_qkv, causal_allgather, fake_pg
@@ -56,8 +56,8 @@ def _backward(cp: int, fn=_grouped, **cfg):
     with fake_pg(cp), cp_inductor.config.patch(owner_grad_return=True, **cfg):
         graphs = aot_graphs(fn, *allgather_qkv())
         gm = graphs["backward"]
-        rows = pipeline.analyze(gm.graph, "backward")
-        pipeline.rewrite_graph(gm.graph)
+        rows = engine.analyze(gm.graph, "backward")
+        engine.rewrite_graph(gm.graph)
     return rows, gm
 
 
@@ -126,7 +126,7 @@ no attention runs after its reduce-scatter, so the pulls would hide under nothin
         self.assertIn("reduce_scatter", _collectives(gm))  # left to NCCL
         with fake_pg(2), cp_inductor.config.patch(owner_grad_return=True):
             fwd = aot_graphs(causal_allgather, *allgather_qkv())["forward"]
-            reasons = {r.skipped.get("owner_grad_return") for r in pipeline.analyze(fwd.graph, "forward")}
+            reasons = {r.skipped.get("owner_grad_return") for r in engine.analyze(fwd.graph, "forward")}
         self.assertEqual(reasons, {"forward region (the rewrite returns the backward's dK/dV)"})
 
 

@@ -12,7 +12,7 @@ import pytest
 import cp_inductor
 import ulysses_programs as up
 from cp_inductor.testing.launch import run_on_ranks
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
 from helpers import aot_graphs, fake_pg, fused_a2a_pass, tally_detection
 
 SEEDS = range(90)
@@ -33,7 +33,7 @@ def survey(cp: int, seeds=SEEDS) -> tuple[collections.Counter, list]:
             stats["send_cast"] += spec.send_cast
             graphs = aot_graphs(*_fn_and_inputs(spec, cp))
             rejected = []
-            found = {kind: len(pipeline.analyze(gm.graph, kind, rejected)) for kind, gm in graphs.items()}
+            found = {kind: len(engine.analyze(gm.graph, kind, rejected)) for kind, gm in graphs.items()}
             for gm in graphs.values():
                 fused_a2a_pass(gm.graph)  # strict: a bug raises here
             tally_detection(stats, misses, spec, spec.regions(), found, rejected)

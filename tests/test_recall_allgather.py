@@ -12,7 +12,7 @@ import pytest
 import allgather_programs as ap
 import cp_inductor
 from cp_inductor.lowerings import ce_transport
-from cp_inductor.passes import pipeline
+from cp_inductor.passes import engine
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, fake_pg, tally_detection
 
@@ -33,10 +33,10 @@ def survey(cp: int) -> tuple[collections.Counter, list]:
             graphs = aot_graphs(fn, *inputs)
             rejected, found, applied = [], {}, collections.Counter()
             for kind, gm in graphs.items():
-                rows = pipeline.analyze(gm.graph, kind, rejected)
+                rows = engine.analyze(gm.graph, kind, rejected)
                 found[kind] = len(rows)
                 applied.update(a for r in rows for a in r.applied)
-                pipeline.rewrite_graph(gm.graph)  # strict: a failing rewrite raises here
+                engine.rewrite_graph(gm.graph)  # strict: a failing rewrite raises here
             stats.update(f"applied:{a}" for a in applied)
             tally_detection(stats, misses, spec, spec.regions(), found, rejected)
     return stats, misses

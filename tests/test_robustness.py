@@ -11,10 +11,12 @@ import cp_inductor
 import variants
 from cp_inductor.parallel import ulysses_attention
 from cp_inductor.passes.analysis import cost_model
-from cp_inductor.passes.rewrites import fused_a2a
+from cp_inductor.passes.post_grad import fused_a2a
 from cp_inductor.reporting import clear_report, report
-from cp_inductor.passes.whole_graph.canonicalize import canonicalize, rewrap_rng_attention
-from helpers import aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, report_text, rewrite_summary
+from cp_inductor.passes.canonicalize import canonicalize, rewrap_rng_attention
+from helpers import (
+    aot_graphs, describe_matches, describe_regions, fake_pg, fused_a2a_pass, pass_replaced, report_text, rewrite_summary,
+)
 from test_fused_a2a import qkv
 
 
@@ -95,7 +97,7 @@ class TestUndoneRewrite(TestCase):
         tried alone: the sound region is still rewritten, the broken one undone."""
         from torch._dynamo.utils import counters
 
-        real = fused_a2a.REWRITE.apply
+        real = fused_a2a.PASS.apply
         with fake_pg(2), cp_inductor.config.patch(strict=False):
             graphs = aot_graphs(variants.chained_layers, *qkv((1, 4, 4, 8), (1, 4, 4, 8)))
             forward = graphs["forward"].graph
@@ -108,13 +110,10 @@ class TestUndoneRewrite(TestCase):
                 old, new, strides = replaced[0]
                 return [(old, graph.call_function(torch.ops.aten.slice.Tensor, (new, 0, 0, 1)), strides)] + replaced[1:]
 
-            object.__setattr__(fused_a2a.REWRITE, "apply", broken_on_second)  # a frozen record
-            try:
+            with pass_replaced(fused_a2a.PASS, apply=broken_on_second):
                 clear_report()
                 counters.clear()
                 fused_a2a_pass(forward)
-            finally:
-                object.__setattr__(fused_a2a.REWRITE, "apply", real)
             forward.lint()
         assert [u.attention for u in report().undone] == [second], (report().undone, dict(counters["cp_inductor"]), second)
         assert counters["cp_inductor"]["fused_a2a"] == 1, dict(counters["cp_inductor"])
@@ -273,7 +272,7 @@ backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_produc
     def test_an_error_leaves_the_graph_and_the_compile_alone(self):
         from unittest import mock
 
-        from cp_inductor.passes.whole_graph import canonicalize as canon
+        from cp_inductor.passes import canonicalize as canon
 
         with fake_pg(2):
             gm = aot_graphs(variants.inplace_bshd, *qkv((1, 4, 2, 8), (1, 4, 2, 8)))["forward"]
@@ -354,7 +353,7 @@ B1 S32K Hq32 Hkv8 D128: skip""")
     def test_the_choice_is_reported(self):
         with fake_pg(2):
             graphs = aot_graphs(ulysses_attention, *qkv((1, 8, 4, 16), (1, 8, 4, 16)))
-            from cp_inductor.passes import pipeline
+            from cp_inductor.passes import engine
 
-            details = [r.detail for r in pipeline.analyze(graphs["forward"].graph, "forward")]
+            details = [r.detail for r in engine.analyze(graphs["forward"].graph, "forward")]
         self.assertExpectedInline(" | ".join(details), """Hq=4 Hkv=4 unpack=views (no cost map for cpu)""")

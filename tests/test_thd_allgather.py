@@ -236,7 +236,7 @@ def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document", **
     accumulator note once per graph kind."""
     import varlen_programs as vp
     from cp_inductor.lowerings import varlen_attention
-    from cp_inductor.passes import pipeline
+    from cp_inductor.passes import engine
 
     vp.register_cpu_kernels()
     q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, heads_kv, 16)
@@ -250,7 +250,7 @@ def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document", **
             plan, chunk = vp.chunk_plan(HAND_LENGTHS, 0, cp), q.shape[0] // (2 * cp)
             local = [torch.cat([t[:chunk], t[-chunk:]]).requires_grad_() for t in (q, k, v)]
             graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan, **variant), *local)
-        notes = {n for kind, gm in graphs.items() for r in pipeline.analyze(gm.graph, kind) for n in r.notes}
+        notes = {n for kind, gm in graphs.items() for r in engine.analyze(gm.graph, kind) for n in r.notes}
         return "\n".join([describe_matches(graphs), *sorted(notes)])
 
 
@@ -356,7 +356,7 @@ varlen attention _flash_attention_forward_1: allgather, thd, lengths unknown, ca
         for dense attention say why they leave a packed region alone."""
         import varlen_programs as vp
         from cp_inductor.config_snapshot import snapshot
-        from cp_inductor.passes import pipeline
+        from cp_inductor.passes import engine
 
         vp.register_cpu_kernels()
         q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
@@ -366,7 +366,7 @@ varlen attention _flash_attention_forward_1: allgather, thd, lengths unknown, ca
         with fake_pg(2):
             graphs = aot_graphs(lambda a, b, c: vp.allgather_thd(a, b, c, plan), *local)
             skipped = {(kind, name, why) for kind, gm in graphs.items()
-                       for r in pipeline.analyze(gm.graph, kind, cfg=cfg) for name, why in r.skipped.items()}
+                       for r in engine.analyze(gm.graph, kind, cfg=cfg) for name, why in r.skipped.items()}
         self.assertExpectedInline("\n".join(f"{k} {n}: {w}" for k, n, w in sorted(skipped)), """\
 backward gather_overlap: packed (THD) region: this rewrite works on dense [B, S, H, D] attention
 backward head_split: packed (THD) region: this rewrite works on dense [B, S, H, D] attention

@@ -122,7 +122,7 @@ def test_on_gpus_a_pack_keeps_its_all_to_alls_by_the_measured_cost():
 
     from cp_inductor.config_snapshot import snapshot
     from cp_inductor.lowerings import varlen_attention  # noqa: F401 - defines the op
-    from cp_inductor.passes.rewrites.shared.ulysses_buffers import PACKED_SKIP, unpack_choice
+    from cp_inductor.passes.post_grad.ulysses_buffers import PACKED_SKIP, unpack_choice
 
     graph = torch.fx.Graph()
     with FakeTensorMode():

@@ -15,9 +15,9 @@ import cp_inductor
 import varlen_programs as vp
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.passes import pipeline
-from cp_inductor.passes.analysis import varlen_calls
-from cp_inductor.passes.whole_graph import varlen_cudnn
+from cp_inductor.passes import engine
+from cp_inductor.passes.dynamo import varlen_calls, varlen_cudnn
+from helpers import pass_replaced
 
 pytestmark = pytest.mark.skipif(not vp.register_cpu_kernels(), reason="this torch has no torch.nn.attention.varlen")
 
@@ -62,7 +62,7 @@ def calls_and_views(gm) -> str:
 def rewritten(fn, *args, **cfg):
     gm = dynamo_graph(fn, *args)
     with reference_kernels():
-        routes = pipeline.run_dynamo_passes(gm, snapshot(cfg))
+        routes = engine.run_dynamo_passes(gm, snapshot(cfg))
     return gm, routes
 
 
@@ -104,7 +104,7 @@ def rewritten_while_compiling(fn, *args, **cfg):
 
     def backend(gm, example_inputs):
         with reference_kernels():
-            seen["routes"] = pipeline.run_dynamo_passes(gm, snapshot(cfg))
+            seen["routes"] = engine.run_dynamo_passes(gm, snapshot(cfg))
         seen["gm"] = gm
         if all(r.path == varlen_calls.KEPT for r in seen["routes"]):
             return lambda *inputs: [None]
@@ -203,7 +203,7 @@ fa4_varlen_attention_default = fa4_varlen_attention.default(l_q_, getitem_1, get
         self.assertExpectedInline(calls_and_views(gm), """\
 arg = stack([l_q_, l_k_, l_v_])
 autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, arg, l_cu_)""")
-        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
+        self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: disabled by config""")
 
     def test_a_function_taking_part_of_its_input_is_kept(self):
         """A view that is not a whole slice of the input (here half its heads) is not read as an
@@ -226,7 +226,7 @@ autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, arg, l
         q, k, v, cu, m = vp.pack([4, 4], 4, 4, 16)
         qkv = torch.stack([q, k, v], dim=1).requires_grad_()
         gm = dynamo_graph(lambda qkv: HalfHeads.apply(qkv, cu, cu.clone(), m), qkv)
-        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        (route,) = engine.run_dynamo_passes(gm, snapshot())
         self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: the autograd.Function's forward also runs getitem (a view that is not a whole slice of an input)""")
 
     def test_head_dim_padding_keeps_the_function(self):
@@ -260,7 +260,7 @@ autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, arg, l
 
         q, k, v, cu, m = vp.pack([4, 4], 2, 2, 16)
         gm = dynamo_graph(lambda q, k, v: StraightThrough.apply(q, k, v, cu, cu.clone(), m), q.requires_grad_(), k, v)
-        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        (route,) = engine.run_dynamo_passes(gm, snapshot())
         self.assertExpectedInline(route.line(), """varlen attention _flash_attn_varlen_forward: local, thd, lengths unknown, causal: kept: varlen: the autograd.Function's backward does not call flash_attn::_flash_attn_varlen_backward""")
 
 
@@ -273,7 +273,7 @@ class TestReasons(TestCase):
 
     def test_switch_off(self):
         self.assertExpectedInline(self.reason(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16), varlen_cudnn=False),
-                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: switch varlen_cudnn is off""")
+                                  """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: disabled by config""")
 
     def test_sliding_window(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -298,7 +298,7 @@ class TestReasons(TestCase):
 
     def test_cpu_without_the_reference(self):
         gm = dynamo_graph(vp.torchtitan_style, *vp.pack([4, 4], 2, 2, 16))
-        (route,) = pipeline.run_dynamo_passes(gm, snapshot())
+        (route,) = engine.run_dynamo_passes(gm, snapshot())
         self.assertExpectedInline(route.reason, """uniform_thd: lengths unknown (cu_seqlens not built from arange, not marked equal_lengths, no uniform_thd="promised"); varlen_cudnn: only the program's op takes it; cudnn: cpu: only CUDA runs cuDNN's ragged attention; fa4: cpu: FA4 runs on CUDA only""")
 
 
@@ -546,19 +546,19 @@ def torch_deterministic():
         torch.use_deterministic_algorithms(before)
 
 
-def test_a_lowering_that_raises_leaves_the_program_as_it_was(monkeypatch):
+def test_a_lowering_that_raises_leaves_the_program_as_it_was():
     """Not strict: the failed lowering's nodes are erased, the call keeps its op, the report
     says why (strict, as in these tests otherwise, it would raise)."""
-    from cp_inductor.passes.whole_graph import uniform_thd
+    from cp_inductor.passes.dynamo import uniform_thd
 
     def broken(gm, call):
         gm.graph.call_function(torch.zeros, (1,))
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(uniform_thd, "apply", broken)
     gm = dynamo_graph(arange_pack, *vp.pack([4, 4], 2, 2, 16)[:3], 4)
     before = calls(gm)
-    (route,) = pipeline.run_dynamo_passes(gm, snapshot({"strict": False}))
+    with pass_replaced(uniform_thd.PASS, apply=broken):
+        (route,) = engine.run_dynamo_passes(gm, snapshot({"strict": False}))
     assert calls(gm) == before and route.path == varlen_calls.KEPT
     assert "uniform_thd: internal error, left to Inductor: RuntimeError: boom" in route.reason, route.reason
 

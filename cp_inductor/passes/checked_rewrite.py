@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from ..reporting import RewriteUndone, record_undone
-from .analysis.fx_emit import recording_values, replaying_values
+from .editing.fx_emit import recording_values, replaying_values
 
 
 class RewriteCheckError(Exception):
@@ -97,7 +97,7 @@ def check(graph: torch.fx.Graph, replaced: list) -> bool:
 
 
 def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs=()) -> bool:
-    """Apply ``rewrite`` (a :class:`~cp_inductor.passes.rewrites.Rewrite`) to ``match`` if its
+    """Apply ``rewrite`` (a region :class:`~cp_inductor.passes.record.Pass`) to ``match`` if its
     trial on a copy of ``graph`` passes :func:`check`; ``match_at(node, graph_kind, cfg)`` finds
     the match again on the copy. Counts the kept rewrite (and ``performs``: the rewrites it
     replaces that also apply to this match) in ``counters["cp_inductor"]``; returns whether it

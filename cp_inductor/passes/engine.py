@@ -1,0 +1,390 @@
+"""The engine that runs the table of ``passes/pipeline.py``: what every pass gets from one place.
+
+For every pass, whatever its unit (``record.py``): its switch (off: the reason is
+:data:`~.record.DISABLED`, in one wording), its ``why_not`` and ``apply`` behind the error fence
+(``guard.py``: a bug in a pass costs that pass, never the compile; raised under ``strict``), the
+``excludes`` it declares, its counters (``counters["cp_inductor"][name]``), its log line and its
+trace artifacts (``observe.py``), and its checked apply:
+
+* region passes: every region's rewrites of a hook tried together on one copy of the graph and
+  checked (``checked_rewrite.py``); if that fails, each tried alone and the failing ones undone
+  and reported;
+* call passes (packed sequences, on the Dynamo graph): what a call's apply inserted is erased if
+  it raises, and the next pass is tried on that call;
+* graph passes: what an apply inserted is erased if it raises; the graph is linted after it.
+
+Two places in Inductor run the post-grad stage, both with the compile's config snapshot:
+:func:`analyze` on each graph AOTAutograd hands to Inductor, before any post-grad pass (the
+report: regions, and per region what :func:`decide` says of each rewrite; it runs on every
+compile, also when the FX graph cache then serves the code), and :func:`run_hook` inside
+Inductor's post-grad passes, which asks the same :func:`decide` and applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx
+from torch._dynamo.utils import counters
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from ..config_snapshot import ConfigSnapshot, snapshot
+from ..reporting import BackwardRoute, Region, Rejected
+from . import checked_rewrite
+from .analysis import accumulators
+from .analysis.graph_walk import node_order
+from .detect import a2a, forward_seen, ring
+from .dynamo import varlen_calls
+from .editing.fx_emit import REPLACES, replaying_values
+from .guard import internal_error, reason_or_error
+from .observe import rewrite_observed, timed
+from .pipeline import DETECTORS, PASSES
+from .post_grad import cudnn_frontend_backward
+from .record import CALL, CANONICAL, DISABLED, DYNAMO, GRAPH, HOOKS, POST_GRAD, REGION, Pass, Verdicts, check_order
+
+REWRITES: tuple[Pass, ...] = tuple(p for p in PASSES if p.unit == REGION)  # decision order
+check_order(REWRITES)
+PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
+__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "inductor_patches", "run_dynamo_passes", "run_hook"]
+
+
+def _stage(stage: str, unit: str) -> tuple[Pass, ...]:
+    return tuple(p for p in PASSES if p.stage == stage and p.unit == unit)
+
+
+def switch_reason(p: Pass, cfg: ConfigSnapshot) -> str | None:
+    """:data:`DISABLED` if ``p``'s switch is off, else None."""
+    return DISABLED if p.switched and cfg[p.name] in (False, "off") else None
+
+
+def _excluded(p: Pass, verdicts: Verdicts) -> str | None:
+    for other in p.excludes:
+        if verdicts.applies(other):
+            return f"{other} applies to this region (the two exclude each other)"
+    return None
+
+
+# --- graph passes ---------------------------------------------------------------------------
+
+
+def _run_graph_pass(p: Pass, graph: torch.fx.Graph, cfg: ConfigSnapshot, where: str) -> int:
+    """``p`` on the whole ``graph``: how many changes it made (0 where it did not run or failed)."""
+    with timed(p.name, where) as outcome:
+        reason = switch_reason(p, cfg) or reason_or_error(p.why_not, graph, cfg, cfg=cfg)
+        if reason is not None:
+            outcome["did"] = f"skipped: {reason}"
+            return 0
+        before = set(graph.nodes)
+        try:
+            changes = p.apply(graph, cfg) or 0
+        except Exception as e:  # noqa: BLE001 - a bug in a pass costs the pass, not the compile
+            for node in reversed([n for n in graph.nodes if n not in before]):
+                if not node.users:
+                    graph.erase_node(node)
+            outcome["did"] = internal_error(e, cfg)
+            return 0
+        if changes:
+            graph.lint()
+            counters["cp_inductor"][p.name] += changes
+        outcome["did"] = f"{changes} changes"
+        return changes
+
+
+def canonicalize(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> int:
+    """The forms detection relies on (the table's CANONICAL passes); how many nodes changed."""
+    return sum(_run_graph_pass(p, graph, cfg, "the graph detection reads") for p in _stage(CANONICAL, GRAPH))
+
+
+# --- the Dynamo graph: packed-sequence calls ------------------------------------------------
+
+
+def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
+    """The call passes on the graph Dynamo hands the backend (each packed call to the first that
+    applies, else it stays with every reason); returns the report's lines."""
+    try:
+        calls = varlen_calls.find(gm)
+    except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
+        internal_error(e, cfg)
+        return []
+    programs_fa4 = varlen_calls.fa4_calls(gm)
+    for call in calls:
+        if not call.reasons:  # else kept on reading it (flash-attn's Function in a form we do not take)
+            _lower_call(gm, call, cfg)
+    for call in calls:  # a call that stays needs none of the views reading it made
+        for node in reversed(call.inserted if call.path == varlen_calls.KEPT else ()):
+            if not node.users:
+                gm.graph.erase_node(node)
+    if any(c.path != varlen_calls.KEPT for c in calls):
+        gm.graph.lint()
+        gm.recompile()
+        gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
+    return programs_fa4 + [c.route() for c in calls]
+
+
+def _lower_call(gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
+    reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
+    if reason is not None:
+        call.reasons["varlen"] = reason
+        return
+    for p in _stage(DYNAMO, CALL):
+        reason = switch_reason(p, cfg) or reason_or_error(p.why_not, call, cfg, cfg=cfg)
+        if reason is None:
+            with rewrite_observed(p.name, f"the Dynamo graph, {call.name}", gm.graph) as outcome:
+                reason = _apply_or_undo(gm, p, call, cfg)
+                outcome["kept"] = reason is None
+                outcome["did"] = f"-> {call.path}" if reason is None else f"undone: {reason}"
+        if reason is None:
+            counters["cp_inductor"][p.name] += 1
+            return
+        call.reasons[p.name] = reason
+
+
+def _apply_or_undo(gm: torch.fx.GraphModule, p: Pass, call, cfg) -> str | None:
+    """Apply ``p`` to ``call``; where it raises before rewiring, erase what it inserted."""
+    before = set(gm.graph.nodes)
+    try:
+        p.apply(gm, call)
+        return None
+    except Exception as e:  # noqa: BLE001 - see internal_error
+        for node in reversed(list(gm.graph.nodes)):
+            if node not in before and not node.users:
+                gm.graph.erase_node(node)
+        return internal_error(e, cfg)
+
+
+# --- regions: the decision, the report ------------------------------------------------------
+
+
+@dataclass
+class Decision:
+    """What the pipeline does to one region: rewrite names that apply, reasons for the rest."""
+
+    applied: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+
+    def to_run(self, hook: str) -> list[Pass]:
+        """The applied rewrites that run on ``hook``, minus those another applied one performs."""
+        chosen = [r for r in REWRITES if r.name in self.applied]
+        replaced = {name for r in chosen for name in r.replaces}
+        return [r for r in chosen if r.stage == hook and r.name not in replaced]
+
+
+def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
+    """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
+    (the others are left out, not skipped)."""
+    decision, verdicts = Decision(), Verdicts()
+    for rewrite in REWRITES:
+        if match.style not in rewrite.styles or (only is not None and rewrite.name not in only):
+            continue
+        reason = switch_reason(rewrite, cfg) or _excluded(rewrite, verdicts)
+        if reason is None and match.layout == "thd" and not rewrite.packed:
+            reason = PACKED_REASON
+        if reason is None:
+            reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
+        verdicts.record(rewrite.name, reason)
+        if reason is None:
+            decision.applied.append(rewrite.name)
+        else:
+            decision.skipped[rewrite.name] = reason
+    return decision
+
+
+def _detector(match):
+    return next(d for d in DETECTORS if d.STYLE == match.style)
+
+
+def _op_name(node) -> str:
+    return node.target.__name__.split(".")[0]
+
+
+def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None,
+            canonical: bool = False) -> list[Region]:
+    """The report rows of one graph: its CP regions and what the pipeline does to each.
+    Attention ops that are not regions go to ``rejected`` with the reason. ``cfg``: the
+    compile's snapshot (default: the global config as it is now). ``canonical``: the caller has
+    put the graph in canonical form already (the backend does, to recompile what changed)."""
+    cfg = cfg if cfg is not None else snapshot()
+    if not cfg.detect:
+        return []
+    if not canonical:
+        canonicalize(graph, cfg)
+
+    order = node_order(graph)
+    rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
+    for detector in DETECTORS:
+        for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
+            rows.append((order[match.attention], _region_row(match, detector, graph_kind, cfg)))
+    matched = {i for i, _ in rows}
+    if rejected is not None:
+        for node in sorted(reasons, key=order.__getitem__):
+            if order[node] not in matched:
+                rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+def _region_row(match, detector, graph_kind: str, cfg) -> Region:
+    decision = decide(match, cfg)
+    detail = match.describe()
+    for rewrite in REWRITES:
+        if rewrite.name in decision.applied and rewrite.detail is not None:
+            detail += " " + rewrite.detail(match, cfg)
+    if cudnn_frontend_backward.is_cudnn_backward(match.attention):
+        detail += f" backward={cudnn_frontend_backward.route(match.attention, cfg).path}"
+    notes = [n for n in (accumulators.note(match), _proved_alone(match, detector)) if n]
+    return Region(
+        style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
+        applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
+        detail=detail, notes=notes,
+    )
+
+
+def _proved_alone(match, detector) -> str | None:
+    """A backward region paired with no forward op (its forward graph not analysed, or the op
+    called in an autograd.Function's backward, which AOTAutograd numbers apart) is proved from
+    the backward alone; one paired with its forward is a region because its forward is one."""
+    if match.direction != "backward" or forward_seen(match.attention, detector.__name__):
+        return None
+    return "backward region proved on its own (no forward op paired with it)"
+
+
+def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:
+    """Each cuDNN attention backward of ``graph`` and the op it will run on (the report's
+    lines; the post-grad pass asks the same :func:`cudnn_frontend_backward.route`)."""
+    cfg = cfg if cfg is not None else snapshot()
+    return [
+        BackwardRoute(graph_kind, n.name, r.path, r.reason)
+        for n in graph.nodes if cudnn_frontend_backward.is_cudnn_backward(n)
+        for r in (cudnn_frontend_backward.route(n, cfg),)
+    ]
+
+
+def _reasons_into(reasons: dict, style: str):
+    def log(node, reason):
+        reasons.setdefault(node, {})[style] = reason
+
+    return log
+
+
+NO_COLLECTIVE = "no all_to_all or all_gather feeds q, k or v (attention on local data)"
+P2P = (
+    "K/V arrive by point-to-point send/recv (batch_isend_irecv, traced with "
+    "TORCHDYNAMO_ENABLE_P2P_COMPILATION=1): ring detection follows all_to_all rotations only; "
+    "reported, not rewritten"
+)
+
+
+def _why_no_region(by_style: dict, node) -> str:
+    """One reason from each detector's: the ones that saw their collective, else what feeds it
+    (point-to-point receives, or nothing: an op no all-gather feeds gets no reason from that
+    detector)."""
+    specific = [r for style, r in by_style.items() if not (style == a2a.STYLE and r == a2a.NO_ALL_TO_ALL)]
+    if specific:
+        return "; ".join(specific)
+    return P2P if ring.received_point_to_point(node) else NO_COLLECTIVE
+
+
+def inductor_patches(rows: list[Region]) -> dict:
+    """Inductor config for a graph with these report rows (what its applied rewrites need)."""
+    by_name = {r.name: r for r in REWRITES}
+    patches = {}
+    for row in rows:
+        for name in row.applied:
+            patches.update(by_name[name].inductor_patches)
+    return patches
+
+
+# --- Inductor's hooks -----------------------------------------------------------------------
+
+
+def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
+    """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
+    graph order) decide and apply, then the hook's graph passes in table order. ``only``: just
+    these rewrites, no graph passes (tests run one rewrite alone)."""
+    if any(r.stage == hook for r in REWRITES):
+        _rewrite_regions(hook, graph, cfg, only)
+    if only is None:
+        for p in _stage(hook, GRAPH):
+            _run_graph_pass(p, graph, cfg, hook)
+
+
+def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
+    with timed("detect", hook) as outcome:
+        canonicalize(graph, cfg)
+        matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
+        outcome["did"] = f"{len(matches)} regions"
+    if not matches:
+        return
+    # Every region's rewrites are tried together on one copy of the graph, checked once; only if
+    # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
+    # checking per rewrite made our passes' time grow with the square of the layers.
+    with timed("trial", hook) as outcome:
+        trial = checked_rewrite.trial_all(
+            graph, matches, _detector, lambda g, ms, apply: _each_region(g, ms, hook, cfg, only, apply), cfg)
+        outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
+    if trial is not None:
+        with replaying_values(trial.values):
+            _each_region(graph, matches, hook, cfg, only, _apply_tried)
+        if trial.sorted:
+            stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
+    else:
+        _each_region(graph, matches, hook, cfg, only, checked_rewrite.apply_checked)
+    graph.eliminate_dead_code()
+    graph.lint()
+
+
+def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
+    """``rewrite`` on ``match`` once the trial of every region passed: applied, counted."""
+    rewrite.apply(graph, match, cfg)
+    checked_rewrite.count(rewrite, performs)
+    return True
+
+
+def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, only, apply) -> bool:
+    """Per region of ``matches`` (in graph order), the rewrites :func:`decide` chose for ``hook``,
+    each through ``apply(graph, match, rewrite, match_at, cfg, performs) -> kept?``; whether any
+    was kept."""
+    order = node_order(graph)
+    changed = False
+    for match in sorted(matches, key=lambda m: order[m.attention]):
+        detector = _detector(match)
+        if match.attention._erased:
+            continue
+        if changed:
+            # An earlier rewrite may have replaced nodes this region was found through (two
+            # layers back to back share the first one's returned output): find it again.
+            match = detector.match_at(match.attention, "post_grad", cfg)
+            if match is None:
+                continue
+        changed |= _rewrite_region(graph, match, detector, hook, cfg, only, apply)
+    return changed
+
+
+def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only, apply) -> bool:
+    """Apply what :func:`decide` chose for ``match`` on ``hook`` through ``apply``; whether any
+    was kept."""
+    kept = False
+    decision = decide(match, cfg, only)
+    for rewrite in decision.to_run(hook):
+        performs = [name for name in rewrite.replaces if name in decision.applied]
+        if apply is checked_rewrite.apply_unchecked:  # the trial copy: nothing to show or log
+            kept_now = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+        else:
+            where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
+            with rewrite_observed(rewrite.name, where, graph) as outcome:
+                kept_now = outcome["kept"] = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+        if not kept_now:
+            continue
+        kept = True
+        attention = match.attention
+        if attention._erased:  # split into several calls: the region is found again by the first
+            attention = next((n for n in graph.nodes if n.meta.get(REPLACES) == attention.name), None)
+        match = None if attention is None else detector.match_at(attention, "post_grad", cfg)
+        if match is None:
+            break
+    return kept
+
+
+def rewrite_graph(graph: torch.fx.Graph, cfg=None, only=None) -> None:
+    """The post-grad stage on ``graph`` outside a compile (tests; default config: the global
+    one as it is now)."""
+    run_hook(POST_GRAD, graph, cfg if cfg is not None else snapshot(), only)

@@ -1,0 +1,105 @@
+"""The pass record: everything the engine needs to know about one pass.
+
+Each pass is one module that defines ``PASS``; ``passes/pipeline.py`` lists them, and
+``passes/engine.py`` runs them. What a pass works on (``unit``) fixes the signatures of its two
+functions:
+
+============  ===========================================  ===================================
+unit          ``why_not`` (a reason, or None: it applies)  ``apply``
+============  ===========================================  ===================================
+``REGION``    ``(match, cfg, verdicts)``: a CP region       ``(graph, match, cfg)`` -> the tensors
+                                                           it handed on ``[(old value, new node,
+                                                           strides kept?)]``
+``CALL``      ``(call, cfg)``: a packed-sequence call       ``(gm, call)``
+``GRAPH``     ``(graph, cfg)``: the whole graph             ``(graph, cfg)`` -> how many changes
+============  ===========================================  ===================================
+
+Region passes declare their relations to the others by name (checked when the pipeline loads,
+:func:`check_order`): ``after``: passes whose verdict on the same region this one's ``why_not``
+reads; ``replaces``: passes this one performs itself where both apply; ``excludes``: passes that
+cannot apply with this one to one region (the one decided first wins; the engine says so).
+Call passes are tried in order on each call until one applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Stages: where in torch.compile a pass runs.
+DYNAMO = "dynamo"  # the graph Dynamo hands the backend, before AOTAutograd
+CANONICAL = "canonical"  # every graph detection reads, first (forms the detectors rely on)
+JOINT = "joint_custom_pre_pass"  # the joint forward+backward graph, before the partitioner
+JOINT_POST = "joint_custom_post_pass"
+POST_GRAD = "post_grad_custom_pre_pass"  # forward, backward and inference graphs
+POST_GRAD_POST = "post_grad_custom_post_pass"
+HOOKS = (JOINT, JOINT_POST, POST_GRAD, POST_GRAD_POST)  # Inductor's hook keys, in its order
+
+REGION, CALL, GRAPH = "region", "call", "graph"
+
+DISABLED = "disabled by config"
+
+
+def _applies(*_) -> None:
+    return None
+
+
+class Verdicts:
+    """The verdicts of the passes decided so far on one region or call: ``why_not`` reads them."""
+
+    def __init__(self):
+        self._reasons: dict = {}
+
+    def record(self, name: str, reason: str | None) -> None:
+        self._reasons[name] = reason
+
+    def decided(self, name: str) -> bool:
+        return name in self._reasons
+
+    def applies(self, name: str) -> bool:
+        """Whether ``name`` was decided and applies."""
+        return name in self._reasons and self._reasons[name] is None
+
+    def reason(self, name: str) -> str | None:
+        """Why ``name`` does not apply (None: it applies). ``name`` must have been decided."""
+        return self._reasons[name]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str  # its name in the report and the logs, and its config switch (see ``switched``)
+    stage: str  # DYNAMO, CANONICAL, or the Inductor hook key it runs on
+    apply: Callable
+    why_not: Callable = _applies
+    unit: str = REGION
+    # Whether ``cfg[name]`` turns it off (False or "off"); a pass that is not switched always
+    # runs (canonical forms) or is chosen by other config (fa4_dense: attention_provider).
+    switched: bool = True
+    styles: tuple[str, ...] = ()  # REGION: the CP styles whose regions it concerns
+    after: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    # REGION: Inductor config a graph is compiled with when this pass applies to one of its regions.
+    inductor_patches: dict = field(default_factory=dict)
+    # REGION: detail(match, cfg) -> what the report adds to the region's detail when it applies.
+    detail: Callable | None = None
+    packed: bool = False  # REGION: takes packed-sequence (THD) regions too, not only dense ones
+
+
+def check_order(passes) -> None:
+    """Every name a record declares is a pass decided before it (raises otherwise)."""
+    seen = set()
+    for p in passes:
+        for relation in ("after", "replaces", "excludes"):
+            for name in getattr(p, relation):
+                if name not in seen:
+                    raise AssertionError(f"pass {p.name!r}: {relation} {name!r} is not a pass listed before it")
+        seen.add(p.name)
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for the report: 1.5 GiB, 256 MiB, 12 KiB, 80 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
