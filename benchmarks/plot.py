@@ -26,7 +26,7 @@ ARM_NAMES = {
     "eager": "eager", "inductor": "default Inductor", "cp_off": "cp_inductor, rewrites off",
     "cp_inductor": "cp_inductor", "cp_on": "cp_inductor", "cp_uniform": "cp_inductor, equal lengths promised",
     "native": "native CP (eager)", "native_cp": "native CP, cp_inductor", "floor": "floor (best kernel, one rank's share)",
-    "dense": "dense cuDNN SDPA",
+    "dense": "dense cuDNN SDPA", "cp_cudnn": "cp_inductor on cuDNN", "cp_fa4": "cp_inductor on FA4",
 }
 
 
@@ -38,7 +38,8 @@ def _shape_label(args: dict) -> str:
 
 def _row_label(row: dict) -> str:
     tokens = row.get("tokens")
-    return f"T{tokens // 1024}K D{row.get('head_dim')} {row.get('lengths', '')}".strip() if tokens else str(row.get("shape"))
+    mask = {"causal": " causal", "full": " full"}.get(row.get("mask"), "")
+    return f"T{tokens // 1024}K D{row.get('head_dim')} {row.get('lengths', '')}{mask}".strip() if tokens else str(row.get("shape"))
 
 
 def load(paths: list[str]) -> list[tuple[str, dict[str, float]]]:
