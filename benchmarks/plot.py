@@ -1,8 +1,8 @@
 """Bar charts of benchmark JSON: each arm's median time per shape, relative to default Inductor.
 
     pip install -e ".[plot]"
-    python benchmarks/plot.py --out docs/img/thd.png --title "..." benchmarks/results/h200_thd_d128_2026-12-01.json
-    python benchmarks/plot.py --out docs/img/ulysses.png benchmarks/results/h200x2_table_run11_*.json
+    python benchmarks/plot.py --out docs/img/thd.png --title "..." docs/results/packed_attention_h200_d128.json
+    python benchmarks/plot.py --out docs/img/ulysses.png benchmarks/results/h200x2_table_*.json
 
 Reads the two shapes of JSON the benchmark scripts write:
 - one shape per file, ``{"args": ..., "median_ms": {arm: ms}}`` (bench_ulysses.py, bench_allgather.py),

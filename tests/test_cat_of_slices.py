@@ -168,7 +168,7 @@ class TestGeneratedCode(TestCase):
         # On CPU Inductor already fuses the cat into the kernel that updates the dK/dV buffer:
         # on and off give the same number of kernels; with the pass that kernel writes the
         # buffer the home rotation sends (no cat in it). On GPUs the cat was a kernel of its own
-        # (benchmarks/results/native_cat_of_slices_s32k_profile_run55.log: ..._cat_slice_3, 0.18 ms).
+        # (run log native_cat_of_slices_s32k_profile_run55.log (git history): ..._cat_slice_3, 0.18 ms).
         off, on = _backward_kernels(False), _backward_kernels(True)
         self.assertEqual(len(off), len(on), (off, on))
         self.assertExpectedInline(" -> ".join([" ".join(sorted(set(off) - set(on))), " ".join(sorted(set(on) - set(off)))]), """cpp_fused_add_cat_slice_view_2 -> cpp_fused_add_slice_view_2""")

@@ -108,7 +108,7 @@ def _checkpointed_bf16(rank, cp):
 def test_checkpointed_nccl_bf16():
     """The in-place collective styles (tests/variants.py) are not run here: torch 2.11 traces an
     autograd.Function whose forward fills ``empty_like`` through ``dist.all_to_all_single`` with
-    no gradient path (zero dQ/dK/dV under every backend, plain Inductor included, benchmarks/results/inplace_collectives_torch211_run53.log); torch
+    no gradient path (zero dQ/dK/dV under every backend, plain Inductor included, run log inplace_collectives_torch211_run53.log (git history)); torch
     2.13 traces them right, which the gloo numerics check."""
     for results in run_on_ranks(_checkpointed_bf16, 2, pg_backend="nccl"):
         assert_cp_results(results, TOL, cp=2)

@@ -16,7 +16,7 @@ forward skips the op's per-call work. The backward reads the log-sum-exp through
 (no re-padding) below ``PADDED_STATS_FROM_HEAD_DIM``; from there cuDNN's backward measured
 faster reading it padded per sequence, so it is re-padded on device first. Measured on H200
 (Hq32 Hkv8, bf16, causal, ms; ``python benchmarks/bench_ragged_op.py``, JSON
-``benchmarks/results/h200_ragged_op_2026-12-01.json``):
+run log ``h200_ragged_op_2026-12-01.json`` (git history)):
 
     T, D, lengths         forward: ours / frontend op   backward: ragged / padded / frontend op
     32K 128 random               2.91 / 3.02                     8.45 / 8.65 / 8.71

@@ -140,7 +140,7 @@ def allgather_attention(
     the backward's workspace for smaller kernel calls and more collectives (README: -16% peak at
     +3..5% time for G=2 on H200); G must divide the query and the K/V heads. ``None`` or 1: one
     group, K/V saved (the grouped code with one group gave wrong cuDNN gradients at S32K on
-    H200, benchmarks/results/h200x2_allgather_s32k_hg1_run23.json, so it is not used)."""
+    H200, run log h200x2_allgather_s32k_hg1_run23.json (git history), so it is not used)."""
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
     q, k, v = (_to_bhsd(x, layout) for x in (q, k, v))

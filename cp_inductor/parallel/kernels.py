@@ -66,7 +66,7 @@ KERNELS = {
 def _cuda_kernel(index: int) -> str:
     index = torch.cuda.current_device() if index < 0 else index
     # cuDNN where SDPA may use it (fwd+bwd 1.6x faster than flash on H200, B1 S32K Hq32 Hkv8
-    # D128 causal: benchmarks/results/h200x2_allgather_kernels_run16.json), else flash.
+    # D128 causal: run log h200x2_allgather_kernels_run16.json (git history)), else flash.
     cudnn = torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
     return "cudnn" if cudnn and torch.cuda.get_device_capability(index) >= (9, 0) else "flash"
 

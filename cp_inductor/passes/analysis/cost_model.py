@@ -25,9 +25,9 @@ nearest shapes: same causality and MHA/GQA class, the ``NEIGHBOURS`` closest in 
 (batch, sequence, heads, head_dim); their penalties are averaged, because one measurement of a
 small difference is noisy.
 
-``auto`` never picks ``copy``: measured end to end on 2xH200 it was no faster than leaving the
-region alone wherever views did not win (B1 S32K H32 D128: 1.025 and 1.026 of cp_off in runs 8
-and 9; S64K 1.009, 1.007; S128K 1.003; S32K Hq32 Hkv8 1.017 twice). It stays a config choice.
+``auto`` never picks ``copy`` (measured no faster than leaving the region alone wherever views did
+not win); it stays a config choice. The constants below and what calibrated them:
+``docs/passes/fused_a2a.md``, "The cost model's constants".
 """
 
 from __future__ import annotations
@@ -41,24 +41,13 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[2] / "cost_data" / "h200_attention_layouts.json"  # cp_inductor/cost_data
 
 # Effective bandwidth (read + write, GB/s) of the copies views save, inside the compiled step.
-# Calibrated end to end on 2xH200 (B4 S8K H16 D128 cp=2, benchmarks/results/h200x2_b4s8k_run6.json):
-# views beat copy by 0.11 ms while the grid puts their attention penalty at 0.27 ms, so the copies
-# they skip (q, k, v, dO, out: 671 MB moved) took 0.38 ms. Between Inductor's isolated pack
-# kernels (3.8-4.0 TB/s, h200_pack_kernels_run5.json) and its isolated unpack of the fused
-# buffer (0.5-0.8 TB/s, the grid's unpack_ms).
 COPY_GBPS = 1800.0
-
 # Fusing sends q, k, v (and dq, dk, dv) through one all-to-all instead of three: two collectives
-# fewer per direction, with their waits and their pack/unpack kernel launches. That fixed saving
-# dominates small regions. Calibrated on the 2xH200 training step (B1 S8K, 4 local q heads, D128,
-# benchmarks/results/h200x2_train_step_s8k_dim1024_run12.json and _run13.json): views took 0.44
-# and 0.19 ms off a 3.2 / 2.3 ms step where the bandwidth terms above predict 0.014 ms, i.e.
-# 0.04-0.11 ms per collective saved; the lower end is used.
+# fewer per direction, with their waits and their pack/unpack kernel launches.
 SAVED_COLLECTIVE_MS = 0.04
 COLLECTIVES_SAVED = 4
-
-# Views must win by more than this (ms) and by MIN_GAIN of attention time: identical arms differ
-# by 1-2% between rounds at B1 S32K-S64K (runs 8 and 9), so a smaller predicted win is noise.
+# Views must win by more than this (ms) and by MIN_GAIN of attention time: a smaller predicted
+# win is within the noise between identical arms.
 MARGIN_MS = 0.02
 MIN_GAIN = 0.02
 NEIGHBOURS = 3

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 
 # Packed sequences on GPUs: one rank's compute of Ulysses over a pack (H200, fake group, rank 0 of
 # cp = 2, T64K, 8 random documents, cuDNN ragged attention; bench_thd.py --fake-rank, JSON
-# benchmarks/results/h200_thd_ulysses_unpack_fake_rank0of2_2026-12-02.json): the program's own
+# run log h200_thd_ulysses_unpack_fake_rank0of2_2026-12-02.json (git history)): the program's own
 # unpack 27.18 / 52.14 ms at D128 / D256, fused_a2a with one copy 27.65 / 53.01, with views
 # 28.16 / 53.71. The 0.5-0.9 ms it adds exceed what its 4 fewer collectives save (about 0.16 ms,
 # SAVED_COLLECTIVE_MS), so packs keep their all-to-alls unless the config forces an unpack.
