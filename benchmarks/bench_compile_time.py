@@ -32,7 +32,7 @@ from cp_inductor.testing.train_step import StepConfig, TransformerBlock
 style, layers, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 by_pass = {}
-NESTED = ("varlen_cudnn", "uniform_thd", "canonicalize")  # inside dynamo_passes, analyze, detect
+NESTED = ("varlen_cudnn", "uniform_thd")  # inside dynamo_passes
 
 class Passes(logging.Handler):
     def emit(self, record):

@@ -53,9 +53,9 @@ def _graph_kind(kwargs) -> str:
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0, **kwargs):
     rejected = []
+    if cfg.detect and engine.canonicalize(gm.graph, cfg):
+        gm.recompile()
     with timed("analyze", f"the {_graph_kind(kwargs)} graph") as outcome:
-        if cfg.detect and engine.canonicalize(gm.graph, cfg):
-            gm.recompile()
         rows = engine.analyze(gm.graph, _graph_kind(kwargs), rejected, cfg=cfg, canonical=True)
         outcome["did"] = f"{len(rows)} regions, {len(rejected)} other attention ops"
     if cfg.detect and dynamo_sdpa and not rows and not rejected and _graph_kind(kwargs) != "backward":

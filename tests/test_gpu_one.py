@@ -404,13 +404,15 @@ def _errors_against_fp32(q, k, v, cu, causal, grad):
 def _eager_and_compiled_against_fp32(program, q, k, v, cu, causal):
     """``program(q, k, v)`` in eager and compiled with cp_inductor: each one's errors against
     fp32 (``_errors_against_fp32``), and the compiled one's varlen report lines. Small packs on
-    purpose: the cost model would keep them on flash-2 (varlen_cudnn_min_size), so it is off."""
+    purpose: the cost model would keep them on flash-2 (varlen_cudnn_min_size, and the provider
+    map where flash-2 measured faster), so both are off: these tests check cuDNN's numerics."""
     errors = _errors_against_fp32(q, k, v, cu, causal, torch.randn_like(q))
     eager = errors(program)
     torch._dynamo.reset()
     cp_inductor.clear_report()
     ours = errors(torch.compile(program, backend="cp_inductor", fullgraph=True,
-                                options={"cp_inductor.varlen_cudnn_min_size": 0}))
+                                options={"cp_inductor.varlen_cudnn_min_size": 0,
+                                         "cp_inductor.attention_provider": "cudnn"}))
     routes = cp_inductor.report().varlen
     torch._dynamo.reset()
     return eager, ours, routes

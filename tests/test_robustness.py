@@ -1,6 +1,8 @@
 """What real user code brings: `-1` in views, chained layers, third-party collectives, a rewrite
 that goes wrong, and the cost model's choices."""
 
+import re
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -218,9 +220,11 @@ backward after:  _scaled_dot_product_flash_attention_for_cpu, _scaled_dot_produc
             text = report_text(graphs)
         self.assertIn("forward a2a cp=2", text)
         self.assertIn("backward a2a cp=2", text)
-        # The forward recomputed in the backward graph is not a region of its own, and says why.
-        self.assertIn("rejected backward _scaled_dot_product_flash_attention_for_cpu: output read only by the "
-                      "attention backward (a forward recomputed for it: activation checkpointing", text)
+        # The forward recomputed in the backward graph is not a region of its own, and says why:
+        # torch 2.13 recomputes it from the exchanged q, k, v; 2.11 from saved local ones.
+        why = re.search(r"rejected backward _scaled_dot_product_flash_attention_for_cpu: (.*)", text).group(1)
+        assert why.startswith(("output read only by the attention backward (a forward recomputed for it: "
+                               "activation checkpointing", "no all_to_all or all_gather feeds q, k or v")), why
 
     def test_cuda_generator_input_keeps_one_wrapper(self):
         """CUDA's graphsafe wrapper reads a generator input, which Inductor requires to be read by

@@ -308,8 +308,8 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
 
 
 def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
+    canonicalize(graph, cfg)
     with timed("detect", hook) as outcome:
-        canonicalize(graph, cfg)
         matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
         outcome["did"] = f"{len(matches)} regions"
     if not matches:
