@@ -1,10 +1,11 @@
 """The check that keeps a buggy rewrite from ever costing the user's compile.
 
-A rewrite is first tried on a copy of the graph (its match found again there), and the copy is
-checked: every tensor that leaves the region keeps its shape, dtype and (where promised)
-strides, the graph still sorts topologically (no cycle) and lints. Only a rewrite that passes is
-applied to the real graph; one that fails leaves the graph as it was and says why in the report
-(strict mode raises instead).
+Every region rewrite of a hook is first tried on one copy of the graph (:func:`trial_all`: the
+matches found again there), and the copy is checked: every tensor that leaves a region keeps its
+shape, dtype and (where promised) strides, the graph still sorts topologically (no cycle) and
+lints. Only then are the rewrites applied to the real graph, the fake-tensor values the trial
+computed replayed. If the trial fails, each rewrite is tried alone (:func:`apply_checked`): one
+that fails leaves the graph as it was and says why in the report (strict mode raises instead).
 """
 
 from __future__ import annotations
@@ -153,9 +154,11 @@ def trial_all(graph: torch.fx.Graph, matches: list, detector_of, each_region, cf
     that finds ``match`` again on the copy."""
     try:
         trial, val_map = _copy(graph)
-        found = (detector_of(m).match_at(val_map[m.attention], m.graph_kind, cfg) for m in matches)
+        found = [detector_of(m).match_at(val_map[m.attention], m.graph_kind, cfg) for m in matches]
+        if any(m is None for m in found):
+            return None  # a region the copy does not show would go unchecked on the graph
         with recording_values() as values:
-            each_region(trial, [m for m in found if m is not None], apply_unchecked)
+            each_region(trial, found, apply_unchecked)
         return Trial(values, check(trial, []))
     except Exception:  # noqa: BLE001 - the rewrites are then tried one by one
         return None
