@@ -175,3 +175,41 @@ def test_packed_ulysses_at_token_counts_that_change():
     # Both compiles (static, then dynamic) rewrite forward and backward.
     assert regions == [("backward", "thd", ("fused_a2a",))] * 2 + [("forward", "thd", ("fused_a2a",))] * 2, regions
     assert len(lines) == 2 and all(": a2a, thd," in line and ": cudnn_ragged" in line for line in lines), lines
+
+
+def _packs_that_change(rank, cp, packs):
+    """The packed all-gather helper compiled once, called with packs of new lengths and sizes
+    (no static capacity: automatic dynamic takes the token counts symbolic): per call the errors
+    against fp64, then the report's (graph, layout) pairs."""
+    from cp_inductor.lowerings import varlen_attention
+    from cp_inductor.parallel import thd_allgather as tag
+    from test_thd_allgather import _errors, _pack_and_reference
+
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    compiled = torch.compile(lambda a, b, c, shard: tag.thd_allgather_attention(a, b, c, shard, kernel="fa4"),
+                             backend="cp_inductor")
+    errors = []
+    for step, lengths in enumerate(packs):
+        full, dout, want = _pack_and_reference(lengths, 2, True, seed=step)
+        q, shard = tag.shard_pack(full[0], lengths, rank, cp)
+        ins = [q.requires_grad_(), *(t.index_select(0, shard.local_index).requires_grad_() for t in full[1:])]
+        with varlen_attention.reference_kernels():  # FA4's op on its CPU reference
+            out = compiled(*ins, shard)
+            grads = torch.autograd.grad(out, ins, dout.index_select(0, shard.local_index))
+        errors.append(_errors((out, *grads), want, shard.local_index))
+    layouts = sorted({(r.graph_kind, r.layout) for r in cp_inductor.report().regions})
+    torch._dynamo.reset()
+    return errors, layouts
+
+
+def test_packed_allgather_at_packs_that_change():
+    """Packs of new lengths and token counts through the packed all-gather helper, no static
+    shards: every call's output and gradients match fp64 and the packed regions are found in the
+    forward and backward graphs. (A pack with another piece layout recompiles: the shard's piece
+    counts are Python ints. Static shards reuse one graph: test_thd_allgather.py.)"""
+    packs = [[1, 3, 1, 61, 2, 1, 9, 5], [40, 1, 30, 24], [7, 70, 19], [3] * 31]
+    for errors, layouts in run_on_ranks(_packs_that_change, 2, packs):
+        for step in errors:
+            assert max(step.values()) < TOL, errors
+        assert ("forward", "thd") in layouts and ("backward", "thd") in layouts, layouts
