@@ -209,7 +209,7 @@ def test_packed_allgather_at_packs_that_change():
     forward and backward graphs. (A pack with another piece layout recompiles: the shard's piece
     counts are Python ints. Static shards reuse one graph: test_thd_allgather.py.)"""
     packs = [[1, 3, 1, 61, 2, 1, 9, 5], [40, 1, 30, 24], [7, 70, 19], [3] * 31]
-    for errors, layouts in run_on_ranks(_packs_that_change, 2, packs):
-        for step in errors:
-            assert max(step.values()) < TOL, errors
+    for per_call, layouts in run_on_ranks(_packs_that_change, 2, packs):
+        for step in per_call:
+            assert max(step.values()) < TOL, per_call
         assert ("forward", "thd") in layouts and ("backward", "thd") in layouts, layouts
