@@ -42,7 +42,7 @@ class TestGolden(TestCase):
         # the merge that rotation runs again in the backward, as in eager; with it the backward
         # reads the forward's rotated K/V (saved).
         ring = lambda q, k, v: ring_by_hand(q, k, v, causal=True)  # noqa: E731
-        self.assertExpectedInline(_schedule(_graphs(2, ring, collective_cse=False)), """\
+        self.assertExpectedInline(_schedule(_graphs(2, ring, ring_cse="pin")), """\
 forward: attn nccl#0 wait#0 attn
 backward: attn nccl#0 wait#0 nccl#1 wait#1 attn nccl#2 wait#2""")
         self.assertExpectedInline(_schedule(_graphs(2, ring)), """\

@@ -249,7 +249,7 @@ def _check_with_copy_engine_ops(rank, cp, *args):
 
 def test_numerics_gloo_copy_engine_ops():
     cases = [AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)]
-    options = {**HP_ALL, "cp_inductor.transport": "copy_engine"}
+    options = {**HP_ALL, "cp_inductor.head_overlap_transport": "copy_engine"}
     _assert_partitioned(run_on_ranks(_check_with_copy_engine_ops, 2, cases, None, "cp_inductor", "cpu", options)[0])
 
 

@@ -1,7 +1,7 @@
 """A whole-graph pass, not a region rewrite: common-subexpression elimination of a ring
 program's joint graph that every rank does alike where collectives are concerned.
 
-Graphs with ring rotations compile without AOTAutograd's CSE (``config.ring_aot_cse``): it
+Graphs with ring rotations compile without AOTAutograd's CSE (``config.ring_cse``): it
 merges any two nodes that agree, collectives included, and ring programs trace different graphs
 per rank (load balancing slices by rank), so whether two collectives agree may depend on the
 rank; a merge on some ranks only leaves the ranks' NCCL calls unpaired (a hang). Without any CSE
@@ -30,7 +30,7 @@ partitioner copies each node whose inputs a graph has into that graph and never 
 collective as dead code, so a collective whose inputs are saved anyway (or a backward one
 that only reads the forward's inputs) ran in both graphs; what is saved is the min-cut's
 choice on this rank's graph, and native CP's all-to-all rotation at cp=4 ran one more backward
-rotation on ranks 1-3 than on rank 0 (the hang ``config.ring_aot_cse`` describes).
+rotation on ranks 1-3 than on rank 0 (the hang ``config.ring_cse`` describes).
 """
 
 from __future__ import annotations
