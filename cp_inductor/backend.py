@@ -22,6 +22,7 @@ from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
 from .passes.observe import timed
+from .passes.record import JOINT, JOINT_POST
 from .reporting import Rejected, clear_report, record, record_backward_route, record_rejected, record_varlen
 
 OPTION_PREFIX = "cp_inductor."
@@ -79,14 +80,31 @@ def _sdpa_calls(gm: torch.fx.GraphModule) -> int:
     return sum(n.op == "call_function" and n.target is F.scaled_dot_product_attention for n in gm.graph.nodes)
 
 
-def graph_passes(cfg, inductor_patches: dict) -> dict:
-    """One CPGraphPass per hook key, chaining whatever pass the user had set there."""
+def graph_passes(cfg, inductor_patches: dict, hooks=engine.HOOKS) -> dict:
+    """One CPGraphPass per hook key of ``hooks``, chaining whatever pass the user had set there
+    (a key we leave alone keeps the user's pass as Inductor runs it)."""
     cfg = cfg if isinstance(cfg, ConfigSnapshot) else ConfigSnapshot(cfg)
     out = {}
-    for hook in engine.HOOKS:
+    for hook in hooks:
         user = inductor_patches.get(hook, getattr(inductor_config, hook))
         out[hook] = CPGraphPass(hook, engine.run_hook, cfg, user_pass=user)
     return out
+
+
+def _hooks_with_work(gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot) -> tuple[str, ...]:
+    """The hook keys our passes may change something on for this program. Inductor sorts, lints
+    and recompiles the joint graph whenever a custom joint pass is set, even one that changes
+    nothing, so a joint key gets ours only where its pass can apply: ring_cse where the program
+    rotates K/V, fa4_dense where FA4 can run on an input's device and may be chosen."""
+    from .lowerings.fa4_attention import device_unavailable
+
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    skip = set()
+    if cfg.ring_cse == "aot" or not _rotates(gm):
+        skip.add(JOINT)
+    if cfg.attention_provider not in ("auto", "fa4") or all(device_unavailable(d) for d in devices):
+        skip.add(JOINT_POST)
+    return tuple(h for h in engine.hooks_with_passes() if h not in skip)
 
 
 def _rotates(gm: torch.fx.GraphModule) -> bool:
@@ -104,7 +122,8 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     if mode is not None and mode != "default":
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
-    inductor_patches.update(graph_passes(cfg, inductor_patches))
+    hooks = _hooks_with_work(gm, example_inputs, cfg)
+    inductor_patches.update(graph_passes(cfg, inductor_patches, hooks))
     with timed("dynamo_passes", "the Dynamo graph") as outcome:
         routes = engine.run_dynamo_passes(gm, cfg)
         outcome["did"] = f"{len(routes)} packed calls"
@@ -113,7 +132,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
     # the FX graph cache below it still serves the compiled code.
     functorch_patches = {"enable_autograd_cache": False}
-    if cfg.ring_cse != "aot" and _rotates(gm):
+    if JOINT in hooks:  # ring_cse's pass instead of AOTAutograd's CSE
         functorch_patches["cse"] = False
     with torch._functorch.config.patch(functorch_patches):
         return compile_fx(

@@ -45,7 +45,14 @@ from .record import CALL, CANONICAL, DISABLED, DYNAMO, GRAPH, HOOKS, POST_GRAD, 
 REWRITES: tuple[Pass, ...] = tuple(p for p in PASSES if p.unit == REGION)  # decision order
 check_order(REWRITES)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
-__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "inductor_patches", "run_dynamo_passes", "run_hook"]
+__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "hooks_with_passes", "inductor_patches",
+           "run_dynamo_passes", "run_hook"]
+
+
+def hooks_with_passes() -> tuple[str, ...]:
+    """Inductor's hook keys the table has a pass on, in Inductor's order."""
+    stages = {p.stage for p in PASSES}
+    return tuple(h for h in HOOKS if h in stages)
 
 
 def _stage(stage: str, unit: str) -> tuple[Pass, ...]:
