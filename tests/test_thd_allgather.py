@@ -376,33 +376,53 @@ forward head_split: packed (THD) region: this rewrite works on dense [B, S, H, D
 forward owner_grad_return: packed (THD) region: this rewrite works on dense [B, S, H, D] attention""")
 
 
-def _static_steps(rank, cp, packs, capacity, max_docs):
+def _static_steps(rank, cp, packs, capacity, max_docs, device="cpu", dtype=torch.float32, mode=None,
+                  balance="document"):
     """Static shards (``capacity``, ``max_docs``): packs of new lengths each step through one
-    compiled helper on FA4's op (its CPU reference); per step the errors against fp64, and the
-    number of graphs compiled."""
+    compiled helper (on CPU: FA4's op on its CPU reference; on CUDA: FA4 where it runs); per step
+    the errors against fp64 (and, on CUDA, eager's), then the number of graphs compiled and the
+    report's (graph, layout) pairs."""
+    import contextlib
+
     from torch._dynamo.utils import counters
 
+    import cp_inductor
     from cp_inductor.lowerings import varlen_attention
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda a, b, c, shard: tag.thd_allgather_attention(a, b, c, shard, kernel="fa4"),
-                             backend="cp_inductor", fullgraph=True)
+    cp_inductor.clear_report()
+    kernel = "fa4" if device == "cpu" else "auto"
+
+    def attention(a, b, c, shard):
+        return tag.thd_allgather_attention(a, b, c, shard, kernel=kernel)
+
+    compiled = torch.compile(attention, backend="cp_inductor", fullgraph=True, mode=mode)
+    def on_cpu():  # FA4's op on its CPU reference
+        return varlen_attention.reference_kernels() if device == "cpu" else contextlib.nullcontext()
+
     errors = []
     for step, lengths in enumerate(packs):
         full, dout, want = _pack_and_reference(lengths, 2, True, seed=step)
-        shard = tag.make_shard(lengths, rank, cp, capacity=capacity, max_docs=max_docs)
-        ins = [t.index_select(0, shard.local_index).requires_grad_() for t in full]
-        valid = shard.valid.view(-1, 1, 1)
-        with varlen_attention.reference_kernels():
-            out = compiled(*ins, shard)
-            grads = torch.autograd.grad(out, ins, torch.where(valid, dout.index_select(0, shard.local_index), 0))
-        step_errors = _errors((out, *grads), want, shard.local_index[shard.valid], keep=shard.valid)
-        step_errors["padding"] = float(out[~shard.valid].abs().max())
+        shard = tag.make_shard(lengths, rank, cp, balance, device=device, capacity=capacity, max_docs=max_docs)
+        rows, valid = shard.local_index.cpu(), shard.valid.cpu()
+        local_dout = torch.where(valid.view(-1, 1, 1), dout.index_select(0, rows), 0).to(device, dtype)
+        step_errors = {}
+        for name, fn in (("compiled", compiled), ("eager", attention)) if device != "cpu" else (("compiled", compiled),):
+            ins = [t.index_select(0, rows).to(device, dtype).requires_grad_() for t in full]
+            with on_cpu():
+                out = fn(*ins, shard)
+                grads = torch.autograd.grad(out, ins, local_dout)
+            got = [t.cpu() for t in (out, *grads)]
+            prefix = "" if name == "compiled" else "eager_"
+            step_errors.update({prefix + k: v for k, v in _errors(got, want, rows[valid], keep=valid).items()})
+            if name == "compiled":
+                step_errors["padding"] = float(got[0][~valid].abs().max()) if (~valid).any() else 0.0
         errors.append(step_errors)
     graphs = counters["stats"]["unique_graphs"]
+    layouts = sorted({(r.graph_kind, r.layout) for r in cp_inductor.report().regions})
     torch._dynamo.reset()
-    return errors, graphs
+    return errors, graphs, layouts
 
 
 def test_static_shards_new_lengths_every_step_one_graph():
@@ -411,7 +431,8 @@ def test_static_shards_new_lengths_every_step_one_graph():
     documents, one over every rank, fewer documents than max_docs) reuse one compiled graph; the
     output (padding rows zero) and every gradient match fp64 at each step."""
     packs = [HAND_LENGTHS, [40, 1, 1, 30, 24], [96], [3] * 32]
-    for errors, graphs in run_on_ranks(_static_steps, 2, packs, 60, 32):
+    for errors, graphs, layouts in run_on_ranks(_static_steps, 2, packs, 60, 32):
         assert graphs == 1, graphs
         for step in errors:
             assert max(step.values()) < TOL, errors
+        assert ("forward", "thd") in layouts and ("backward", "thd") in layouts, layouts
