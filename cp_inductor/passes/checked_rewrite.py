@@ -10,7 +10,6 @@ that fails leaves the graph as it was and says why in the report (strict mode ra
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,37 +29,6 @@ def _copy(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
     copy, val_map = torch.fx.Graph(), {}
     copy.output(copy.graph_copy(graph, val_map))
     return copy, val_map
-
-
-# graph -> its trial copy after the last kept rewrite (both rewritten alike). Copying the whole
-# graph per rewrite made our passes' time grow with the square of the layers; the twin is kept
-# and reused while it still matches the graph node for node (else copied afresh).
-_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _twin_map(graph: torch.fx.Graph, twin: torch.fx.Graph) -> dict | None:
-    """node of ``graph`` -> its twin in ``twin``, if ``twin`` has the same ops on the same
-    arguments in the same order; None if anything differs."""
-    if len(graph.nodes) != len(twin.nodes):
-        return None
-    mapping: dict = {}
-    for node, other in zip(graph.nodes, twin.nodes):
-        if node.op != other.op or node.target != other.target:
-            return None
-        try:
-            same = torch.fx.node.map_arg((node.args, node.kwargs), mapping.__getitem__) == (other.args, other.kwargs)
-        except KeyError:  # an argument defined later: not in order
-            return None
-        if not same:
-            return None
-        mapping[node] = other
-    return mapping
-
-
-def _trial_of(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
-    twin = _twins.pop(graph, None)
-    mapping = None if twin is None else _twin_map(graph, twin)
-    return (twin, mapping) if mapping is not None else _copy(graph)
 
 
 def _same_tensor(old, new, strides: bool) -> str | None:
@@ -105,7 +73,7 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
     was kept."""
     attention = match.attention
     try:
-        trial, val_map = _trial_of(graph)
+        trial, val_map = _copy(graph)
         with recording_values() as values:
             replaced = rewrite.apply(trial, match_at(val_map[attention], match.graph_kind, cfg), cfg)
         sorted_trial = check(trial, replaced)
@@ -118,8 +86,7 @@ def apply_checked(graph: torch.fx.Graph, match, rewrite, match_at, cfg, performs
     with replaying_values(values):
         rewrite.apply(graph, match, cfg)
     if sorted_trial:
-        stable_topological_sort(graph)  # in the order the trial's check sorted its twin into
-    _twins[graph] = trial
+        stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
     count(rewrite, performs)
     return True
 
