@@ -45,6 +45,13 @@ varlen_cudnn: bool = True
 # ... only for packs of at least this many tokens x query heads x head_dim: below it cuDNN's
 # ragged attention measured slower than flash-2 (docs/passes/varlen_cudnn.md).
 varlen_cudnn_min_size: int = 2**26
+# SDPA under a document / causal mask (HF transformers' packed and plain batches under compile,
+# masks built by hand) onto packed attention (FA4 varlen or cuDNN ragged) or causal SDPA, the
+# mask no longer built; docs/passes/document_mask.md.
+document_mask: bool = True
+# ... document ids the graph does not prove contiguous: "check" on device each step (a
+# non-contiguous table runs the masked attention densely), or "promised" (no check).
+document_mask_ids: str = "check"
 # Packed sequences of equal length to dense SDPA; docs/passes/uniform_thd.md. "proven": where
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"

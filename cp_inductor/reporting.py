@@ -81,10 +81,12 @@ class VarlenRoute:
     detail: str
     path: str  # "cudnn_ragged" | "fa4_varlen" | "dense_sdpa" | "fa4_dense" | "fa4" | "kept"
     reason: str = ""
-    layout: str = "thd"  # "bshd": a program's own dense FA4 call (flash_attn_func), also listed here
+    layout: str = "thd"  # "bshd": a program's own dense FA4 call (flash_attn_func); "mask": SDPA given a mask
 
     def line(self) -> str:
         route = self.path if not self.reason else f"{self.path}: {self.reason}"
+        if self.layout == "mask":
+            return f"masked attention {self.attention}: {self.detail}: {route}"
         if self.layout != "thd":
             return f"attention {self.attention}: {self.style}, {self.layout}, {self.detail}: {route}"
         return f"varlen attention {self.attention}: {self.style}, thd, lengths {self.lengths}, {self.detail}: {route}"

@@ -106,13 +106,16 @@ def canonicalize(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> int:
 
 
 def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
-    """The call passes on the graph Dynamo hands the backend (each packed call to the first that
-    applies, else it stays with every reason); returns the report's lines."""
+    """The call passes on the graph Dynamo hands the backend: those that find their own calls
+    (masked SDPA), then each packed call to the first that applies, else it stays with every
+    reason; returns the report's lines."""
+    own = [_lower_own_calls(gm, p, cfg) for p in _stage(DYNAMO, CALL) if p.finds is not None]
+    own = [c for found in own for c in found]
     try:
         calls = varlen_calls.find(gm)
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
         internal_error(e, cfg)
-        return []
+        calls = []
     programs_fa4 = varlen_calls.fa4_calls(gm)
     for call in calls:
         if not call.reasons:  # else kept on reading it (flash-attn's Function in a form we do not take)
@@ -121,11 +124,23 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
         for node in reversed(call.inserted if call.path == varlen_calls.KEPT else ()):
             if not node.users:
                 gm.graph.erase_node(node)
-    if any(c.path != varlen_calls.KEPT for c in calls):
+    if any(c.path != varlen_calls.KEPT for c in (*own, *calls)):
         gm.graph.lint()
         gm.recompile()
         gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
-    return programs_fa4 + [c.route() for c in calls]
+    return programs_fa4 + [c.route() for c in (*own, *calls)]
+
+
+def _lower_own_calls(gm: torch.fx.GraphModule, p: Pass, cfg: ConfigSnapshot) -> list:
+    """The calls a call pass finds itself, each lowered by it or kept with the reason."""
+    try:
+        calls = p.finds(gm)
+    except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
+        internal_error(e, cfg)
+        return []
+    for call in calls:
+        _try_call(gm, p, call, cfg)
+    return calls
 
 
 def _lower_call(gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
@@ -133,17 +148,24 @@ def _lower_call(gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
     if reason is not None:
         call.reasons["varlen"] = reason
         return
-    for p in _stage(DYNAMO, CALL):
-        reason = switch_reason(p, cfg) or reason_or_error(p.why_not, call, cfg, cfg=cfg)
-        if reason is None:
-            with rewrite_observed(p.name, f"the Dynamo graph, {call.name}", gm.graph) as outcome:
-                reason = _apply_or_undo(gm, p, call, cfg)
-                outcome["kept"] = reason is None
-                outcome["did"] = f"-> {call.path}" if reason is None else f"undone: {reason}"
-        if reason is None:
-            counters["cp_inductor"][p.name] += 1
+    for p in (p for p in _stage(DYNAMO, CALL) if p.finds is None):
+        if _try_call(gm, p, call, cfg):
             return
-        call.reasons[p.name] = reason
+
+
+def _try_call(gm: torch.fx.GraphModule, p: Pass, call, cfg: ConfigSnapshot) -> bool:
+    """``p`` on one call: applied (True), or the reason recorded on the call."""
+    reason = switch_reason(p, cfg) or reason_or_error(p.why_not, call, cfg, cfg=cfg)
+    if reason is None:
+        with rewrite_observed(p.name, f"the Dynamo graph, {call.name}", gm.graph) as outcome:
+            reason = _apply_or_undo(gm, p, call, cfg)
+            outcome["kept"] = reason is None
+            outcome["did"] = f"-> {call.path}" if reason is None else f"undone: {reason}"
+    if reason is None:
+        counters["cp_inductor"][p.name] += 1
+        return True
+    call.reasons[p.name] = reason
+    return False
 
 
 def _apply_or_undo(gm: torch.fx.GraphModule, p: Pass, call, cfg) -> str | None:

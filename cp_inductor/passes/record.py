@@ -18,7 +18,8 @@ Region passes declare their relations to the others by name (checked when the pi
 :func:`check_order`): ``after``: passes whose verdict on the same region this one's ``why_not``
 reads; ``replaces``: passes this one performs itself where both apply; ``excludes``: passes that
 cannot apply with this one to one region (the one decided first wins; the engine says so).
-Call passes are tried in order on each call until one applies.
+Call passes are tried in order on each call until one applies; a call pass with its own
+``finds`` is tried alone on the calls it finds.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class Pass:
     # REGION: detail(match, cfg) -> what the report adds to the region's detail when it applies.
     detail: Callable | None = None
     packed: bool = False  # REGION: takes packed-sequence (THD) regions too, not only dense ones
+    # CALL: finds(gm) -> the calls of its own kind it lowers (each with ``route()`` for the
+    # report); None: the packed-sequence calls ``varlen_calls.find`` reads, shared by such passes.
+    finds: Callable | None = None
 
 
 def check_order(passes) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ...lowerings import fa4_attention, varlen_attention
+from ...lowerings import fa4_attention, varlen_attention  # noqa: F401 - define the ops read here
 from ...reporting import VarlenRoute
 from . import flash_attn_calls
 from ..analysis.collectives import KNOWN_ALL_TO_ALLS
@@ -208,7 +208,7 @@ def shared_reason(call: VarlenCall) -> str | None:
     return None
 
 
-def _head_repeat(node, groups: int):
+def head_repeat(node, groups: int):
     """The input of ``x.repeat_interleave(groups, dim=1)`` when that is all ``node`` is, else None."""
     if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
         return None
@@ -230,7 +230,7 @@ def unrepeated_kv(call: VarlenCall):
         for groups in range(2, q_heads + 1):
             if q_heads % groups:
                 continue
-            k0, v0 = _head_repeat(k, groups), _head_repeat(v, groups)
+            k0, v0 = head_repeat(k, groups), head_repeat(v, groups)
             if k0 is not None and v0 is not None and value(k0).shape[1] * groups == q_heads:
                 return k0, v0
     return k, v
@@ -260,7 +260,3 @@ def replace(gm: torch.fx.GraphModule, call: VarlenCall, build, path: str) -> Non
 def scale(call: VarlenCall) -> float:
     s = call.args.get("scale")
     return float(s) if s is not None else call.query.shape[-1] ** -0.5
-
-
-def cuda_or_reference_reason(call: VarlenCall) -> str | None:
-    return varlen_attention.unavailable(call.query.device)

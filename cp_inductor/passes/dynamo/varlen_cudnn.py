@@ -68,16 +68,12 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
 
 def _cudnn_why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     q = call.query
-    head_dim = q.shape[-1]
-    if not isinstance(head_dim, int) or head_dim > varlen_attention.MAX_HEAD_DIM or head_dim % 8:
-        return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {varlen_attention.MAX_HEAD_DIM})"
-    if q.device.type == "cuda" and q.dtype not in varlen_attention.DTYPES:
-        return f"dtype {q.dtype} (cuDNN takes float16 and bfloat16)"
-    if q.device.type == "cuda" and (size := _size(q)) < cfg.varlen_cudnn_min_size:
+    reason = varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1])
+    if reason is None and q.device.type == "cuda" and (size := _size(q)) < cfg.varlen_cudnn_min_size:
         return (f"cost model: {size} tokens x query heads x head_dim is below varlen_cudnn_min_size="
                 f"{cfg.varlen_cudnn_min_size}, where cuDNN's ragged attention measured slower than flash-2 "
                 "(H200: 0.84x at 8K tokens Hq32 D128, 1.29x at 16K)")
-    return varlen_calls.cuda_or_reference_reason(call)
+    return reason
 
 
 def _size(q) -> int:

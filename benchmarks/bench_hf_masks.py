@@ -1,0 +1,128 @@
+"""HF transformers' LlamaForCausalLM trained one step (fwd+bwd) on packed documents or a plain
+batch: eager, default Inductor, cp_inductor, and the floor (a custom HF attention function on
+FA4's varlen op over the documents, no mask built, under default Inductor). Prints a table and
+writes JSON.
+
+    python benchmarks/bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from common import device_ms
+
+ARMS = ("eager", "inductor", "cp_inductor", "floor")
+
+
+def _floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """FA4 varlen over the documents the batch's cu_seqlens give (the floor's attention)."""
+    b, h, t, d = query.shape
+    cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value)]
+    out, _ = torch.ops.cp_inductor.fa4_varlen_attention(*flat, cu, cu, None, longest, longest, scaling, True)
+    return out.reshape(b, t, h, d), None
+
+
+def _register_floor():
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register("fa4_floor", _floor_attention)
+    AttentionMaskInterface.register("fa4_floor", lambda *args, **kwargs: None)
+
+
+def build(impl: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                         attn_implementation=impl, max_position_embeddings=1 << 20)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+def batch(tokens: int, docs: int, vocab: int, seed: int = 0):
+    """Input ids, and (packed) position ids restarting at each document with its cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g, device="cpu").cuda()
+    if docs <= 1:
+        return {"input_ids": ids, "labels": ids}, torch.tensor([0, tokens], dtype=torch.int32, device="cuda"), tokens
+    cuts = torch.sort(torch.randperm(tokens - 1, generator=g)[: docs - 1] + 1).values
+    bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])])
+    lengths = bounds.diff()
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None].cuda()
+    cu = bounds.to(torch.int32).cuda()
+    return {"input_ids": ids, "labels": ids, "position_ids": positions}, cu, int(lengths.max())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", default="sdpa")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--docs", type=int, nargs="+", default=[8, 1])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    import cp_inductor  # noqa: F401 - registers the backend and our ops
+
+    _register_floor()
+    rows = []
+    for docs in args.docs:
+        inputs, cu, longest = batch(args.tokens, docs, args.vocab)
+        row = {"impl": args.impl, "tokens": args.tokens, "docs": docs, "ms": {}, "peak_gib": {}, "report": []}
+        for arm in args.arms.split(","):
+            impl = "fa4_floor" if arm == "floor" else args.impl
+            model = build(impl, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab)
+            extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest} if arm == "floor" else {}
+            torch._dynamo.reset()
+            cp_inductor.clear_report()
+            run = model if arm == "eager" else torch.compile(model, backend="cp_inductor" if arm == "cp_inductor" else "inductor")
+
+            def step():
+                loss = run(**inputs, **extra, use_cache=False).loss
+                loss.backward()
+                for q in model.parameters():
+                    q.grad = None
+
+            torch.cuda.reset_peak_memory_stats()
+            row["ms"][arm] = device_ms(step, args.iters, warmup=3)
+            row["peak_gib"][arm] = torch.cuda.max_memory_allocated() / 2**30
+            if arm == "cp_inductor":
+                row["report"] = str(cp_inductor.report()).splitlines()
+            del model, run
+            torch.cuda.empty_cache()
+            print(f"{args.impl} T{args.tokens} docs {docs} {arm}: {row['ms'][arm]:.2f} ms", file=sys.stderr, flush=True)
+        ms = row["ms"]
+        if "inductor" in ms and "cp_inductor" in ms:
+            row["speedup_vs_inductor"] = ms["inductor"] / ms["cp_inductor"]
+        if "floor" in ms and "cp_inductor" in ms:
+            row["vs_floor"] = ms["cp_inductor"] / ms["floor"]
+        rows.append(row)
+    print(f"| impl | T | docs | {' | '.join(a + ' ms' for a in args.arms.split(','))} | cp / inductor | cp vs floor |")
+    print("|---|---|---|" + "---|" * (len(args.arms.split(',')) + 2))
+    for r in rows:
+        cells = " | ".join(f"{r['ms'].get(a, float('nan')):.2f}" for a in args.arms.split(","))
+        print(f"| {r['impl']} | {r['tokens']} | {r['docs']} | {cells} | {r.get('speedup_vs_inductor', float('nan')):.2f}x | "
+              f"{r.get('vs_floor', float('nan')):.3f} |")
+    for r in rows:
+        for line in r["report"]:
+            if "attention" in line:
+                print(f"  docs {r['docs']}: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

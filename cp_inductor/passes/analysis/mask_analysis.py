@@ -1,0 +1,557 @@
+"""Which attention masks the packed kernels compute without building them (reads only).
+
+A mask of shape ``[..., T_q, T_kv]`` is read from the aten graph that builds it
+(``mask_graph.trace``) as a predicate of its indices ``(b, h, q, kv)``: aranges are the indices,
+``table[b, q]`` gathers from a tensor the program computed (a *table*), comparisons and ``&``
+combine. The predicate is accepted when it is a conjunction of
+
+    same document   table[b, q] == table[b, kv]          (document ids, one row per batch entry)
+    causal          kv <= q    (also tril, and HF's positions[b, kv] <= positions[b, q] where the
+                               document ids are the cumulative count of position resets: within a
+                               document positions then step by one, so the two agree)
+
+given as a boolean mask or an additive one (0 where kept, -inf or the dtype's lowest where not).
+The document ids must form contiguous runs in each row for the packed kernels to compute the same
+thing: proven where they are a cumulative sum of non-negative values along the row (HF's packed
+path), else checked on device each step (``document_attention``: the dense path where they are
+not). Everything else is kept, with the reason: windows (not lowered yet), padding (keys masked by
+a per-token table), disjunctions, a mask that comes in from outside the graph, real-valued biases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from . import mask_graph
+
+aten = torch.ops.aten
+
+PROVEN = "proven (cumulative sum of non-negatives)"
+CHECKED = "checked on device"
+
+
+@dataclass(frozen=True)
+class Lin:
+    """An integer affine function of the mask's indices: sum(coef * index[axis]) + const."""
+
+    coefs: tuple = ()  # ((axis, coef), ...), sorted, no zero coefs
+    const: object = 0
+
+    @staticmethod
+    def of(terms: dict, const=0) -> Lin:
+        return Lin(tuple(sorted((a, c) for a, c in terms.items() if c != 0)), const)
+
+    def __add__(self, other: Lin) -> Lin:
+        terms = dict(self.coefs)
+        for a, c in other.coefs:
+            terms[a] = terms.get(a, 0) + c
+        return Lin.of(terms, self.const + other.const)
+
+    def scaled(self, k) -> Lin:
+        return Lin.of({a: c * k for a, c in self.coefs}, self.const * k)
+
+    def map_axes(self, fn) -> Lin:
+        """Substitute index ``a`` by ``fn(a)`` (an int axis, or a Lin)."""
+        out = Lin((), self.const)
+        for a, c in self.coefs:
+            new = fn(a)
+            out = out + (new if isinstance(new, Lin) else Lin(((new, 1),))).scaled(c)
+        return out
+
+
+@dataclass(frozen=True)
+class Gather:
+    table: torch.fx.Node  # a tensor of the traced graph the mask reads by index
+    index: tuple  # one Lin per table dim
+
+    def map_axes(self, fn) -> Gather:
+        return Gather(self.table, tuple(i.map_axes(fn) for i in self.index))
+
+
+@dataclass(frozen=True)
+class Cmp:
+    op: str  # "eq" "ne" "le" "lt" "ge" "gt"
+    lhs: object  # Lin | Gather
+    rhs: object
+
+    def map_axes(self, fn) -> Cmp:
+        return Cmp(self.op, self.lhs.map_axes(fn), self.rhs.map_axes(fn))
+
+
+@dataclass(frozen=True)
+class Logic:
+    op: str  # "and" "or" "not"
+    items: tuple
+
+    def map_axes(self, fn) -> Logic:
+        return Logic(self.op, tuple(i.map_axes(fn) for i in self.items))
+
+
+@dataclass(frozen=True)
+class Truth:
+    value: bool
+
+    def map_axes(self, fn) -> Truth:
+        return self
+
+
+class NotAMask(Exception):
+    """The mask is not one the packed kernels compute; the message says why."""
+
+
+class _Opaque(Exception):
+    """An op the reader does not know: its value is read as a table."""
+
+
+@dataclass
+class DocumentMask:
+    """What a mask computes, when the packed kernels compute it too."""
+
+    doc_ids: torch.fx.Node | None  # the table of document ids in the traced graph (None: one document)
+    causal: bool
+    contiguity: str = ""  # PROVEN or CHECKED, where there are document ids
+    traced: mask_graph.Traced | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.doc_ids is not None:
+            parts.append(f"documents from {self.doc_ids.name} ({self.contiguity})")
+        parts.append("causal" if self.causal else "bidirectional")
+        return ", ".join(parts)
+
+
+# --- the predicate of a traced tensor -------------------------------------------------------
+
+
+def _shape(node: torch.fx.Node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def _fit(expr, in_shape, out_shape):
+    """``expr`` over ``in_shape`` read over ``out_shape`` (broadcasting: dims aligned right,
+    a size-1 dim reads index 0)."""
+    shift = len(out_shape) - len(in_shape)
+
+    def axis(a):
+        if _is_one(in_shape[a]) and not _is_one(out_shape[a + shift]):
+            return Lin((), 0)
+        return a + shift
+
+    return expr.map_axes(axis)
+
+
+def _scalar(x):
+    if isinstance(x, bool):
+        return Truth(x)
+    if isinstance(x, int):
+        return Lin((), x)
+    if isinstance(x, torch.SymInt):
+        return Lin((), x)
+    raise NotAMask(f"a {type(x).__name__} constant {x!r} in the mask")
+
+
+_CMPS = {
+    aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
+    aten.le.Tensor: "le", aten.le.Scalar: "le", aten.lt.Tensor: "lt", aten.lt.Scalar: "lt",
+    aten.ge.Tensor: "ge", aten.ge.Scalar: "ge", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt",
+}
+_LOGIC = {
+    aten.bitwise_and.Tensor: "and", aten.logical_and.default: "and", aten.bitwise_or.Tensor: "or",
+    aten.logical_or.default: "or",
+}
+_SAME = (aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SHAPE_OPS = (*_SAME, *_VIEWS, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
+              aten.select.int)
+
+
+class _Reader:
+    def __init__(self):
+        self.memo: dict = {}
+
+    def read(self, x):
+        """The predicate or integer function a traced value computes, by its own indices."""
+        if not isinstance(x, torch.fx.Node):
+            return _scalar(x)
+        if x not in self.memo:
+            self.memo[x] = self._read(x)
+        return self.memo[x]
+
+    def _operand(self, x, out_shape):
+        if not isinstance(x, torch.fx.Node):
+            return _scalar(x)
+        return _fit(self.read(x), _shape(x), out_shape)
+
+    def _read(self, n: torch.fx.Node):
+        """An op the reader does not know is a table read at its own indices: the document
+        terms hold for any table, and what a table holds is proven or checked apart."""
+        try:
+            return self._known(n)
+        except _Opaque:
+            return Gather(n, tuple(Lin(((a, 1),)) for a in range(len(_shape(n)))))
+
+    def _known(self, n: torch.fx.Node):
+        t, args = n.target, n.args
+        if n.op != "call_function":
+            raise _Opaque
+        out = _shape(n)
+        dtype = n.meta["val"].dtype
+        if dtype.is_floating_point and t not in _SHAPE_OPS:
+            return _additive(self, n)
+        if t in _CMPS:
+            return Cmp(_CMPS[t], self._operand(args[0], out), self._operand(args[1], out))
+        if t in _LOGIC or (t in (aten.mul.Tensor,) and dtype == torch.bool):
+            return Logic(_LOGIC.get(t, "and"), (self._operand(args[0], out), self._operand(args[1], out)))
+        if t in (aten.bitwise_not.default, aten.logical_not.default):
+            return _not((self.read(args[0]),))
+        if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+            start, step = (0, 1) if t is aten.arange.default else (args[0], args[2] if len(args) > 2 else 1)
+            return Lin(((0, step),), start)
+        if t in (aten.add.Tensor, aten.sub.Tensor) and dtype != torch.bool and not dtype.is_floating_point:
+            alpha = n.kwargs.get("alpha", 1) * (1 if t is aten.add.Tensor else -1)
+            a, b = self._operand(args[0], out), self._operand(args[1], out)
+            if isinstance(a, Lin) and isinstance(b, Lin):
+                return a + b.scaled(alpha)
+        if t is aten.unsqueeze.default:
+            dim = args[1] % len(out)
+            return self.read(args[0]).map_axes(lambda a: a + (a >= dim))
+        if t is aten.squeeze.dim:
+            dim = args[1] % len(_shape(args[0]))
+            return self.read(args[0]).map_axes(lambda a: Lin((), 0) if a == dim else a - (a > dim))
+        if t is aten.expand.default or t in _SAME:
+            return _fit(self.read(args[0]), _shape(args[0]), out)
+        if t in _VIEWS:
+            return self._view(n)
+        if t is aten.slice.Tensor:
+            return self._slice(n)
+        if t is aten.select.int:
+            dim, i = args[1] % len(_shape(args[0])), args[2]
+            return self.read(args[0]).map_axes(lambda a: Lin((), i) if a == dim else a - (a > dim))
+        if t is aten._to_copy.default and (dtype == torch.bool) == (args[0].meta["val"].dtype == torch.bool):
+            if not dtype.is_floating_point:
+                return self.read(args[0])
+        if t is aten.index.Tensor:
+            return self._index(n)
+        if t in (aten.new_ones.default, aten.ones.default, aten.ones_like.default):
+            return Truth(True) if dtype == torch.bool else Lin((), 1)
+        if t in (aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default):
+            return Truth(False) if dtype == torch.bool else Lin((), 0)
+        if t in (aten.full.default, aten.new_full.default, aten.full_like.default) and not dtype.is_floating_point:
+            return _scalar(bool(args[-1]) if dtype == torch.bool else args[-1])
+        if t in (aten.tril.default, aten.triu.default):
+            diagonal = args[1] if len(args) > 1 else 0
+            q, kv = Lin(((len(out) - 2, 1),)), Lin(((len(out) - 1, 1),))
+            op = "le" if t is aten.tril.default else "ge"
+            band = Cmp(op, kv, q + Lin((), diagonal))  # tril keeps kv - q <= diagonal
+            inner = self.read(args[0])
+            return Logic("and", (inner, band)) if dtype == torch.bool else Logic("and", (Cmp("ne", inner, Lin((), 0)), band))
+        raise _Opaque
+
+    def _view(self, n):
+        """A view that only adds or drops size-1 dims."""
+        src, out = _shape(n.args[0]), _shape(n)
+        keep_src = [i for i, s in enumerate(src) if not _is_one(s)]
+        keep_out = [i for i, s in enumerate(out) if not _is_one(s)]
+        if len(keep_src) != len(keep_out) or any(src[a] is not out[b] and src[a] != out[b] for a, b in zip(keep_src, keep_out)):
+            raise NotAMask("a reshape in the mask that merges or splits its dims")
+        where = dict(zip(keep_src, keep_out))
+        return self.read(n.args[0]).map_axes(lambda a: where[a] if a in where else Lin((), 0))
+
+    def _slice(self, n):
+        args = list(n.args) + [0, None, None, 1][len(n.args) - 1:]
+        src, dim, start, end, step = args[0], args[1], args[2], args[3], args[4]
+        dim %= len(_shape(src))
+        inner = self.read(src)
+        start = start or 0
+        if start == 0 and step == 1 and (end is None or (isinstance(end, int) and end >= 2**62) or end is _shape(src)[dim]):
+            return inner
+        if not isinstance(start, int) or start < 0:
+            raise NotAMask("a slice of the mask's indices from a symbolic or negative start")
+        return inner.map_axes(lambda a: Lin(((a, step),), start) if a == dim else a)
+
+    def _index(self, n):
+        table, indices = n.args
+        if any(i is None for i in indices):
+            raise NotAMask("an index with skipped dims (x[:, i]) in the mask")
+        out = _shape(n)
+        lead = len(out) - (len(_shape(table)) - len(indices))
+        exprs = [self._operand(i, out[:lead]) for i in indices]
+        if not all(isinstance(e, Lin) for e in exprs):
+            raise NotAMask("a table is read at positions the indices do not give")
+        exprs += [Lin(((lead + j, 1),)) for j in range(len(_shape(table)) - len(indices))]
+        return self.read(table).map_axes(lambda a: exprs[a])
+
+
+@dataclass(frozen=True)
+class Additive:
+    """A float mask added to the scores: 0 where ``kept`` holds, -inf (or the dtype's lowest) where not."""
+
+    kept: object
+
+    def map_axes(self, fn) -> Additive:
+        return Additive(self.kept.map_axes(fn))
+
+
+def _kept(reader: _Reader, x: torch.fx.Node, out_shape):
+    value = _fit(reader.read(x), _shape(x), out_shape)
+    if not isinstance(value, Additive):
+        raise NotAMask("a real-valued bias (not where(mask, 0, -inf) or masked_fill(-inf))")
+    return value.kept
+
+
+def _additive(reader: _Reader, n: torch.fx.Node) -> Additive:
+    """The predicate of an additive mask: 0 where kept, -inf (or the dtype's lowest) where not."""
+    dtype = n.meta["val"].dtype
+
+    def masked(x) -> bool:
+        return isinstance(x, (int, float)) and (x == -math.inf or x <= torch.finfo(dtype).min)
+
+    def zero(x) -> bool:
+        if isinstance(x, torch.fx.Node) and x.target in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
+            return True
+        if isinstance(x, torch.fx.Node) and x.target in (aten.full_like.default, aten.new_full.default):
+            return x.args[-1] == 0
+        return _const(x) == 0
+
+    t, args, out = n.target, n.args, _shape(n)
+    if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
+        if zero(args[1]) and masked(_const(args[2])):
+            return Additive(_fit(reader.read(args[0]), _shape(args[0]), out))
+        if masked(_const(args[1])) and zero(args[2]):
+            return Additive(_not((_fit(reader.read(args[0]), _shape(args[0]), out),)))
+    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) and masked(_const(args[2])):
+        kept = _not((_fit(reader.read(args[1]), _shape(args[1]), out),))
+        return Additive(kept if zero(args[0]) else Logic("and", (_kept(reader, args[0], out), kept)))
+    if t is aten.add.Tensor and all(isinstance(a, torch.fx.Node) for a in args):
+        return Additive(Logic("and", tuple(_kept(reader, a, out) for a in args)))
+    if t is aten._to_copy.default and args[0].meta["val"].dtype.is_floating_point:
+        return reader.read(args[0])
+    if t is aten._to_copy.default and args[0].meta["val"].dtype == torch.bool:
+        raise NotAMask("a boolean mask turned into 0/1 values (a real-valued bias, not a mask)")
+    raise NotAMask(f"a real-valued bias ({n.target} is not where(mask, 0, -inf) or masked_fill(-inf))")
+
+
+def _not(items: tuple):
+    (x,) = items
+    if isinstance(x, Logic) and x.op == "not":
+        return x.items[0]
+    if isinstance(x, Truth):
+        return Truth(not x.value)
+    return Logic("not", (x,))
+
+
+def _const(x):
+    if isinstance(x, torch.fx.Node) and x.target in (aten.scalar_tensor.default, aten.lift_fresh_copy.default, aten.full.default):
+        return x.args[0] if x.target is aten.scalar_tensor.default else x.args[-1] if x.target is aten.full.default else None
+    return x
+
+
+# --- the predicate, classified --------------------------------------------------------------
+
+
+def _conjuncts(p) -> list:
+    if isinstance(p, Logic) and p.op == "and":
+        return [c for item in p.items for c in _conjuncts(item)]
+    if isinstance(p, Logic) and p.op == "not" and isinstance(p.items[0], Cmp):
+        negated = {"eq": "ne", "ne": "eq", "le": "gt", "lt": "ge", "ge": "lt", "gt": "le"}
+        c = p.items[0]
+        return [Cmp(negated[c.op], c.lhs, c.rhs)]
+    if isinstance(p, Logic) and p.op == "not" and isinstance(p.items[0], Logic) and p.items[0].op == "or":
+        return [c for item in p.items[0].items for c in _conjuncts(_not((item,)))]
+    return [p]
+
+
+def _strip(node):
+    """A table through the ops that do not change its values along a row."""
+    while isinstance(node, torch.fx.Node) and (node.target in _SAME or node.target is aten.expand.default or (
+            node.target is aten._to_copy.default and not node.meta["val"].dtype.is_floating_point)):
+        node = node.args[0]
+    return node
+
+
+def _nonnegative(node) -> bool:
+    node = _strip(node)
+    val = node.meta["val"]
+    if val.dtype == torch.bool:
+        return True
+    return node.target in (aten.abs.default,) or (node.target in (aten.clamp_min.default, aten.clamp.default) and
+                                                    isinstance(node.args[1], (int, float)) and node.args[1] >= 0)
+
+
+def _row_cumsum(node):
+    """The summand of a cumulative sum along the last dim, or None."""
+    node = _strip(node)
+    if node.target is aten.cumsum.default:
+        dim = node.args[1]
+        if dim % len(_shape(node)) == len(_shape(node)) - 1:
+            return node.args[0]
+    return None
+
+
+def _diff_of(node):
+    """``p`` where ``node`` is ``torch.diff(p, prepend=..., dim=-1)`` (``cat([pre, p])[1:] - [:-1]``)."""
+    node = _strip(node)
+    if node.target is not aten.sub.Tensor:
+        return None
+    late, early = node.args
+    if not all(isinstance(s, torch.fx.Node) and s.target is aten.slice.Tensor for s in (late, early)):
+        return None
+    cat = late.args[0]
+    if early.args[0] is not cat or cat.target is not aten.cat.default or late.args[2] != 1 or early.args[2] not in (0, None):
+        return None
+    pieces, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+    rank = len(_shape(cat))
+    if dim % rank != rank - 1 or len(pieces) != 2 or _shape(pieces[0])[-1] != 1:
+        return None
+    return pieces[1]
+
+
+def _resets_of(doc_ids) -> torch.fx.Node | None:
+    """``p`` where the document ids are ``cumsum(diff(p) != 1)``: positions that restart."""
+    summand = _row_cumsum(doc_ids)
+    summand = _strip(summand) if summand is not None else None
+    if summand is None or summand.target is not aten.ne.Scalar or summand.args[1] != 1:
+        return None
+    return _strip(_diff_of(summand.args[0]))
+
+
+def _axes(lin: Lin) -> dict:
+    return dict(lin.coefs)
+
+
+class _Classifier:
+    def __init__(self, rank: int):
+        self.q, self.kv = rank - 2, rank - 1
+        self.batch = 0 if rank >= 3 else None
+        self.doc_ids: set = set()
+        self.causal = False
+        self.position_causal: list = []  # tables p with p[kv] <= p[q]
+
+    def _row(self, g: Gather, which: int) -> bool:
+        """Whether ``g`` reads its table at row b (or a table of one row) and column ``which``."""
+        *lead, col = g.index
+        if col != Lin(((which, 1),)):
+            return False
+        if not lead:
+            return True
+        if len(lead) != 1:
+            return False
+        size = _shape(g.table)[0]
+        return lead[0] == (Lin(((self.batch, 1),)) if self.batch is not None else Lin()) or (_is_one(size) and lead[0] == Lin())
+
+    def _sides(self, c: Cmp):
+        """(q-side, kv-side) gathers of one table, or None."""
+        for a, b in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
+            if isinstance(a, Gather) and isinstance(b, Gather) and _strip(a.table) is _strip(b.table):
+                if self._row(a, self.q) and self._row(b, self.kv):
+                    return a, b
+        return None
+
+    def add(self, atom) -> None:
+        if isinstance(atom, Truth):
+            if not atom.value:
+                raise NotAMask("the mask hides every key")
+            return
+        if isinstance(atom, Logic):
+            raise NotAMask("a disjunction of masks (or_masks, |): not a document mask")
+        if not isinstance(atom, Cmp):
+            raise NotAMask(f"a term of the mask that is not a comparison ({type(atom).__name__})")
+        if isinstance(atom.lhs, Lin) and isinstance(atom.rhs, Lin):
+            return self._band(atom)
+        sides = self._sides(atom)
+        if sides is not None:
+            qside, kvside = sides
+            flipped = qside is atom.rhs  # kv op q
+            op = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}.get(atom.op, atom.op) if flipped else atom.op
+            if op == "eq":
+                self.doc_ids.add(_strip(qside.table))
+                return None
+            if op == "ge":  # p[q] >= p[kv]
+                self.position_causal.append(_strip(qside.table))
+                return None
+            raise NotAMask(f"a table of the mask compared {atom.op!r} between query and key")
+        tables = [g for g in (atom.lhs, atom.rhs) if isinstance(g, Gather)]
+        if any(self._row(g, self.kv) for g in tables) and not any(self._row(g, self.q) for g in tables):
+            raise NotAMask("keys masked by a per-token table (padding holes)")
+        raise NotAMask("a table read in the mask at positions other than (batch, query) and (batch, key)")
+
+    def _band(self, c: Cmp) -> None:
+        d = c.lhs + c.rhs.scaled(-1)  # d op 0
+        coefs = _axes(d)
+        if set(coefs) - {self.q, self.kv}:
+            raise NotAMask("a mask term over the batch or head index")
+        if not coefs:
+            return self.add(Truth(_holds(c.op, d.const)))
+        if coefs.get(self.q) != -coefs.get(self.kv, 0):
+            raise NotAMask("a mask term that is not a band around the diagonal")
+        sign = coefs[self.kv]  # d = sign * (kv - q) + const
+        if not isinstance(d.const, int):
+            raise NotAMask("a band of symbolic width")
+        op = c.op if sign > 0 else {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}.get(c.op, c.op)
+        bound = -d.const // sign if sign > 0 else d.const // -sign  # (kv - q) op bound
+        if abs(sign) != 1:
+            raise NotAMask("a band with a slope")
+        upper = {"le": bound, "lt": bound - 1}.get(op)
+        if op in ("le", "lt") and upper == 0:
+            self.causal = True
+            return None
+        if op in ("ge", "gt"):
+            lower = bound if op == "ge" else bound + 1
+            raise NotAMask(f"a sliding window (keys from q{lower:+d}): not lowered yet")
+        raise NotAMask(f"a band kv - q {op} {bound} other than causal")
+
+
+def _holds(op: str, x) -> bool:
+    return {"eq": x == 0, "ne": x != 0, "le": x <= 0, "lt": x < 0, "ge": x >= 0, "gt": x > 0}[op]
+
+
+def analyze(mask: torch.fx.Node) -> DocumentMask:
+    """What ``mask`` (a node of a Dynamo graph, SDPA's ``attn_mask``) computes; raises
+    :class:`NotAMask` with the reason where it is not a document / causal mask."""
+    traced = mask_graph.trace(mask)
+    if isinstance(traced, str):
+        raise NotAMask(traced)
+    return analyze_traced(traced)
+
+
+def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
+    out = traced.output
+    if out.op == "placeholder":
+        raise NotAMask("the mask comes in from outside the graph (its values are not known to the compiler)")
+    val = out.meta["val"]
+    reader = _Reader()
+    predicate = reader.read(out)
+    if val.dtype.is_floating_point:
+        if not isinstance(predicate, Additive):
+            raise NotAMask("a real-valued bias (not where(mask, 0, -inf) or masked_fill(-inf))")
+        predicate = predicate.kept
+    elif val.dtype != torch.bool:
+        raise NotAMask(f"a {val.dtype} mask")
+    rank = val.dim()
+    if rank < 2:
+        raise NotAMask("a mask of fewer than two dims")
+    classify = _Classifier(rank)
+    for atom in _conjuncts(predicate):
+        classify.add(atom)
+    if len(classify.doc_ids) > 1:
+        raise NotAMask("two tables of document ids")
+    doc_ids = next(iter(classify.doc_ids), None)
+    for positions in classify.position_causal:
+        if doc_ids is None or _resets_of(doc_ids) is not positions:
+            raise NotAMask("causal over a table of positions not proven to step by one within each document")
+        classify.causal = True
+    if doc_ids is None:
+        return DocumentMask(None, classify.causal, traced=traced)
+    summand = _row_cumsum(doc_ids)
+    proven = summand is not None and _nonnegative(summand)
+    return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced)
+
+

@@ -1,0 +1,85 @@
+"""The aten graph that builds one tensor of a Dynamo graph: what the mask analysis reads.
+
+Dynamo's graph spells a mask in torch-level calls (``x[(b, q)]``, ``torch.diff``, ``.to``);
+tracing the mask's ancestors alone with ``make_fx`` gives the few aten ops the analysis knows
+(index, arange, comparisons, cumsum ...), under symbolic sizes where the program's are. The
+traced inputs stand for the Dynamo graph's leaves (placeholders, attributes) the mask reads; the
+trace runs on fake tensors, so no ``T x T`` mask is ever built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .graph_walk import Walk
+from .op_schema import value
+
+MAX_NODES = 400  # a mask is a few dozen ops; beyond this it is not one we read
+MAX_LEAF_BYTES = 64 << 20
+
+
+@dataclass
+class Traced:
+    graph: torch.fx.Graph  # aten ops; placeholder i stands for ``leaves[i]``
+    leaves: list  # the Dynamo graph's nodes the traced ops read
+    output: torch.fx.Node  # the traced tensor in ``graph``
+
+
+def _leaf(node: torch.fx.Node) -> bool:
+    return node.op in ("placeholder", "get_attr")
+
+
+def _dummy(node: torch.fx.Node):
+    """A real stand-in of a leaf (shape at its hints), or why there is none."""
+    v = value(node)
+    if isinstance(v, torch.SymInt):
+        return int(v.node.hint) if v.node.hint is not None else None
+    if isinstance(v, (int, float, bool)):
+        return v
+    if not isinstance(v, torch.Tensor):
+        return None
+    shape = [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in v.shape]
+    if v.dtype.itemsize * torch.Size(shape).numel() > MAX_LEAF_BYTES:
+        return None
+    return torch.zeros(shape, dtype=v.dtype, device=v.device)
+
+
+def trace(node: torch.fx.Node) -> Traced | str:
+    """The aten graph computing ``node`` from the leaves it reads, or why it cannot be had."""
+    graph = node.graph
+    above = Walk([node], lambda n: () if _leaf(n) else n.all_input_nodes, limit=MAX_NODES)
+    nodes = set(above)
+    if len(nodes) >= MAX_NODES:
+        return f"the mask is built by more than {MAX_NODES} ops"
+    sub = torch.fx.Graph()
+    env, leaves = {}, []
+    for n in graph.nodes:
+        if n not in nodes:
+            continue
+        if _leaf(n):
+            env[n] = sub.placeholder(f"leaf_{len(leaves)}")
+            leaves.append(n)
+        elif n.op in ("call_function", "call_method"):
+            env[n] = sub.node_copy(n, lambda a: env[a])
+        else:
+            return f"the mask reads {n.op} {n.target}"
+    sub.output(env[node])
+    dummies = [_dummy(n) for n in leaves]
+    if any(d is None for d in dummies):
+        return "the mask reads an input the analysis cannot stand in for (not a tensor or size, or over 64 MiB)"
+    module = torch.fx.GraphModule(graph.owning_module, sub)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with torch._guards.tracing(None):  # its own shape env: no guard of ours reaches Dynamo's
+            traced = make_fx(module, tracing_mode="symbolic")(*dummies)
+    except Exception as error:  # noqa: BLE001 - a mask we cannot trace is a mask we keep
+        return f"tracing the mask's ops failed ({type(error).__name__})"
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    if len(placeholders) != len(leaves) or not isinstance(output, torch.fx.Node):
+        return "tracing the mask's ops changed its inputs"
+    return Traced(traced.graph, leaves, output)

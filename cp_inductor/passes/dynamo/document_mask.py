@@ -1,0 +1,249 @@
+"""SDPA under a document mask onto packed attention, on the graph Dynamo hands the backend.
+
+HF transformers under torch.compile (and programs that build masks by hand) hand SDPA a
+``[B, 1, T, T]`` boolean or additive mask of packed documents, causal within each; default
+Inductor computes the mask and runs the masked math or efficient kernel over all ``T x T``
+pairs. Where ``analysis/mask_analysis`` proves the mask is "same document [and causal]" over a
+table of document ids, the call becomes the packed kernel the cost map chooses (FA4 varlen or
+cuDNN's ragged SDPA) over the documents; the mask is no longer built::
+
+    ids = cumsum(diff(position_ids) != 1)                       # HF's packed-sequence detection
+    mask = (pos[b, kv] <= pos[b, q]) & (ids[b, q] == ids[b, kv])
+    k = k[:, :, None].expand(B, Hkv, g, T, D).reshape(B, Hq, T, D); v = ...
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ->
+    ids = cumsum(diff(position_ids) != 1)
+    cu_seqlens, meta = cp_inductor.document_plan(ids, check)    # once per mask, not per layer
+    out = cp_inductor.document_attention(q, k0, v0, cu_seqlens, meta, ids, scale, True, "fa4")[0]
+
+A mask that is causal alone (``tril``, HF's plain batch where its ids are provably one document)
+becomes SDPA with ``is_causal=True`` on the un-repeated K/V (``enable_gqa``), which the dense
+lowerings take from there. K/V heads HF repeats only to feed SDPA are read un-repeated (GQA as
+is). The switch ``document_mask`` off, or any mask the analysis cannot prove, keeps the call.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ...lowerings import document_attention, fa4_attention, varlen_attention
+from ...reporting import VarlenRoute
+from ..analysis import attention_provider, mask_analysis
+from ..analysis.op_schema import value
+from ..record import CALL, DYNAMO, Pass
+from . import varlen_calls
+
+NAME = "document_mask"
+KEPT = "kept"
+PACKED = {"fa4": "fa4_varlen", "cudnn": "cudnn_ragged"}
+DENSE_CAUSAL = "sdpa_is_causal"
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclass
+class MaskedCall:
+    """One SDPA call given a mask, what its mask is and where the call went."""
+
+    node: torch.fx.Node
+    args: dict
+    facts: mask_analysis.DocumentMask | None = None
+    analysis_reason: str | None = None  # why the mask is not one we lower
+    path: str = KEPT
+    reasons: dict = field(default_factory=dict)
+    provider: str = "program"
+    provider_reason: str = ""
+    shared: dict = field(default_factory=dict)  # per mask node: what its first lowered call emitted
+    check: bool = True  # the plan checks on device that the document ids are contiguous
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def route(self) -> VarlenRoute:
+        detail = self.facts.describe() if self.facts is not None else "mask not read"
+        reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else self.provider_reason
+        return VarlenRoute(self.name, "local", self.facts.contiguity if self.facts and self.facts.doc_ids is not None else "-",
+                           detail, self.path, reason, layout="mask")
+
+
+def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
+    """The SDPA calls of ``gm`` given an ``attn_mask``, their masks read once per mask node."""
+    calls, facts, shared = [], {}, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        args = dict(zip(_SDPA_ARGS, node.args))
+        args.update(node.kwargs)
+        mask = args.get("attn_mask")
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        if mask not in facts:
+            try:
+                facts[mask] = mask_analysis.analyze(mask)
+            except mask_analysis.NotAMask as why:
+                facts[mask] = str(why)
+        read = facts[mask]
+        call = MaskedCall(node, args, shared=shared.setdefault(mask, {}))
+        if isinstance(read, str):
+            call.analysis_reason = read
+        else:
+            call.facts = read
+        calls.append(call)
+    return calls
+
+
+def why_not(call: MaskedCall, cfg) -> str | None:
+    a = call.args
+    if call.analysis_reason is not None:
+        return call.analysis_reason
+    for name in ("dropout_p", "scale"):
+        if isinstance(a.get(name), torch.fx.Node):
+            return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
+    if a.get("dropout_p"):
+        return f"dropout {a['dropout_p']}"
+    if a.get("is_causal"):
+        return "is_causal with a mask"
+    q, k, v = (value(a[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not [batch, heads, tokens, head_dim]"
+    if q.shape[2] != k.shape[2]:
+        return f"{q.shape[2]} queries over {k.shape[2]} keys (not self-attention over one pack)"
+    if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
+    if call.facts.doc_ids is None:
+        if not call.facts.causal:
+            return "the mask keeps every key: SDPA without it is the same (not rewritten yet)"
+        call.provider_reason = "one document per row: dense causal SDPA, K/V heads as they are"
+        return None
+    call.check = call.facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
+    if call.facts.contiguity != mask_analysis.PROVEN and not call.check:
+        call.facts.contiguity = "promised (document_mask_ids)"
+    k0 = value(_unrepeated(a["key"], q.shape[1])) if _unrepeated(a["key"], q.shape[1]) is not None else k
+    candidates = {
+        "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
+        "cudnn": varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1]),
+    }
+    dims = (q.shape[0] * q.shape[2], q.shape[1], k0.shape[1], q.shape[-1])
+    shape = None if not all(isinstance(d, int) for d in dims) else attention_provider.Shape(
+        "thd", *dims, call.facts.causal, str(q.dtype).removeprefix("torch."))
+    unmeasured = "fa4" if candidates["fa4"] is None else "cudnn"
+    choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured=unmeasured)
+    if choice.provider == "program":
+        return choice.reason
+    call.provider, call.provider_reason = choice.provider, choice.reason
+    return None
+
+
+def _unrepeated(node, q_heads):
+    """``x`` where ``node`` is HF's K/V head repeat ``x[:, :, None].expand(B, Hkv, g, T, D)
+    .reshape(B, Hq, T, D)`` (or ``repeat_interleave(g, dim=1)``) read only by SDPA, else None."""
+    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+        return None
+    kv_heads = [g for g in range(2, q_heads + 1) if q_heads % g == 0]
+    for groups in kv_heads:
+        x = varlen_calls.head_repeat(node, groups)
+        if x is not None:
+            return x
+    if not (node.op == "call_method" and node.target == "reshape") or len(node.args[0].users) != 1:
+        return None
+    expand = node.args[0]
+    if not (expand.op == "call_method" and expand.target == "expand") or len(expand.args[0].users) != 1:
+        return None
+    inserted = expand.args[0]
+    x = None
+    if inserted.op == "call_function" and inserted.target is operator.getitem:
+        index = inserted.args[1]
+        full = slice(None, None, None)
+        if isinstance(index, tuple) and 3 <= len(index) <= 5 and index[2] is None and all(i == full for i in index[:2] + index[3:]):
+            x = inserted.args[0]
+    elif inserted.op == "call_method" and inserted.target == "unsqueeze" and inserted.args[1] == 2:
+        x = inserted.args[0]
+    if x is None:
+        return None
+    xv, out = value(x), value(node)
+    if xv is None or xv.dim() != 4 or value(expand).shape[:2] != xv.shape[:2] or out.shape[1] != q_heads:
+        return None
+    if value(expand).shape[1] * value(expand).shape[2] != q_heads or tuple(out.shape[2:]) != tuple(xv.shape[2:]):
+        return None
+    return x
+
+
+def _copy_ids(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, before: torch.fx.Node) -> torch.fx.Node:
+    """The traced ops computing the document ids, copied into ``gm`` before ``before``."""
+    traced = facts.traced
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders, traced.leaves))
+    needed = set()
+    stack = [facts.doc_ids]
+    while stack:
+        n = stack.pop()
+        if n not in needed and n.op != "placeholder":
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    with gm.graph.inserting_before(before):
+        for n in traced.graph.nodes:
+            if n in needed:
+                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+                env[n].meta = {"example_value": n.meta.get("val")}
+    return env[facts.doc_ids]
+
+
+def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
+    a, g = call.args, gm.graph
+    q_heads = value(a["query"]).shape[1]
+    k, v = (_unrepeated(a[name], q_heads) for name in ("key", "value"))
+    if k is None or v is None:
+        k, v = a["key"], a["value"]
+    scale = a.get("scale")
+    scale = float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5
+    mask = a["attn_mask"]
+    if call.facts.doc_ids is None:
+        with g.inserting_before(call.node):
+            out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),
+                                  {"is_causal": True, "scale": scale, "enable_gqa": k is not a["key"]})
+        call.path = DENSE_CAUSAL
+    else:
+        if "plan" not in call.shared:
+            anchor = mask.next
+            ids = _copy_ids(gm, call.facts, anchor)
+            check = call.check
+            with g.inserting_before(anchor):
+                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, check))
+                cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
+            call.shared["plan"] = (ids, cu, meta)
+        ids, cu, meta = call.shared["plan"]
+        with g.inserting_before(call.node):
+            attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
+                                        (a["query"], k, v, cu, meta, ids, scale, call.facts.causal, call.provider))
+            out = g.call_function(operator.getitem, (attention, 0))
+        call.path = PACKED[call.provider]
+    out.meta["example_value"] = value(call.node)
+    call.node.replace_all_uses_with(out)
+    g.erase_node(call.node)
+    for dead in (a["key"], a["value"]):
+        _erase_dead(g, dead)
+    if not mask.users:
+        _erase_dead(g, mask)
+
+
+def _erase_dead(graph: torch.fx.Graph, node) -> None:
+    """``node`` and what only it read, where nothing reads them (placeholders stay)."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in erased or n.users or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
+PASS = Pass(NAME, stage=DYNAMO, unit=CALL, why_not=why_not, apply=apply, finds=find)
+assert document_attention.PROVIDERS == tuple(PACKED)

@@ -1,0 +1,332 @@
+"""document_mask: SDPA under a document / causal mask becomes packed attention (or causal SDPA),
+where the mask analysis proves what the mask computes, and is kept with the reason where not.
+CPU: the packed ops' per-sequence references stand in for FA4 and cuDNN (``reference_kernels``);
+the GPU tests at the end run the kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.lowerings import document_attention, fa4_attention
+from cp_inductor.lowerings.varlen_attention import reference_kernels
+from cp_inductor.passes.analysis import mask_analysis
+from cp_inductor.passes.dynamo import document_mask
+
+B, T, HQ, HKV, D = 2, 24, 4, 2, 16
+LENGTHS = [5, 9, 10]  # documents of each row
+
+
+def _positions(lengths=LENGTHS, batch=B):
+    return torch.cat([torch.arange(n) for n in lengths])[None].expand(batch, -1).contiguous()
+
+
+def _doc_ids(lengths=LENGTHS, batch=B):
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(batch, -1).contiguous()
+
+
+def _resets(positions):
+    """Document ids as the cumulative count of position resets (HF's packed-sequence detection)."""
+    return (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+
+def _qkv(seed=0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(device, dtype).transpose(1, 2) for h in (HQ, HKV, HKV))
+    return q, k, v
+
+
+def _attend(q, k, v, mask):
+    g = q.shape[1] // k.shape[1]
+    k, v = (x[:, :, None].expand(B, k.shape[1], g, T, D).reshape(B, q.shape[1], T, D) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# --- the mask forms: each builds its mask from (positions or doc ids) and attends --------------
+
+
+def hf_packed(q, k, v, positions):
+    """HF masking_utils' index form on the packed path: positions reset per document."""
+    ids = _resets(positions)
+    b = torch.arange(B)[:, None, None, None]
+    qi, ki = torch.arange(T)[None, None, :, None], torch.arange(T)[None, None, None, :]
+    mask = q.new_ones((), dtype=torch.bool) & (positions[b, ki] <= positions[b, qi]) & (ids[b, qi] == ids[b, ki])
+    return _attend(q, k, v, mask.expand(B, -1, T, T))
+
+
+def hand_tril(q, k, v, doc):
+    """``doc[:, None] == doc[None, :]`` with ``tril``, ids from the caller."""
+    same = doc[:, :, None] == doc[:, None, :]
+    return _attend(q, k, v, (same & torch.ones(T, T, dtype=torch.bool).tril())[:, None])
+
+
+def additive_where(q, k, v, positions):
+    ids = _resets(positions)
+    keep = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    return _attend(q, k, v, torch.where(keep, 0.0, -math.inf)[:, None].to(q.dtype))
+
+
+def additive_masked_fill(q, k, v, positions):
+    ids = _resets(positions)
+    keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (torch.arange(T)[None, :] <= torch.arange(T)[:, None])
+    return _attend(q, k, v, torch.zeros(B, 1, T, T, dtype=q.dtype).masked_fill(~keep, torch.finfo(q.dtype).min))
+
+
+def bidirectional(q, k, v, positions):
+    ids = _resets(positions)
+    return _attend(q, k, v, (ids[:, :, None] == ids[:, None, :])[:, None])
+
+
+def causal_only(q, k, v, positions):
+    return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())
+
+
+# near misses: each must be kept, with its reason
+
+
+def padding(q, k, v, positions):
+    pad = positions > 0  # a per-key table
+    return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril() & pad[:, None, None, :])
+
+
+def window(q, k, v, positions):
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return _attend(q, k, v, (ki <= qi) & (ki > qi - 4))
+
+
+def or_masks(q, k, v, positions):
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return _attend(q, k, v, (ki <= qi) | (ki == 0))
+
+
+def mask_from_outside(q, k, v, mask):
+    return _attend(q, k, v, mask)
+
+
+def real_bias(q, k, v, positions):
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return _attend(q, k, v, -(qi - ki).abs().to(q.dtype))
+
+
+def positions_unproven(q, k, v, doc):
+    """Causal over positions, with document ids that do not come from those positions."""
+    pos = torch.arange(T)[None].expand(B, -1) * 2
+    qi, ki = torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+    b = torch.arange(B)[:, None, None]
+    mask = (pos[b, ki] <= pos[b, qi]) & (doc[b, qi] == doc[b, ki])
+    return _attend(q, k, v, mask[:, None])
+
+
+def shifted(q, k, v, doc):
+    """The key's document read one token late: not a document mask."""
+    shifted_doc = torch.cat([doc[:, :1], doc[:, :-1]], dim=1)
+    return _attend(q, k, v, (doc[:, :, None] == shifted_doc[:, None, :])[:, None])
+
+
+def _routes(fn, *args):
+    cp_inductor.clear_report()
+    torch._dynamo.reset()
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        out = torch.compile(fn, backend="cp_inductor", fullgraph=True)(*args)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    return out, lines
+
+
+def _describe(fn, table):
+    q, k, v = _qkv()
+    _, lines = _routes(fn, q, k, v, table)
+    return "\n".join(line.split(": ", 1)[1] for line in lines)
+
+
+class TestAnalysis(TestCase):
+    """The report's line per form: what the mask is, or why it is kept."""
+
+    def test_accepted_forms(self):
+        pos, doc = _positions(), _doc_ids()
+        got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
+            (hf_packed, pos), (hand_tril, doc), (additive_where, pos), (additive_masked_fill, pos),
+            (bidirectional, pos), (causal_only, pos)))
+        self.assertExpectedInline(got, """\
+hf_packed: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
+hand_tril: documents from arg0_1 (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
+additive_where: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
+additive_masked_fill: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
+bidirectional: documents from cumsum (proven (cumulative sum of non-negatives)), bidirectional: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 full float32
+causal_only: causal: sdpa_is_causal: one document per row: dense causal SDPA, K/V heads as they are""")
+
+    def test_near_misses_keep_their_op(self):
+        pos, doc = _positions(), _doc_ids()
+        outside = torch.ones(T, T, dtype=torch.bool).tril()
+        got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
+            (padding, pos), (window, pos), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
+            (positions_unproven, doc), (shifted, doc)))
+        self.assertExpectedInline(got, """\
+padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
+window: mask not read: kept: document_mask: a sliding window (keys from q-3): not lowered yet
+or_masks: mask not read: kept: document_mask: a disjunction of masks (or_masks, |): not a document mask
+mask_from_outside: mask not read: kept: document_mask: the mask comes in from outside the graph (its values are not known to the compiler)
+real_bias: mask not read: kept: document_mask: a real-valued bias (aten.neg.default is not where(mask, 0, -inf) or masked_fill(-inf))
+positions_unproven: mask not read: kept: document_mask: causal over a table of positions not proven to step by one within each document
+shifted: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)""")
+
+    def test_switch_off_keeps_the_call(self):
+        q, k, v = _qkv()
+        with cp_inductor.config.patch(document_mask=False):
+            _, lines = _routes(hf_packed, q, k, v, _positions())
+        self.assertExpectedInline(lines[0].split(": ", 1)[1], """\
+documents from cumsum (proven (cumulative sum of non-negatives)), causal: kept: document_mask: disabled by config""")
+
+
+def test_rewritten_graph_builds_no_mask():
+    """The graph Inductor receives: the plan and our op, no T x T comparison, no K/V repeat."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        from cp_inductor.config_snapshot import snapshot
+        from cp_inductor.passes import engine
+
+        engine.run_dynamo_passes(gm, snapshot({}))
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    with reference_kernels():
+        torch.compile(hf_packed, backend=capture, fullgraph=True)(q, k, v, _positions())
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    assert "cp_inductor.document_plan.default" in targets and "cp_inductor.document_attention.default" in targets
+    assert not any(t in ("expand", "reshape") or "scaled_dot_product" in t or "le" == t for t in targets), targets
+    shapes = [tuple(n.meta["example_value"].shape) for n in graphs[0].graph.nodes
+              if isinstance(n.meta.get("example_value"), torch.Tensor)]
+    assert (B, 1, T, T) not in shapes and (B, T, T) not in shapes
+
+
+def _grads(fn, q, k, v, table, compiled):
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if compiled:
+        torch._dynamo.reset()
+        with reference_kernels(), cp_inductor.config.patch(strict=True):
+            out = torch.compile(fn, backend="cp_inductor")(*ins, table)
+            grads = torch.autograd.grad(out, ins, torch.ones_like(out) + out.detach())
+    else:
+        out = fn(*ins, table)
+        grads = torch.autograd.grad(out, ins, torch.ones_like(out) + out.detach())
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("fn", [hf_packed, hand_tril, additive_where, additive_masked_fill, bidirectional, causal_only],
+                         ids=lambda f: f.__name__)
+def test_numerics_match_the_program(fn):
+    """Output and every gradient against the program's own masked SDPA (eager)."""
+    table = _doc_ids() if fn is hand_tril else _positions([7, 1, 16])
+    q, k, v = _qkv()
+    for got, want in zip(_grads(fn, q, k, v, table, True), _grads(fn, q, k, v, table, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_ids_that_are_not_contiguous_run_densely():
+    """Document 0 again after document 1 in a row: the device check sends the call to the dense
+    path, whose answer is the mask's (packed kernels would split document 0 in two)."""
+    doc = torch.tensor([[0] * 6 + [1] * 6 + [0] * 12, [2] * 12 + [1] * 12])
+    q, k, v = _qkv()
+    for got, want in zip(_grads(hand_tril, q, k, v, doc, True), _grads(hand_tril, q, k, v, doc, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_plan_counts_runs_and_checks_contiguity():
+    doc = torch.tensor([[3, 3, 5, 5, 5, 9], [0, 0, 0, 0, 1, 1]])
+    cu, meta = torch.ops.cp_inductor.document_plan(doc, True)
+    assert meta.tolist() == [5, 4, 1]  # runs 2, 3, 1, 4, 2
+    assert cu.tolist() == [0, 2, 5, 6, 10, 12, 12, 12, 12, 12, 12, 12, 12]
+    _, meta = torch.ops.cp_inductor.document_plan(torch.tensor([[0, 1, 0]]), True)
+    assert meta.tolist()[2] == 0
+
+
+# --- HF transformers' Llama, compiled end to end ---------------------------------------------
+
+
+def _llama(impl):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, attn_implementation=impl)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _train_step(model, run, inputs):
+    loss = run(**inputs, labels=inputs["input_ids"], use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_hf_llama_sdpa_compiled(packed):
+    pytest.importorskip("transformers")
+    model = _llama("sdpa")
+    inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))}
+    if packed:
+        inputs["position_ids"] = _positions()
+    want = _train_step(model, model, inputs)
+    cp_inductor.clear_report()
+    torch._dynamo.reset()
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+# --- one GPU -----------------------------------------------------------------------------------
+
+
+def _gpu_missing():
+    if not torch.cuda.is_available():
+        return "needs a GPU"
+    return None
+
+
+@pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
+@pytest.mark.parametrize("provider", document_attention.PROVIDERS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_document_attention_matches_fp32(provider, causal):
+    from cp_inductor.lowerings import varlen_attention
+
+    why = (fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128) if provider == "fa4"
+           else varlen_attention.cudnn_unavailable(torch.device("cuda"), torch.bfloat16, 128))
+    if why:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(0)
+    b, t, hq, hkv, d = 2, 2048, 8, 2, 128
+    lengths = [1, 300, 77, 1000, 129, 541]
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(b, -1).cuda()
+    q, k, v = (torch.randn(b, t, h, d, generator=g).cuda().bfloat16().transpose(1, 2) for h in (hq, hkv, hkv))
+    grad = torch.randn(b, hq, t, d, generator=g).cuda().bfloat16()
+
+    def ours(q, k, v):
+        cu, meta = torch.ops.cp_inductor.document_plan(doc, True)
+        return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, d ** -0.5, causal, provider)[0]
+
+    def dense(q, k, v):
+        return document_attention._dense(q, k, v, doc, d ** -0.5, causal)
+
+    def run(fn, dtype):
+        ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*ins)
+        return [out, *torch.autograd.grad(out, ins, grad.to(dtype))]
+
+    want = run(dense, torch.float32)
+    program = run(dense, torch.bfloat16)
+    for name, got, ref, bf16 in zip(("out", "dq", "dk", "dv"), run(ours, torch.bfloat16), want, program):
+        err = float((got.float() - ref).norm() / ref.norm())
+        err_program = float((bf16.float() - ref).norm() / ref.norm())
+        assert err < max(2 * err_program, 5e-3), (name, err, err_program)
