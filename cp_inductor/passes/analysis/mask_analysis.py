@@ -115,12 +115,17 @@ class DocumentMask:
     causal: bool
     contiguity: str = ""  # PROVEN or CHECKED, where there are document ids
     traced: mask_graph.Traced | None = None
+    # Causal over this table of positions (traced graph), which the graph does not prove to rise
+    # within each document: checked on device with the ids.
+    positions: torch.fx.Node | None = None
 
     def describe(self) -> str:
         parts = []
         if self.doc_ids is not None:
             parts.append(f"documents from {self.doc_ids.name} ({self.contiguity})")
         parts.append("causal" if self.causal else "bidirectional")
+        if self.positions is not None:
+            parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
         return ", ".join(parts)
 
 
@@ -174,8 +179,8 @@ _SHAPE_OPS = (*_SAME, *_VIEWS, aten.expand.default, aten.unsqueeze.default, aten
 
 
 class _Reader:
-    def __init__(self):
-        self.memo: dict = {}
+    def __init__(self, indices: dict | None = None):
+        self.memo: dict = dict(indices or {})  # a flex mask_mod's index arguments: b, h, q_idx, kv_idx
 
     def read(self, x):
         """The predicate or integer function a traced value computes, by its own indices."""
@@ -529,29 +534,47 @@ def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
     val = out.meta["val"]
     reader = _Reader()
     predicate = reader.read(out)
+    if val.dim() < 2:
+        raise NotAMask("a mask of fewer than two dims")
     if val.dtype.is_floating_point:
         if not isinstance(predicate, Additive):
             raise NotAMask("a real-valued bias (not where(mask, 0, -inf) or masked_fill(-inf))")
         predicate = predicate.kept
     elif val.dtype != torch.bool:
         raise NotAMask(f"a {val.dtype} mask")
-    rank = val.dim()
-    if rank < 2:
-        raise NotAMask("a mask of fewer than two dims")
+    return _classified(predicate, traced, val.dim())
+
+
+def _classified(predicate, traced: mask_graph.Traced, rank: int) -> DocumentMask:
     classify = _Classifier(rank)
     for atom in _conjuncts(predicate):
         classify.add(atom)
     if len(classify.doc_ids) > 1:
         raise NotAMask("two tables of document ids")
     doc_ids = next(iter(classify.doc_ids), None)
-    for positions in classify.position_causal:
-        if doc_ids is None or _resets_of(doc_ids) is not positions:
-            raise NotAMask("causal over a table of positions not proven to step by one within each document")
+    checked_positions = None
+    for positions in set(classify.position_causal):
+        if doc_ids is None:
+            raise NotAMask("causal over a table of positions without document ids")
+        if _resets_of(doc_ids) is not positions:
+            if checked_positions is not None:
+                raise NotAMask("causal over two tables of positions")
+            checked_positions = positions
         classify.causal = True
     if doc_ids is None:
         return DocumentMask(None, classify.causal, traced=traced)
     summand = _row_cumsum(doc_ids)
     proven = summand is not None and _nonnegative(summand)
-    return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced)
+    return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions)
+
+
+def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:
+    """What a flex ``mask_mod(b, h, q_idx, kv_idx, *buffers)`` computes (its first four traced
+    inputs are the indices); raises :class:`NotAMask` where it is not a document / causal mask."""
+    index = [n for n in traced.graph.nodes if n.op == "placeholder"][:4]
+    reader = _Reader({n: Lin(((axis, 1),)) for axis, n in enumerate(index)})
+    if traced.output.meta["val"].dtype != torch.bool:
+        raise NotAMask(f"a mask_mod returning {traced.output.meta['val'].dtype}")
+    return _classified(reader.read(traced.output), traced, 4)
 
 

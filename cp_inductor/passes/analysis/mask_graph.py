@@ -24,7 +24,7 @@ MAX_LEAF_BYTES = 64 << 20
 @dataclass
 class Traced:
     graph: torch.fx.Graph  # aten ops; placeholder i stands for ``leaves[i]``
-    leaves: list  # the Dynamo graph's nodes the traced ops read
+    leaves: list  # the Dynamo graph's nodes the traced ops read (None: a flex mask_mod's index)
     output: torch.fx.Node  # the traced tensor in ``graph``
 
 
@@ -67,15 +67,26 @@ def trace(node: torch.fx.Node) -> Traced | str:
         else:
             return f"the mask reads {n.op} {n.target}"
     sub.output(env[node])
-    dummies = [_dummy(n) for n in leaves]
+    return trace_module(torch.fx.GraphModule(graph.owning_module, sub), leaves, [_dummy(n) for n in leaves])
+
+
+def trace_mask_mod(mask_mod: torch.fx.GraphModule, buffers) -> Traced | str:
+    """A flex ``mask_mod(b, h, q_idx, kv_idx, *buffers)`` body in aten ops: its first four
+    inputs (the indices, no leaf of the Dynamo graph) stand for themselves."""
+    # Each index along its own dim, as flex's vmap broadcasts them (a 0-d integer tensor would
+    # index as a Python int, read by a data-dependent .item()).
+    index = [torch.zeros([2 + i if d == i else 1 for d in range(4)], dtype=torch.int32) for i in range(4)]
+    return trace_module(mask_mod, [None] * 4 + list(buffers), index + [_dummy(n) for n in buffers], "fake")
+
+
+def trace_module(module: torch.fx.GraphModule, leaves: list, dummies: list, mode: str = "symbolic") -> Traced | str:
     if any(d is None for d in dummies):
         return "the mask reads an input the analysis cannot stand in for (not a tensor or size, or over 64 MiB)"
-    module = torch.fx.GraphModule(graph.owning_module, sub)
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
         with torch._guards.tracing(None):  # its own shape env: no guard of ours reaches Dynamo's
-            traced = make_fx(module, tracing_mode="symbolic")(*dummies)
+            traced = make_fx(module, tracing_mode=mode)(*dummies)
     except Exception as error:  # noqa: BLE001 - a mask we cannot trace is a mask we keep
         return f"tracing the mask's ops failed ({type(error).__name__})"
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]

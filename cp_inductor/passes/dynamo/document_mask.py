@@ -32,7 +32,7 @@ import torch.fx
 
 from ...lowerings import document_attention, fa4_attention, varlen_attention
 from ...reporting import VarlenRoute
-from ..analysis import attention_provider, mask_analysis
+from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.op_schema import value
 from ..record import CALL, DYNAMO, Pass
 from . import varlen_calls
@@ -44,6 +44,7 @@ DENSE_CAUSAL = "sdpa_is_causal"
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FLEX = torch.ops.higher_order.flex_attention
 
 
 @dataclass
@@ -72,22 +73,47 @@ class MaskedCall:
                            detail, self.path, reason, layout="mask")
 
 
+def _flex_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict | None:
+    """A flex_attention call's arguments under SDPA's names, its mask_mod and buffers as the
+    mask, or None for another call."""
+    if node.op != "call_function" or node.target is not _FLEX:
+        return None
+    q, k, v, score_mod, block_mask, scale, options, score_buffers, mask_buffers = node.args[:9]
+    mask_mod = getattr(gm, block_mask[-1].target) if isinstance(block_mask[-1], torch.fx.Node) else None
+    body = getattr(gm, score_mod.target) if isinstance(score_mod, torch.fx.Node) else None
+    return {"query": q, "key": k, "value": v, "scale": scale, "attn_mask": (block_mask[-1], tuple(mask_buffers)),
+            "mask_mod": mask_mod, "mask_buffers": tuple(mask_buffers), "score_mod": body, "score_buffers": score_buffers,
+            "flex": True}
+
+
+def _read_mask(args):
+    try:
+        if not args.get("flex"):
+            return mask_analysis.analyze(args["attn_mask"])
+        traced = mask_graph.trace_mask_mod(args["mask_mod"], args["mask_buffers"])
+        if isinstance(traced, str):
+            raise mask_analysis.NotAMask(traced)
+        return mask_analysis.analyze_mask_mod(traced)
+    except mask_analysis.NotAMask as why:
+        return str(why)
+
+
 def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
-    """The SDPA calls of ``gm`` given an ``attn_mask``, their masks read once per mask node."""
+    """The SDPA calls of ``gm`` given an ``attn_mask`` and its flex_attention calls, their
+    masks read once per mask."""
     calls, facts, shared = [], {}, {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _SDPA:
+        args = _flex_args(gm, node)
+        if args is None and node.op == "call_function" and node.target in _SDPA:
+            args = dict(zip(_SDPA_ARGS, node.args))
+            args.update(node.kwargs)
+            if not isinstance(args.get("attn_mask"), torch.fx.Node):
+                continue
+        if args is None:
             continue
-        args = dict(zip(_SDPA_ARGS, node.args))
-        args.update(node.kwargs)
-        mask = args.get("attn_mask")
-        if not isinstance(mask, torch.fx.Node):
-            continue
+        mask = args["attn_mask"]
         if mask not in facts:
-            try:
-                facts[mask] = mask_analysis.analyze(mask)
-            except mask_analysis.NotAMask as why:
-                facts[mask] = str(why)
+            facts[mask] = _read_mask(args)
         read = facts[mask]
         call = MaskedCall(node, args, shared=shared.setdefault(mask, {}))
         if isinstance(read, str):
@@ -109,6 +135,10 @@ def why_not(call: MaskedCall, cfg) -> str | None:
         return f"dropout {a['dropout_p']}"
     if a.get("is_causal"):
         return "is_causal with a mask"
+    if a.get("flex"):
+        reason = _flex_reason(call)
+        if reason is not None:
+            return reason
     q, k, v = (value(a[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not [batch, heads, tokens, head_dim]"
@@ -138,6 +168,37 @@ def why_not(call: MaskedCall, cfg) -> str | None:
         return choice.reason
     call.provider, call.provider_reason = choice.provider, choice.reason
     return None
+
+
+def _flex_reason(call: MaskedCall) -> str | None:
+    a = call.args
+    body = a["score_mod"]
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"] if body is not None else []
+    output = next((n for n in body.graph.nodes if n.op == "output"), None) if body is not None else None
+    if not placeholders or output is None or output.args[0] is not placeholders[0] or a["score_buffers"]:
+        return "a score_mod that changes the scores"
+    if {u.args[1] for u in call.node.users if u.target is operator.getitem} - {0} or any(
+            u.target is not operator.getitem for u in call.node.users):
+        return "the program reads the log-sum-exp"
+    facts = call.facts
+    if facts.doc_ids is not None and any(n.op == "placeholder" and facts.traced.leaves[i] is None
+                                         for i, n in enumerate(_placeholders(facts.traced)) if n in _above(facts.doc_ids)):
+        return "document ids computed from the mask_mod's indices"
+    return None
+
+
+def _placeholders(traced) -> list:
+    return [n for n in traced.graph.nodes if n.op == "placeholder"]
+
+
+def _above(node: torch.fx.Node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _unrepeated(node, q_heads):
@@ -174,24 +235,19 @@ def _unrepeated(node, q_heads):
     return x
 
 
-def _copy_ids(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, before: torch.fx.Node) -> torch.fx.Node:
-    """The traced ops computing the document ids, copied into ``gm`` before ``before``."""
+def _copy_tables(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, tables, before: torch.fx.Node) -> list:
+    """The traced ops computing ``tables`` (document ids, positions), copied into ``gm`` before
+    ``before``."""
     traced = facts.traced
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders, traced.leaves))
-    needed = set()
-    stack = [facts.doc_ids]
-    while stack:
-        n = stack.pop()
-        if n not in needed and n.op != "placeholder":
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
+    needed = {n for table in tables for n in _above(table) if n.op != "placeholder"}
     with gm.graph.inserting_before(before):
         for n in traced.graph.nodes:
             if n in needed:
                 env[n] = gm.graph.node_copy(n, lambda a: env[a])
                 env[n].meta = {"example_value": n.meta.get("val")}
-    return env[facts.doc_ids]
+    return [env[t] for t in tables]
 
 
 def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
@@ -202,34 +258,38 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         k, v = a["key"], a["value"]
     scale = a.get("scale")
     scale = float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5
-    mask = a["attn_mask"]
     if call.facts.doc_ids is None:
         with g.inserting_before(call.node):
+            gqa = value(k).shape[1] != q_heads
             out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),
-                                  {"is_causal": True, "scale": scale, "enable_gqa": k is not a["key"]})
+                                  {"is_causal": True, "scale": scale, "enable_gqa": gqa})
         call.path = DENSE_CAUSAL
     else:
-        if "plan" not in call.shared:
-            anchor = mask.next
-            ids = _copy_ids(gm, call.facts, anchor)
-            check = call.check
-            with g.inserting_before(anchor):
-                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, check))
+        if "plan" not in call.shared:  # the first call reading this mask, in graph order: it dominates the rest
+            facts = call.facts
+            tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
+            ids, *positions = _copy_tables(gm, facts, tables, call.node)
+            with g.inserting_before(call.node):
+                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, *(positions or [None]), call.check))
                 cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
-            call.shared["plan"] = (ids, cu, meta)
-        ids, cu, meta = call.shared["plan"]
+            call.shared["plan"] = (ids, positions[0] if positions else None, cu, meta)
+        ids, positions, cu, meta = call.shared["plan"]
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
-                                        (a["query"], k, v, cu, meta, ids, scale, call.facts.causal, call.provider))
+                                        (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
-    out.meta["example_value"] = value(call.node)
-    call.node.replace_all_uses_with(out)
+    if a.get("flex"):  # (out, lse): its readers read out
+        out.meta["example_value"] = value(call.node)[0]
+        for user in list(call.node.users):
+            user.replace_all_uses_with(out)
+            g.erase_node(user)
+    else:
+        out.meta["example_value"] = value(call.node)
+        call.node.replace_all_uses_with(out)
     g.erase_node(call.node)
-    for dead in (a["key"], a["value"]):
+    for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if not a.get("flex") else None):
         _erase_dead(g, dead)
-    if not mask.users:
-        _erase_dead(g, mask)
 
 
 def _erase_dead(graph: torch.fx.Graph, node) -> None:
