@@ -70,12 +70,12 @@ def trace(node: torch.fx.Node) -> Traced | str:
     return trace_module(torch.fx.GraphModule(graph.owning_module, sub), leaves, [_dummy(n) for n in leaves])
 
 
-def trace_mask_mod(mask_mod: torch.fx.GraphModule, buffers) -> Traced | str:
+def trace_mask_mod(mask_mod: torch.fx.GraphModule, buffers, device: torch.device) -> Traced | str:
     """A flex ``mask_mod(b, h, q_idx, kv_idx, *buffers)`` body in aten ops: its first four
     inputs (the indices, no leaf of the Dynamo graph) stand for themselves."""
     # Each index along its own dim, as flex's vmap broadcasts them (a 0-d integer tensor would
     # index as a Python int, read by a data-dependent .item()).
-    index = [torch.zeros([2 + i if d == i else 1 for d in range(4)], dtype=torch.int32) for i in range(4)]
+    index = [torch.zeros([2 + i if d == i else 1 for d in range(4)], dtype=torch.int32, device=device) for i in range(4)]
     return trace_module(mask_mod, [None] * 4 + list(buffers), index + [_dummy(n) for n in buffers], "fake")
 
 
@@ -88,7 +88,8 @@ def trace_module(module: torch.fx.GraphModule, leaves: list, dummies: list, mode
         with torch._guards.tracing(None):  # its own shape env: no guard of ours reaches Dynamo's
             traced = make_fx(module, tracing_mode=mode)(*dummies)
     except Exception as error:  # noqa: BLE001 - a mask we cannot trace is a mask we keep
-        return f"tracing the mask's ops failed ({type(error).__name__})"
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        return f"tracing the mask's ops failed ({type(error).__name__}: {first})"
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
     if len(placeholders) != len(leaves) or not isinstance(output, torch.fx.Node):

@@ -90,7 +90,7 @@ def _read_mask(args):
     try:
         if not args.get("flex"):
             return mask_analysis.analyze(args["attn_mask"])
-        traced = mask_graph.trace_mask_mod(args["mask_mod"], args["mask_buffers"])
+        traced = mask_graph.trace_mask_mod(args["mask_mod"], args["mask_buffers"], value(args["query"]).device)
         if isinstance(traced, str):
             raise mask_analysis.NotAMask(traced)
         return mask_analysis.analyze_mask_mod(traced)
