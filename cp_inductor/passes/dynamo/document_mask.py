@@ -177,14 +177,20 @@ def _flex_reason(call: MaskedCall) -> str | None:
     output = next((n for n in body.graph.nodes if n.op == "output"), None) if body is not None else None
     if not placeholders or output is None or output.args[0] is not placeholders[0] or a["score_buffers"]:
         return "a score_mod that changes the scores"
-    if {u.args[1] for u in call.node.users if u.target is operator.getitem} - {0} or any(
-            u.target is not operator.getitem for u in call.node.users):
+    if any(u.target is not operator.getitem or (u.args[1] != 0 and not _unread(u)) for u in call.node.users):
         return "the program reads the log-sum-exp"
     facts = call.facts
     if facts.doc_ids is not None and any(n.op == "placeholder" and facts.traced.leaves[i] is None
                                          for i, n in enumerate(_placeholders(facts.traced)) if n in _above(facts.doc_ids)):
         return "document ids computed from the mask_mod's indices"
     return None
+
+
+def _unread(node: torch.fx.Node) -> bool:
+    """Whether nothing but dead views and casts read ``node`` (HF's flex path on CUDA returns
+    the log-sum-exp as its attention weights, which the decoder layer drops)."""
+    return all(u.op == "call_method" and u.target in ("to", "transpose", "view", "float", "type_as") and _unread(u)
+               or u.op == "call_function" and u.target is operator.getitem and _unread(u) for u in node.users)
 
 
 def _placeholders(traced) -> list:
@@ -279,17 +285,24 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
                                         (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
-    if a.get("flex"):  # (out, lse): its readers read out
+    if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
         out.meta["example_value"] = value(call.node)[0]
         for user in list(call.node.users):
-            user.replace_all_uses_with(out)
-            g.erase_node(user)
+            if user.args[1] == 0:
+                user.replace_all_uses_with(out)
+            _erase_unread(g, user)
     else:
         out.meta["example_value"] = value(call.node)
         call.node.replace_all_uses_with(out)
     g.erase_node(call.node)
     for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if not a.get("flex") else None):
         _erase_dead(g, dead)
+
+
+def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    for user in list(node.users):
+        _erase_unread(graph, user)
+    graph.erase_node(node)
 
 
 def _erase_dead(graph: torch.fx.Graph, node) -> None:
