@@ -12,7 +12,7 @@ import json
 import sys
 
 import torch
-from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from common import device_ms
 
@@ -36,18 +36,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import cp_inductor
+    from cp_inductor.testing.documents import document_causal_block_mask
 
     rows = []
     for tokens, docs in zip(args.tokens, args.docs):
         doc, cu, longest = pack(tokens, docs)
 
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-
-        def same_document(b, h, q_idx, kv_idx):
-            return doc[b, q_idx] == doc[b, kv_idx]
-
-        block_mask = create_block_mask(and_masks(causal, same_document), 1, None, tokens, tokens, device="cuda")
+        block_mask = document_causal_block_mask(doc, tokens, "cuda")
         g = torch.Generator().manual_seed(1)
         q, k, v = (torch.randn(1, h, tokens, args.head_dim, generator=g).cuda().bfloat16().requires_grad_()
                    for h in (args.heads, args.kv_heads, args.kv_heads))

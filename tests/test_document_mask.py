@@ -15,8 +15,7 @@ from expecttest import TestCase
 import cp_inductor
 from cp_inductor.lowerings import document_attention, fa4_attention
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.passes.analysis import mask_analysis
-from cp_inductor.passes.dynamo import document_mask
+from cp_inductor.testing.documents import document_causal_block_mask
 
 B, T, HQ, HKV, D = 2, 24, 4, 2, 16
 LENGTHS = [5, 9, 10]  # documents of each row
@@ -186,28 +185,35 @@ shifted: mask not read: kept: document_mask: a table read in the mask at positio
 documents from cumsum (proven (cumulative sum of non-negatives)), causal: kept: document_mask: disabled by config""")
 
 
-def test_rewritten_graph_builds_no_mask():
-    """The graph Inductor receives: the plan and our op, no T x T comparison, no K/V repeat."""
-    graphs = []
+class TestRewrittenGraph(TestCase):
+    def test_hand_built_mask_is_dead(self):
+        """The graph Inductor receives for ``hand_tril``: the plan and our op over the ids as they
+        came in, K/V un-repeated; the T x T comparison, tril and SDPA are gone."""
+        graphs = []
 
-    def capture(gm, example_inputs):
-        from cp_inductor.config_snapshot import snapshot
-        from cp_inductor.passes import engine
+        def capture(gm, example_inputs):
+            from cp_inductor.config_snapshot import snapshot
+            from cp_inductor.passes import engine
 
-        engine.run_dynamo_passes(gm, snapshot({}))
-        graphs.append(gm)
-        return gm.forward
+            engine.run_dynamo_passes(gm, snapshot({}))
+            graphs.append(gm)
+            return gm.forward
 
-    torch._dynamo.reset()
-    q, k, v = _qkv()
-    with reference_kernels():
-        torch.compile(hf_packed, backend=capture, fullgraph=True)(q, k, v, _positions())
-    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
-    assert "cp_inductor.document_plan.default" in targets and "cp_inductor.document_attention.default" in targets
-    assert not any(t in ("expand", "reshape") or "scaled_dot_product" in t or "le" == t for t in targets), targets
-    shapes = [tuple(n.meta["example_value"].shape) for n in graphs[0].graph.nodes
-              if isinstance(n.meta.get("example_value"), torch.Tensor)]
-    assert (B, 1, T, T) not in shapes and (B, T, T) not in shapes
+        torch._dynamo.reset()
+        q, k, v = _qkv()
+        with reference_kernels():
+            torch.compile(hand_tril, backend=capture, fullgraph=True)(q, k, v, _doc_ids())
+        lines = []
+        for n in graphs[0].graph.nodes:
+            if n.op in ("call_function", "call_method"):
+                args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
+                lines.append(f"{n.name} = {getattr(n.target, '__name__', n.target)}({args})")
+        self.assertExpectedInline("\n".join(lines), """\
+document_plan_default = document_plan.default(l_doc_, None, True)
+getitem_5 = getitem(document_plan_default, 0)
+getitem_6 = getitem(document_plan_default, 1)
+document_attention_default = document_attention.default(l_q_, l_k_, l_v_, getitem_5, getitem_6, l_doc_, None, 0.25, True, 'fa4')
+getitem_7 = getitem(document_attention_default, 0)""")
 
 
 def _grads(fn, q, k, v, table, compiled):
@@ -353,15 +359,7 @@ def test_gpu_document_attention_matches_fp32(provider, causal):
 
 
 def _flex_doc_causal(doc):
-    from torch.nn.attention.flex_attention import and_masks, create_block_mask
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def same_document(b, h, q_idx, kv_idx):
-        return doc[b, q_idx] == doc[b, kv_idx]
-
-    return create_block_mask(and_masks(causal, same_document), B, None, T, T, device="cpu")
+    return document_causal_block_mask(doc, T, "cpu")
 
 
 def flex_program(q, k, v, block_mask):
@@ -407,21 +405,14 @@ def test_hf_llama_flex_compiled_forward():
 def test_gpu_flex_document_training_matches_fp32():
     """Flex's document-causal BlockMask trained on the GPU: output and every gradient of the
     rewritten call against fp32 SDPA under the same mask, within 2x the error of compiled flex."""
-    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128):
         pytest.skip("needs FA4")
     b, t, hq, hkv, d = 1, 4096, 8, 2, 128
     lengths = [1000, 77, 2000, 1019]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def same_document(b, h, q_idx, kv_idx):
-        return doc[b, q_idx] == doc[b, kv_idx]
-
-    block_mask = create_block_mask(and_masks(causal, same_document), 1, None, t, t, device="cuda")
+    block_mask = document_causal_block_mask(doc, t, "cuda")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g).cuda() for h in (hq, hkv, hkv))
     grad = torch.randn(b, hq, t, d, generator=g).cuda()
