@@ -131,7 +131,7 @@ class Report:
             widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
             lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
             lines.insert(1, "  ".join("-" * w for w in widths))
-        elif not (self.varlen or self.dense):
+        elif not (any(v.layout != "mask" for v in self.varlen) or self.dense):  # masked SDPA lines are no regions
             lines.append("cp_inductor: no CP attention regions found")
         for r in self.regions:
             lines += [f"note ({r.graph_kind} {r.style} {r.attention}): {n}" for n in r.notes]

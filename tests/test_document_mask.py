@@ -209,7 +209,9 @@ class TestRewrittenGraph(TestCase):
                 args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
                 lines.append(f"{n.name} = {getattr(n.target, '__name__', n.target)}({args})")
         self.assertExpectedInline("\n".join(lines), """\
-document_plan_default = document_plan.default(l_doc_, None, True)
+sym_size_int = sym_size.int(l_q_, 0)
+sym_size_int_1 = sym_size.int(l_q_, 2)
+document_plan_default = document_plan.default(l_doc_, None, True, sym_size_int, sym_size_int_1)
 getitem_5 = getitem(document_plan_default, 0)
 getitem_6 = getitem(document_plan_default, 1)
 document_attention_default = document_attention.default(l_q_, l_k_, l_v_, getitem_5, getitem_6, l_doc_, None, 0.25, True, 'fa4')
@@ -239,6 +241,22 @@ def test_numerics_match_the_program(fn):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def one_table_for_every_row(q, k, v, doc):
+    """``doc[q] == doc[kv]`` over a 1-D table: every batch entry has the same documents."""
+    same = doc[:, None] == doc[None, :]
+    return _attend(q, k, v, same & torch.ones(T, T, dtype=torch.bool).tril())
+
+
+def test_one_table_for_every_row():
+    q, k, v = _qkv()
+    doc = _doc_ids([3, 20, 1], batch=1)[0]
+    for got, want in zip(_grads(one_table_for_every_row, q, k, v, doc, True),
+                         _grads(one_table_for_every_row, q, k, v, doc, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    _, lines = _routes(one_table_for_every_row, q, k, v, doc)
+    assert "fa4_varlen" in lines[0], lines
+
+
 def test_ids_that_are_not_contiguous_run_densely():
     """Document 0 again after document 1 in a row: the device check sends the call to the dense
     path, whose answer is the mask's (packed kernels would split document 0 in two)."""
@@ -263,10 +281,10 @@ def test_positions_that_fall_run_densely():
 
 def test_plan_counts_runs_and_checks_contiguity():
     doc = torch.tensor([[3, 3, 5, 5, 5, 9], [0, 0, 0, 0, 1, 1]])
-    cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True)
+    cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
     assert meta.tolist() == [5, 4, 1]  # runs 2, 3, 1, 4, 2
     assert cu.tolist() == [0, 2, 5, 6, 10, 12, 12, 12, 12, 12, 12, 12, 12]
-    _, meta = torch.ops.cp_inductor.document_plan(torch.tensor([[0, 1, 0]]), None, True)
+    _, meta = torch.ops.cp_inductor.document_plan(torch.tensor([[0, 1, 0]]), None, True, 1, 3)
     assert meta.tolist()[2] == 0
 
 
@@ -336,7 +354,7 @@ def test_gpu_document_attention_matches_fp32(provider, causal):
     grad = torch.randn(b, hq, t, d, generator=g).cuda().bfloat16()
 
     def ours(q, k, v):
-        cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True)
+        cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
         return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, d ** -0.5, causal, provider)[0]
 
     def dense(q, k, v):

@@ -1,7 +1,7 @@
 """Attention over packed documents given as a table of document ids: what a document mask
 (``passes/dynamo/document_mask.py``) becomes.
 
-    cu_seqlens, meta = document_plan(doc_ids, positions, check)
+    cu_seqlens, meta = document_plan(doc_ids, positions, check, B, T)
     out, lse = document_attention(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider)
 
 ``doc_ids`` is ``[B, T]`` (or ``[T]``): token ``t`` of row ``b`` belongs to document
@@ -32,7 +32,7 @@ from . import fa4_attention, varlen_attention  # noqa: F401 - define the packed 
 PROVIDERS = ("fa4", "cudnn")
 
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")
-_lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check) -> (Tensor, Tensor)")
+_lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens) -> (Tensor, Tensor)")
 _lib.define(
     "document_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor meta, Tensor doc_ids, "
     "Tensor? positions, float scale, bool is_causal, str provider) -> (Tensor, Tensor)"
@@ -46,18 +46,21 @@ _lib.define(
 _COUNT, _LONGEST, _CONTIGUOUS = range(3)
 
 
-def _rows(doc_ids: torch.Tensor) -> torch.Tensor:
-    return doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids.reshape(doc_ids.shape[0], -1)
+def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
+    """A table of ids or positions as ``[rows, tokens]``: the program reads ``table[b, t]`` (or
+    ``table[t]``: one row for all) for ``t < tokens``."""
+    table = table.reshape(1, -1) if table.dim() == 1 else table
+    return table[:, :tokens].expand(rows, tokens)
 
 
 @torch.library.register_fake("cp_inductor::document_plan", lib=_lib)
-def _(doc_ids, positions, check):
-    return doc_ids.new_empty(doc_ids.numel() + 1, dtype=torch.int32), torch.empty(3, dtype=torch.int64, device="cpu")
+def _(doc_ids, positions, check, rows, tokens):
+    return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(3, dtype=torch.int64, device="cpu")
 
 
 @torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
-def _plan(doc_ids, positions, check):
-    rows = _rows(doc_ids)
+def _plan(doc_ids, positions, check, batch, length):
+    rows = _rows(doc_ids, batch, length)
     tokens = rows.numel()
     starts = torch.ones_like(rows, dtype=torch.bool)
     starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
@@ -76,7 +79,7 @@ def _plan(doc_ids, positions, check):
         distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
         contiguous = (starts.reshape(rows.shape).sum(1) == distinct).all()
     if positions is not None:  # causal over positions is causal over tokens where they rise within each document
-        p = _rows(positions)
+        p = _rows(positions, batch, length)
         contiguous = contiguous & ((p[:, 1:] > p[:, :-1]) | starts.reshape(rows.shape)[:, 1:]).all()
     meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype)]).cpu()
     return cu_seqlens, meta
@@ -101,15 +104,15 @@ def _packed(meta: torch.Tensor) -> bool:
 
 
 def _dense_mask(doc_ids, positions, q, is_causal):
-    rows = _rows(doc_ids)
+    rows = _rows(doc_ids, q.shape[0], q.shape[2])
     mask = rows[:, None, :, None] == rows[:, None, None, :]
     if is_causal and positions is not None:
-        p = _rows(positions)
+        p = _rows(positions, q.shape[0], q.shape[2])
         mask = mask & (p[:, None, None, :] <= p[:, None, :, None])
     elif is_causal:
         p = torch.arange(rows.shape[1], device=rows.device)
         mask = mask & (p[None, :] <= p[:, None])
-    return mask.expand(q.shape[0], 1, -1, -1)
+    return mask
 
 
 def _dense(q, k, v, doc_ids, positions, scale, is_causal):

@@ -13,7 +13,7 @@ cuDNN's ragged SDPA) over the documents; the mask is no longer built::
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ->
     ids = cumsum(diff(position_ids) != 1)
-    cu_seqlens, meta = cp_inductor.document_plan(ids, check)    # once per mask, not per layer
+    cu_seqlens, meta = cp_inductor.document_plan(ids, None, check, B, T)   # once per mask, not per layer
     out = cp_inductor.document_attention(q, k0, v0, cu_seqlens, meta, ids, scale, True, "fa4")[0]
 
 A mask that is causal alone (``tril``, HF's plain batch where its ids are provably one document)
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention, fa4_attention, varlen_attention
 from ...reporting import VarlenRoute
@@ -142,7 +143,7 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     q, k, v = (value(a[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not [batch, heads, tokens, head_dim]"
-    if q.shape[2] != k.shape[2]:
+    if not statically_known_true(q.shape[2] == k.shape[2]):
         return f"{q.shape[2]} queries over {k.shape[2]} keys (not self-attention over one pack)"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
@@ -151,6 +152,9 @@ def why_not(call: MaskedCall, cfg) -> str | None:
             return "the mask keeps every key: SDPA without it is the same (not rewritten yet)"
         call.provider_reason = "one document per row: dense causal SDPA, K/V heads as they are"
         return None
+    for table in (call.facts.doc_ids, call.facts.positions):
+        if table is not None and table.meta["val"].dim() not in (1, 2):
+            return f"a table of ids or positions of {table.meta['val'].dim()} dims"
     call.check = call.facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
     if call.facts.contiguity != mask_analysis.PROVEN and not call.check:
         call.facts.contiguity = "promised (document_mask_ids)"
@@ -276,7 +280,8 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
             ids, *positions = _copy_tables(gm, facts, tables, call.node)
             with g.inserting_before(call.node):
-                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, *(positions or [None]), call.check))
+                sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
+                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, *(positions or [None]), call.check, *sizes))
                 cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
             call.shared["plan"] = (ids, positions[0] if positions else None, cu, meta)
         ids, positions, cu, meta = call.shared["plan"]
