@@ -435,7 +435,7 @@ def _axes(lin: Lin) -> dict:
 class _Classifier:
     def __init__(self, rank: int):
         self.q, self.kv = rank - 2, rank - 1
-        self.batch = 0 if rank >= 3 else None
+        self.batch = 0 if rank == 4 else None  # SDPA aligns a mask's dims right: a 3-d mask's first is the heads
         self.doc_ids: set = set()
         self.causal = False
         self.position_causal: list = []  # tables p with p[kv] <= p[q]
