@@ -72,13 +72,18 @@ def unavailable(device: torch.device) -> str | None:
     return f"{device.type}: only CUDA runs cuDNN's ragged attention"
 
 
-def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
-    """Why this op cannot take attention at this dtype and head dim on ``device``, or None."""
+def cudnn_shape_unavailable(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
+    """Why this op cannot take attention at this dtype and head dim, or None."""
     if not isinstance(head_dim, int) or head_dim > MAX_HEAD_DIM or head_dim % 8:
         return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {MAX_HEAD_DIM})"
     if device.type == "cuda" and dtype not in DTYPES:
         return f"dtype {dtype} (cuDNN takes float16 and bfloat16)"
-    return unavailable(device)
+    return None
+
+
+def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
+    """Why this op cannot take attention at this dtype and head dim on ``device``, or None."""
+    return cudnn_shape_unavailable(device, dtype, head_dim) or unavailable(device)
 
 
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")

@@ -68,12 +68,12 @@ def why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
 
 def _cudnn_why_not(call: varlen_calls.VarlenCall, cfg) -> str | None:
     q = call.query
-    reason = varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1])
+    reason = varlen_attention.cudnn_shape_unavailable(q.device, q.dtype, q.shape[-1])
     if reason is None and q.device.type == "cuda" and (size := _size(q)) < cfg.varlen_cudnn_min_size:
         return (f"cost model: {size} tokens x query heads x head_dim is below varlen_cudnn_min_size="
                 f"{cfg.varlen_cudnn_min_size}, where cuDNN's ragged attention measured slower than flash-2 "
                 "(H200: 0.84x at 8K tokens Hq32 D128, 1.29x at 16K)")
-    return reason
+    return reason or varlen_attention.unavailable(q.device)
 
 
 def _size(q) -> int:
