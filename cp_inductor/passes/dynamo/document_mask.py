@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...lowerings import document_attention, fa4_attention, varlen_attention
 from ...reporting import VarlenRoute
 from ..analysis import attention_provider, mask_analysis, mask_graph
+from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
 from ..record import CALL, DYNAMO, Pass
 from . import varlen_calls
@@ -158,7 +159,7 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     call.check = call.facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
     if call.facts.contiguity != mask_analysis.PROVEN and not call.check:
         call.facts.contiguity = "promised (document_mask_ids)"
-    k0 = value(_unrepeated(a["key"], q.shape[1])) if _unrepeated(a["key"], q.shape[1]) is not None else k
+    k0 = value(_unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
     candidates = {
         "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
         "cudnn": varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1]),
@@ -184,8 +185,8 @@ def _flex_reason(call: MaskedCall) -> str | None:
     if any(u.target is not operator.getitem or (u.args[1] != 0 and not _unread(u)) for u in call.node.users):
         return "the program reads the log-sum-exp"
     facts = call.facts
-    if facts.doc_ids is not None and any(n.op == "placeholder" and facts.traced.leaves[i] is None
-                                         for i, n in enumerate(_placeholders(facts.traced)) if n in _above(facts.doc_ids)):
+    indices = [n for n in facts.traced.graph.nodes if n.op == "placeholder"][:4]  # b, h, q_idx, kv_idx
+    if facts.doc_ids is not None and set(indices) & _above(facts.doc_ids):
         return "document ids computed from the mask_mod's indices"
     return None
 
@@ -197,18 +198,9 @@ def _unread(node: torch.fx.Node) -> bool:
                or u.op == "call_function" and u.target is operator.getitem and _unread(u) for u in node.users)
 
 
-def _placeholders(traced) -> list:
-    return [n for n in traced.graph.nodes if n.op == "placeholder"]
-
-
 def _above(node: torch.fx.Node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    """``node`` and every node it reads, in its traced mask graph (a few dozen ops)."""
+    return set(Walk([node], lambda n: n.all_input_nodes, limit=mask_graph.MAX_NODES))
 
 
 def _unrepeated(node, q_heads):
