@@ -59,6 +59,10 @@ class Lin:
         out = Lin((), self.const)
         for a, c in self.coefs:
             new = fn(a)
+            if isinstance(new, (Pos, Gather)):  # a table read at a position a mask_mod computes
+                if self.coefs != ((a, 1),) or self.const != 0:
+                    raise NotAMask("arithmetic on a position a mask_mod computes")
+                return new
             out = out + (new if isinstance(new, Lin) else Lin(((new, 1),))).scaled(c)
         return out
 
@@ -70,6 +74,25 @@ class Gather:
 
     def map_axes(self, fn) -> Gather:
         return Gather(self.table, tuple(i.map_axes(fn) for i in self.index))
+
+
+@dataclass(frozen=True)
+class Pos:
+    """An integer function of one index of a flex ``mask_mod`` (and of the batch index) that the
+    reader does not take apart: the position a query or key index stands for, as torch's CP
+    block masks compute it (``q_idx`` of a local shard to its place in the pack, through a load
+    balancer's permutation). ``node`` computes it in the traced graph."""
+
+    node: torch.fx.Node
+    axis: int
+
+    def map_axes(self, fn) -> Pos:
+        new = fn(self.axis)
+        if isinstance(new, Lin):
+            if len(new.coefs) != 1 or new.coefs[0][1] != 1 or new.const != 0:
+                raise NotAMask("a table of positions read at positions other than its own index")
+            new = new.coefs[0][0]
+        return Pos(self.node, new)
 
 
 @dataclass(frozen=True)
@@ -118,6 +141,15 @@ class DocumentMask:
     # Causal over this table of positions (traced graph), which the graph does not prove to rise
     # within each document: checked on device with the ids.
     positions: torch.fx.Node | None = None
+    # Where a flex mask_mod reads the documents at a position it computes from the query / key
+    # index (torch's CP block masks: a local query shard's place in the pack, a load balancer's
+    # permutation), the node computing it in the traced graph; None: the index itself.
+    query_positions: torch.fx.Node | None = None
+    key_positions: torch.fx.Node | None = None
+
+    @property
+    def mapped(self) -> bool:
+        return self.query_positions is not None or self.key_positions is not None
 
     def describe(self) -> str:
         parts = []
@@ -126,6 +158,9 @@ class DocumentMask:
         parts.append("causal" if self.causal else "bidirectional")
         if self.positions is not None:
             parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
+        for who, node in (("queries", self.query_positions), ("keys", self.key_positions)):
+            if node is not None:
+                parts.append(f"{who} at positions {node.name}")
         return ", ".join(parts)
 
 
@@ -181,6 +216,26 @@ _SHAPE_OPS = (*_SAME, *_VIEWS, aten.expand.default, aten.unsqueeze.default, aten
 class _Reader:
     def __init__(self, indices: dict | None = None):
         self.memo: dict = dict(indices or {})  # a flex mask_mod's index arguments: b, h, q_idx, kv_idx
+        self.axis_of = {n: lin.coefs[0][0] for n, lin in (indices or {}).items()}  # node -> its axis
+        self.deps: dict = {}
+
+    def _depends(self, n) -> frozenset:
+        """The mask_mod indices (axes) ``n`` is computed from."""
+        if not isinstance(n, torch.fx.Node):
+            return frozenset()
+        if n not in self.deps:
+            self.deps[n] = frozenset({self.axis_of[n]}) if n in self.axis_of else frozenset().union(
+                *(self._depends(a) for a in n.all_input_nodes))
+        return self.deps[n]
+
+    def _position_axis(self, n: torch.fx.Node) -> int | None:
+        """The query or key axis of a mask_mod whose position ``n`` computes (an integer function
+        of that index, and maybe of the batch index), or None."""
+        dtype = n.meta["val"].dtype
+        if dtype == torch.bool or dtype.is_floating_point:
+            return None
+        axes = self._depends(n) - {0}
+        return next(iter(axes)) if axes in ({2}, {3}) else None
 
     def read(self, x):
         """The predicate or integer function a traced value computes, by its own indices."""
@@ -201,6 +256,9 @@ class _Reader:
         try:
             return self._known(n)
         except _Opaque:
+            axis = self._position_axis(n)
+            if axis is not None:
+                return Pos(n, axis)
             return Gather(n, tuple(Lin(((a, 1),)) for a in range(len(_shape(n)))))
 
     def _known(self, n: torch.fx.Node):
@@ -289,7 +347,7 @@ class _Reader:
         out = _shape(n)
         lead = len(out) - (len(_shape(table)) - len(indices))
         exprs = [self._operand(i, out[:lead]) for i in indices]
-        if not all(isinstance(e, Lin) for e in exprs):
+        if not all(isinstance(e, (Lin, Pos)) or isinstance(e, Gather) and self.axis_of for e in exprs):
             raise NotAMask("a table is read at positions the indices do not give")
         exprs += [Lin(((lead + j, 1),)) for j in range(len(_shape(table)) - len(indices))]
         return self.read(table).map_axes(lambda a: exprs[a])
@@ -428,6 +486,28 @@ def _resets_of(doc_ids) -> torch.fx.Node | None:
     return _strip(_diff_of(summand.args[0]))
 
 
+def _axis_of(x) -> int | None:
+    """The one query/key index ``x`` is a position of (the index itself, a ``Pos`` of it, a
+    table read there), or None. The batch index may take part."""
+    if isinstance(x, Lin):
+        return x.coefs[0][0] if len(x.coefs) == 1 and x.coefs[0][1] == 1 and x.const == 0 else None
+    if isinstance(x, Pos):
+        return x.axis
+    if isinstance(x, Gather):
+        axes = set()
+        for i in x.index:
+            if isinstance(i, Lin) and (not i.coefs or i == Lin(((0, 1),))):
+                continue  # a constant row, or the batch row
+            axes.add(_axis_of(i))
+        return axes.pop() if len(axes) == 1 else None
+    return None
+
+
+def _mapped(x) -> bool:
+    """Whether position ``x`` is computed from an index, not the index itself."""
+    return _axis_of(x) is not None and not isinstance(x, Lin)
+
+
 def _axes(lin: Lin) -> dict:
     return dict(lin.coefs)
 
@@ -439,11 +519,20 @@ class _Classifier:
         self.doc_ids: set = set()
         self.causal = False
         self.position_causal: list = []  # tables p with p[kv] <= p[q]
+        self.maps: dict = {}  # axis -> the Pos node its index stands for (None: the index itself)
+        self.mapped_causal: list = []  # (query position, key position) with key <= query
+        self.index_causal = False  # kv <= q over the indices themselves
+
+    def _map(self, axis: int, col) -> None:
+        position = col if _mapped(col) else None
+        if self.maps.setdefault(axis, position) != position:
+            raise NotAMask("the documents are read at two different positions of one index")
 
     def _row(self, g: Gather, which: int) -> bool:
-        """Whether ``g`` reads its table at row b (or a table of one row) and column ``which``."""
+        """Whether ``g`` reads its table at row b (or a table of one row) and column ``which``
+        (the index itself, or the position a flex mask_mod computes from it)."""
         *lead, col = g.index
-        if col != Lin(((which, 1),)):
+        if _axis_of(col) != which:
             return False
         if not lead:
             return True
@@ -472,13 +561,20 @@ class _Classifier:
         if isinstance(atom.lhs, Lin) and isinstance(atom.rhs, Lin):
             return self._band(atom)
         sides = self._sides(atom)
+        ordered = atom.op in ("le", "lt", "ge", "gt")
+        if sides is None and ordered and {_axis_of(atom.lhs), _axis_of(atom.rhs)} == {self.q, self.kv}:
+            return self._mapped_band(atom)
         if sides is not None:
             qside, kvside = sides
             flipped = qside is atom.rhs  # kv op q
             op = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}.get(atom.op, atom.op) if flipped else atom.op
             if op == "eq":
                 self.doc_ids.add(_strip(qside.table))
+                self._map(self.q, qside.index[-1])
+                self._map(self.kv, kvside.index[-1])
                 return None
+            if op == "ge" and (_mapped(qside.index[-1]) or _mapped(kvside.index[-1])):  # P(q) >= P(kv)
+                return self._mapped_band(atom)
             if op == "ge":  # p[q] >= p[kv]
                 self.position_causal.append(_strip(qside.table))
                 return None
@@ -506,12 +602,35 @@ class _Classifier:
             raise NotAMask("a band with a slope")
         upper = {"le": bound, "lt": bound - 1}.get(op)
         if op in ("le", "lt") and upper == 0:
-            self.causal = True
+            self.causal = self.index_causal = True
             return None
         if op in ("ge", "gt"):
             lower = bound if op == "ge" else bound + 1
             raise NotAMask(f"a sliding window (keys from q{lower:+d}): not lowered yet")
         raise NotAMask(f"a band kv - q {op} {bound} other than causal")
+
+
+    def _mapped_band(self, c: Cmp) -> None:
+        """``P(q) >= P(kv)`` where a position is computed from an index (torch's CP masks)."""
+        flips = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
+        for qs, kvs, op in ((c.lhs, c.rhs, c.op), (c.rhs, c.lhs, flips[c.op])):
+            if _axis_of(qs) == self.q and _axis_of(kvs) == self.kv:
+                if op != "ge":
+                    raise NotAMask(f"query and key positions compared {op!r} (not causal)")
+                self.mapped_causal.append((qs, kvs))
+                return None
+        raise NotAMask("a comparison of positions that are not a query's and a key's")
+
+    def maps_of(self) -> tuple:
+        """(query positions, key positions): Pos nodes, None where the index is its own position."""
+        q, kv = self.maps.get(self.q), self.maps.get(self.kv)
+        for qs, kvs in self.mapped_causal:
+            if (qs if _mapped(qs) else None) != q or (kvs if _mapped(kvs) else None) != kv:
+                raise NotAMask("causal over positions other than the ones the documents are read at")
+            self.causal = True
+        if (q is not None or kv is not None) and self.index_causal:
+            raise NotAMask("causal over the local indices where the documents are read at mapped positions")
+        return q, kv
 
 
 def _holds(op: str, x) -> bool:
@@ -545,13 +664,31 @@ def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
     return _classified(predicate, traced, val.dim())
 
 
-def _classified(predicate, traced: mask_graph.Traced, rank: int) -> DocumentMask:
+def _node_of(position, reader: _Reader | None) -> torch.fx.Node | None:
+    """The traced node computing a mapped position (the lowering evaluates it on device)."""
+    if position is None:
+        return None
+    if isinstance(position, Pos):
+        return position.node
+    found = [n for n, e in (reader.memo.items() if reader else ()) if e == position and isinstance(n, torch.fx.Node)]
+    if not found:
+        raise NotAMask("a position the mask_mod computes that no one op of it holds")
+    return found[0]
+
+
+def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader | None = None) -> DocumentMask:
     classify = _Classifier(rank)
     for atom in _conjuncts(predicate):
         classify.add(atom)
     if len(classify.doc_ids) > 1:
         raise NotAMask("two tables of document ids")
     doc_ids = next(iter(classify.doc_ids), None)
+    query_positions, key_positions = (_node_of(p, reader) for p in classify.maps_of())
+    mapped = query_positions is not None or key_positions is not None
+    if mapped and classify.position_causal:
+        raise NotAMask("causal over a table of positions where the documents are read at mapped positions")
+    if classify.mapped_causal and doc_ids is None:
+        raise NotAMask("causal over mapped positions without document ids (not lowered yet)")
     checked_positions = None
     for positions in set(classify.position_causal):
         if doc_ids is None:
@@ -565,7 +702,8 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int) -> DocumentMask
         return DocumentMask(None, classify.causal, traced=traced)
     summand = _row_cumsum(doc_ids)
     proven = summand is not None and _nonnegative(summand)
-    return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions)
+    return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions,
+                        query_positions, key_positions)
 
 
 def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:
@@ -575,6 +713,6 @@ def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:
     reader = _Reader({n: Lin(((axis, 1),)) for axis, n in enumerate(index)})
     if traced.output.meta["val"].dtype != torch.bool:
         raise NotAMask(f"a mask_mod returning {traced.output.meta['val'].dtype}")
-    return _classified(reader.read(traced.output), traced, 4)
+    return _classified(reader.read(traced.output), traced, 4, reader)
 
 
