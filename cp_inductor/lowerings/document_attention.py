@@ -58,29 +58,47 @@ def _(doc_ids, positions, check, rows, tokens):
     return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(3, dtype=torch.int64, device="cpu")
 
 
-@torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
-def _plan(doc_ids, positions, check, batch, length):
-    rows = _rows(doc_ids, batch, length)
+def _runs(rows: torch.Tensor, check: bool):
+    """The documents of ``rows`` ``[B, T]`` as runs of equal ids, on device: where each token's
+    run starts (``[B, T]`` bool), each token's run (flat), ``cu_seqlens`` (``B*T + 1``: run
+    starts, padded with ``B*T``), the longest run, and whether each id occurs in one run per row
+    (checked when ``check``)."""
     tokens = rows.numel()
     starts = torch.ones_like(rows, dtype=torch.bool)
     starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    starts = starts.reshape(-1)
-    rank = torch.cumsum(starts, 0) - 1
-    slot = torch.where(starts, rank, tokens + 1)  # run starts to their rank, the rest to a spare slot
-    buffer = torch.full((tokens + 2,), tokens, dtype=torch.int32, device=rows.device)
-    buffer.scatter_(0, slot, torch.arange(tokens, dtype=torch.int32, device=rows.device))
-    cu_seqlens = buffer[: tokens + 1]
-    if rows.is_cuda and torch.cuda.is_current_stream_capturing():
-        return cu_seqlens, torch.zeros(3, dtype=torch.int64)  # not contiguous as far as we know: dense path
+    rank = torch.cumsum(starts.reshape(-1), 0) - 1
+    cu_seqlens = _first_rows(starts.reshape(-1), rank, tokens)
     longest = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
     contiguous = torch.ones((), dtype=torch.bool, device=rows.device)
     if check:
         ordered = rows.sort(dim=1).values
         distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
-        contiguous = (starts.reshape(rows.shape).sum(1) == distinct).all()
+        contiguous = (starts.sum(1) == distinct).all()
+    return starts, rank, cu_seqlens, longest, contiguous
+
+
+def _first_rows(starts: torch.Tensor, rank: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size + 1]`` int32: the row where each run starts (``rank``: each row's run), padded
+    with ``size``: no host sync (a scatter of the run starts to their rank)."""
+    slot = torch.where(starts, rank, size + 1)  # run starts to their rank, the rest to a spare slot
+    buffer = torch.full((size + 2,), size, dtype=torch.int32, device=starts.device)
+    buffer.scatter_(0, slot, torch.arange(size, dtype=torch.int32, device=starts.device))
+    return buffer[: size + 1]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
+def _plan(doc_ids, positions, check, batch, length):
+    rows = _rows(doc_ids, batch, length)
+    starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
+    if _capturing(rows):
+        return cu_seqlens, torch.zeros(3, dtype=torch.int64)  # not contiguous as far as we know: dense path
     if positions is not None:  # causal over positions is causal over tokens where they rise within each document
         p = _rows(positions, batch, length)
-        contiguous = contiguous & ((p[:, 1:] > p[:, :-1]) | starts.reshape(rows.shape)[:, 1:]).all()
+        contiguous = contiguous & ((p[:, 1:] > p[:, :-1]) | starts[:, 1:]).all()
     meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype)]).cpu()
     return cu_seqlens, meta
 
@@ -187,3 +205,210 @@ def _autograd_backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("cp_inductor::document_attention", _autograd_backward, setup_context=_setup, lib=_lib)
+
+
+# --- a shard of the queries over every key: torch's flex CP (K/V all-gathered) ------------------
+#
+#     plan, meta = document_shard_plan(doc_ids, query_positions, key_positions, check, is_causal, B, Tq, Tkv)
+#     out, lse = document_shard_attention(q, k, v, *plan, meta, doc_ids, query_positions, key_positions, scale, is_causal)
+#
+# ``q`` is ``[B, H_q, T_q, D]``: this rank's queries, query ``i`` of row ``b`` at pack position
+# ``query_positions[b, i]``; ``k``, ``v`` are ``[B, H_kv, T_kv, D]``, every key of the pack, key
+# ``j`` at ``key_positions[b, j]`` (None: the index itself; both tables ``[B or 1, n]``). The
+# attention computed is ``same_doc(P(q), P(kv)) [& P(kv) <= P(q)]`` over ``doc_ids[b, position]``.
+# The plan cuts the local queries into segments (consecutive pack positions of one document:
+# head-tail and PTRR shards are a few runs of them), each read against its document's keys (the
+# prefix up to its last query when causal: bottom-right) in the pack-ordered K/V, in place
+# (``cu_seqlens_k`` at the document's start, ``seqused_k`` the keys it reads). Segments of one
+# document read the same keys: they go to different calls (rounds: the i-th segment of each
+# document in round i), so that no call's backward writes a key row's dK/dV twice; in a round's
+# call the other rounds' segments read no key and their rows are taken from their own call.
+# ``meta`` (host): segments, rounds, longest segment, longest document, packable; not packable
+# (ids not contiguous, key positions not a permutation of the keys, query positions out of range,
+# a CUDA graph being captured): the masked attention computed densely, as the document ops do.
+
+_lib.define(
+    "document_shard_plan(Tensor doc_ids, Tensor? query_positions, Tensor? key_positions, bool check, bool is_causal, "
+    "SymInt rows, SymInt queries, SymInt keys) -> (Tensor[], Tensor)"
+)
+_lib.define(
+    "document_shard_attention(Tensor q, Tensor k, Tensor v, Tensor[] plan, Tensor meta, Tensor doc_ids, "
+    "Tensor? query_positions, Tensor? key_positions, float scale, bool is_causal) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "document_shard_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor[] plan, Tensor meta, Tensor doc_ids, Tensor? query_positions, Tensor? key_positions, float scale, "
+    "bool is_causal) -> (Tensor, Tensor, Tensor)"
+)
+
+_SEGMENTS, _ROUNDS, _LONGEST_Q, _LONGEST_K, _PACKABLE = range(5)
+
+
+def _positions(table, rows: int, n: int, device) -> torch.Tensor:
+    """``[rows, n]`` int64 positions (the index itself where there is no table)."""
+    if table is None:
+        return torch.arange(n, device=device).expand(rows, n)
+    return _rows(table, rows, n).long()
+
+
+def _shard_plan_shapes(doc_ids, rows, queries, keys):
+    q, k = rows * queries, rows * keys
+    new = doc_ids.new_empty
+    return [new(q + 1, dtype=torch.int32), new(q + 1, dtype=torch.int32), new(q, dtype=torch.int32),
+            new(q, dtype=torch.int32), new(q, dtype=torch.int32), new(k, dtype=torch.int64), new(k, dtype=torch.int64)]
+
+
+@torch.library.register_fake("cp_inductor::document_shard_plan", lib=_lib)
+def _(doc_ids, query_positions, key_positions, check, is_causal, rows, queries, keys):
+    return _shard_plan_shapes(doc_ids, rows, queries, keys), torch.empty(5, dtype=torch.int64, device="cpu")
+
+
+@torch.library.impl("cp_inductor::document_shard_plan", "CompositeExplicitAutograd", lib=_lib)
+def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch, queries, keys):
+    ids = _rows(doc_ids, batch, keys)
+    device, pack = ids.device, batch * keys
+    _, run_of, cu_docs, longest_doc, packable = _runs(ids, check)
+    qpos = _positions(query_positions, batch, queries, device)
+    packable = packable & ((qpos >= 0) & (qpos < keys)).all()
+    at = (qpos.clamp(0, keys - 1) + torch.arange(batch, device=device)[:, None] * keys).reshape(-1)  # pack positions
+    n = at.numel()
+    run = run_of[at]
+    new = torch.ones(n, dtype=torch.bool, device=device)
+    new[1:] = (run[1:] != run[:-1]) | (at[1:] != at[:-1] + 1)
+    segment = torch.cumsum(new, 0) - 1
+    cu_q = _first_rows(new, segment, n)
+    count = segment[-1] + 1
+    real = torch.arange(n, device=device) < count
+    seg_run = torch.zeros(n + 2, dtype=run.dtype, device=device).scatter_(0, torch.where(new, segment, n + 1), run)[:n]
+    doc_start = cu_docs[seg_run].long()
+    last = at[(cu_q[1:].long() - 1).clamp(min=0)]
+    used = (last + 1 - doc_start) if is_causal else (cu_docs[seg_run + 1].long() - doc_start)
+    used = torch.where(real, used, 0).to(torch.int32)
+    cu_k = torch.where(real, doc_start, pack).to(torch.int32)
+    cu_k = torch.cat([cu_k, cu_k.new_full((1,), pack)])
+    index = torch.arange(n, device=device)
+    first = torch.full((pack,), n, dtype=torch.int64, device=device).scatter_reduce(
+        0, seg_run.long(), torch.where(real, index, n), "amin")
+    seg_round = torch.where(real, index - first[seg_run], -1).to(torch.int32)
+    row_round = seg_round[segment]
+    if key_positions is not None:  # gathered row j holds pack position key_rows[j]; key_order inverts it
+        kpos = _positions(key_positions, batch, keys, device)
+        packable = packable & ((kpos >= 0) & (kpos < keys)).all()
+        key_rows = (kpos.clamp(0, keys - 1) + torch.arange(batch, device=device)[:, None] * keys).reshape(-1)
+        hits = torch.zeros(pack, dtype=torch.int64, device=device).scatter_add_(0, key_rows, torch.ones_like(key_rows))
+        packable = packable & (hits == 1).all()
+        key_order = torch.empty(pack, dtype=torch.int64, device=device).scatter_(0, key_rows, torch.arange(pack, device=device))
+    else:
+        key_rows, key_order = (torch.empty(pack, dtype=torch.int64, device=device) for _ in range(2))
+    plan = [cu_q, cu_k, used, seg_round, row_round, key_order, key_rows]
+    if _capturing(ids):
+        return plan, torch.zeros(5, dtype=torch.int64)
+    longest_q = (cu_q[1:] - cu_q[:-1]).max().long()
+    meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long()]).cpu()
+    return plan, meta
+
+
+def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal):
+    batch, keys = q.shape[0], k.shape[2]
+    ids = _rows(doc_ids, batch, keys)
+    qpos = _positions(query_positions, batch, q.shape[2], q.device).clamp(0, keys - 1)
+    kpos = _positions(key_positions, batch, keys, q.device).clamp(0, keys - 1)
+    mask = ids.gather(1, qpos)[:, None, :, None] == ids.gather(1, kpos)[:, None, None, :]
+    if is_causal:
+        mask = mask & (kpos[:, None, None, :] <= qpos[:, None, :, None])
+    return mask
+
+
+def _shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal):
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    mask = _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _pack_keys(t: torch.Tensor, key_order: torch.Tensor, mapped: bool) -> torch.Tensor:
+    flat = _flat(t)
+    return flat.index_select(0, key_order) if mapped else flat
+
+
+def _rounds(plan, meta):
+    """Per round: (its segments' seqused_k, its rows) over the segments in use."""
+    used, seg_round, row_round = plan[2:5]
+    count = int(meta[_SEGMENTS])
+    for r in range(int(meta[_ROUNDS])):
+        yield torch.where(seg_round[:count] == r, used[:count], 0), row_round == r
+
+
+def _segments(plan, meta):
+    count = int(meta[_SEGMENTS])
+    return plan[0][: count + 1], plan[1][: count + 1], int(meta[_LONGEST_Q]), int(meta[_LONGEST_K])
+
+
+@torch.library.register_fake("cp_inductor::document_shard_attention", lib=_lib)
+def _(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+    batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    out = q.new_empty((batch, tokens, heads, v.shape[3])).transpose(1, 2)
+    return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
+
+
+@torch.library.impl("cp_inductor::document_shard_attention", "CompositeExplicitAutograd", lib=_lib)
+def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+    batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    if not bool(meta[_PACKABLE]):
+        out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal))
+        return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
+    cu_q, cu_k, longest_q, longest_k = _segments(plan, meta)
+    mapped = key_positions is not None
+    qt, kt, vt = _flat(q), _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
+    out = lse = None
+    for used, mine in _rounds(plan, meta):
+        o, l = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
+        out = o if out is None else torch.where(mine[:, None, None], o, out)
+        lse = l if lse is None else torch.where(mine[None, :], l, lse)
+    return _unflat(out, batch), lse
+
+
+@torch.library.register_fake("cp_inductor::document_shard_attention_backward", lib=_lib)
+def _(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+    return tuple(t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2) for t in (q, k, v))
+
+
+@torch.library.impl("cp_inductor::document_shard_attention_backward", "CompositeExplicitAutograd", lib=_lib)
+def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+    batch = q.shape[0]
+    if not bool(meta[_PACKABLE]):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal)
+            grads = torch.autograd.grad(dense, inputs, grad_out)
+        return tuple(_bshd(g) for g in grads)
+    cu_q, cu_k, longest_q, longest_k = _segments(plan, meta)
+    mapped = key_positions is not None
+    qt, ot, dot = _flat(q), _flat(out), _flat(grad_out)
+    kt, vt = _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
+    dq = dk = dv = None
+    for used, mine in _rounds(plan, meta):
+        gq, gk, gv = torch.ops.cp_inductor.fa4_varlen_attention_backward(
+            dot, None, qt, kt, vt, ot, lse, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
+        dq = gq if dq is None else torch.where(mine[:, None, None], gq, dq)
+        dk, dv = (gk, gv) if dk is None else (dk + gk, dv + gv)
+    if mapped:  # back from pack order to the gathered rows
+        dk, dv = dk.index_select(0, plan[6]), dv.index_select(0, plan[6])
+    return _unflat(dq, batch), _unflat(dk, batch), _unflat(dv, batch)
+
+
+def _shard_setup(ctx, inputs, output):
+    q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], meta, doc_ids, query_positions, key_positions, *plan)
+    ctx.args = (scale, is_causal)
+
+
+def _shard_autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, meta, doc_ids, query_positions, key_positions, *plan = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cp_inductor.document_shard_attention_backward(
+        grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, *ctx.args)
+    return dq, dk, dv, [None] * len(plan), None, None, None, None, None, None
+
+
+torch.library.register_autograd("cp_inductor::document_shard_attention", _shard_autograd_backward,
+                                setup_context=_shard_setup, lib=_lib)

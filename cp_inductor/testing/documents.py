@@ -17,3 +17,62 @@ def document_causal_block_mask(doc: torch.Tensor, seq_len: int, device):
         return doc[b, q_idx] == doc[b, kv_idx]
 
     return create_block_mask(and_masks(causal, same_document), doc.shape[0], None, seq_len, seq_len, device=device)
+
+
+class _MeshOf:
+    """What torch's CP block-mask builder reads of a DeviceMesh: one rank's place in a CP group
+    (a single process builds any rank's mask)."""
+
+    def __init__(self, cp: int, rank: int, device_type: str):
+        self.cp, self.rank, self.device_type = cp, rank, device_type
+
+    def size(self) -> int:
+        return self.cp
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+BALANCES = ("none", "headtail", "ptrr")
+
+
+def cp_document_block_mask(doc: torch.Tensor, cp: int, rank: int, balance: str, device, mesh=None,
+                           compile_builder: bool = False):
+    """Rank ``rank``'s BlockMask of torch's flex CP (what torchtitan's ``cp_shard`` hands each
+    rank): the document-causal mask over ``doc`` (``[B, T]``) with its queries sharded, tokens
+    rearranged first by ``balance`` (``"none"``, ``"headtail"``, ``"ptrr"``). Returns the mask
+    and the rearrangement (``[T]``: the pack position of each rearranged token). torch compiles
+    the mask's builder; ``compile_builder=False`` builds the same mask eagerly (tests on CPU)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+        _PTRRLoadBalancer,
+    )
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, tokens = doc.shape
+    full = document_causal_block_mask(doc, tokens, device)
+    balancer = {"none": None, "headtail": lambda: _HeadTailLoadBalancer(tokens, cp, device),
+                "ptrr": lambda: _PTRRLoadBalancer(full, cp)}[balance]
+    balancer = balancer() if balancer is not None else None
+    saved = (_attention._compiled_create_block_mask, _attention._cp_options.enable_load_balance)
+    try:
+        if not compile_builder:
+            _attention._compiled_create_block_mask = create_block_mask
+        _attention._cp_options.enable_load_balance = balancer is not None
+        mesh = mesh if mesh is not None else _MeshOf(cp, rank, torch.device(device).type)
+        block_mask = _attention._create_cp_block_mask(full.mask_mod, batch, 1, tokens, tokens, mesh, balancer)
+    finally:
+        _attention._compiled_create_block_mask, _attention._cp_options.enable_load_balance = saved
+    order = balancer._generate_indices()[0] if balancer is not None else torch.arange(tokens, device=device)
+    return block_mask, order.to(device)
+
+
+def flex_cp_attention(q, k, v, block_mask, group_name: str):
+    """torch's flex CP attention as torchtitan runs it: this rank's K/V all-gathered by
+    ``cplib::flex_cp_allgather`` along the sequence, flex_attention of the local queries over them."""
+    from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k_all, v_all = flex_cp_allgather(k.contiguous(), v.contiguous(), 2, group_name)
+    return flex_attention(q, k_all, v_all, block_mask=block_mask, enable_gqa=True)

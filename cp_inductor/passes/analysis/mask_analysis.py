@@ -160,7 +160,7 @@ class DocumentMask:
             parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
         for who, node in (("queries", self.query_positions), ("keys", self.key_positions)):
             if node is not None:
-                parts.append(f"{who} at positions {node.name}")
+                parts.append(f"{who} at positions the mask_mod computes ({node.name})")
         return ", ".join(parts)
 
 

@@ -39,6 +39,8 @@ from ..analysis.op_schema import value
 from ..record import CALL, DYNAMO, Pass
 from . import varlen_calls
 
+aten = torch.ops.aten
+
 NAME = "document_mask"
 KEPT = "kept"
 PACKED = {"fa4": "fa4_varlen", "cudnn": "cudnn_ragged"}
@@ -144,6 +146,8 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     q, k, v = (value(a[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not [batch, heads, tokens, head_dim]"
+    if call.facts.mapped:
+        return _shard_reason(call, cfg, q, k, v)
     if not statically_known_true(q.shape[2] == k.shape[2]):
         return f"{q.shape[2]} queries over {k.shape[2]} keys (not self-attention over one pack)"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
@@ -172,6 +176,42 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     if choice.provider == "program":
         return choice.reason
     call.provider, call.provider_reason = choice.provider, choice.reason
+    return None
+
+
+# Ops a position a mask_mod computes from its indices may use: elementwise or a table read, so
+# that the same ops compute it over the real index ranges (the trace's indices are small dummies).
+_POSITION_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.floor_divide.default, aten.remainder.Scalar,
+                 aten.remainder.Tensor, aten.div.Tensor_mode, aten.index.Tensor, aten.select.int, aten._to_copy.default,
+                 aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, aten.neg.default)
+
+
+def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
+    """A mask_mod reading the documents at positions it computes (torch's flex CP: a shard of
+    the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
+    the shard's document segments, the keys read in place."""
+    facts, a = call.facts, call.args
+    if not a.get("flex"):
+        return "an SDPA mask read at computed positions (not lowered yet)"
+    for node in (facts.query_positions, facts.key_positions):
+        if node is None:
+            continue
+        ops = {n.target for n in _above(node) if n.op == "call_function"}
+        if not ops <= set(_POSITION_OPS):
+            other = sorted(str(t) for t in ops - set(_POSITION_OPS))[0]
+            return f"a position the mask_mod computes with {other} (not evaluated over the real indices)"
+    if facts.doc_ids.meta["val"].dim() not in (1, 2):
+        return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
+    if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
+    why = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
+    if why is not None:
+        return f"a shard of the queries over every key runs on FA4 varlen only (keys read in place): {why}"
+    call.check = facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
+    if facts.contiguity != mask_analysis.PROVEN and not call.check:
+        facts.contiguity = "promised (document_mask_ids)"
+    call.provider = "fa4"
+    call.provider_reason = "queries of a shard over every key: FA4 varlen per document segment, keys in place"
     return None
 
 
@@ -252,6 +292,55 @@ def _copy_tables(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, ta
     return [env[t] for t in tables]
 
 
+def _copy_positions(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx.Node) -> list:
+    """The traced ops computing the mapped query and key positions, over the real index ranges
+    (aranges in place of the mask_mod's index arguments), as ``[B or 1, n]`` tables (None where
+    the index is its own position)."""
+    facts, a, g = call.facts, call.args, gm.graph
+    traced = facts.traced
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders[4:], traced.leaves[4:]))
+    q, k = a["query"], a["key"]
+    with g.inserting_before(before):
+        sizes = {0: (q, 0), 1: (q, 1), 2: (q, 2), 3: (k, 2)}
+        for axis, (tensor, dim) in sizes.items():
+            size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+            index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(q).device})
+            env[placeholders[axis]] = g.call_method("view", (index, *[-1 if d == axis else 1 for d in range(4)]))
+        out = []
+        for node, axis in ((facts.query_positions, 2), (facts.key_positions, 3)):
+            if node is None:
+                out.append(None)
+                continue
+            for n in traced.graph.nodes:
+                if n in _above(node) and n not in env:
+                    env[n] = g.node_copy(n, lambda x: env[x])
+            size = g.call_function(torch.ops.aten.sym_size.int, sizes[axis])
+            out.append(g.call_method("reshape", (env[node], -1, size)))
+    return out
+
+
+def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, scale: float) -> torch.fx.Node:
+    a, g = call.args, gm.graph
+    if "plan" not in call.shared:
+        (ids,) = _copy_tables(gm, call.facts, [call.facts.doc_ids], call.node)
+        query_positions, key_positions = _copy_positions(gm, call, call.node)
+        with g.inserting_before(call.node):
+            sizes = [g.call_function(torch.ops.aten.sym_size.int, x) for x in ((a["query"], 0), (a["query"], 2), (a["key"], 2))]
+            plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
+                                   (ids, query_positions, key_positions, call.check, call.facts.causal, *sizes))
+            tables = g.call_function(operator.getitem, (plan, 0))
+            parts = [g.call_function(operator.getitem, (tables, i)) for i in range(7)]
+            meta = g.call_function(operator.getitem, (plan, 1))
+        call.shared["plan"] = (ids, query_positions, key_positions, parts, meta)
+    ids, query_positions, key_positions, parts, meta = call.shared["plan"]
+    with g.inserting_before(call.node):
+        attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
+                                    (a["query"], a["key"], a["value"], parts, meta, ids, query_positions, key_positions,
+                                     scale, call.facts.causal))
+        return g.call_function(operator.getitem, (attention, 0))
+
+
 def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     a, g = call.args, gm.graph
     q_heads = value(a["query"]).shape[1]
@@ -260,7 +349,10 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         k, v = a["key"], a["value"]
     scale = a.get("scale")
     scale = float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5
-    if call.facts.doc_ids is None:
+    if call.facts.mapped:
+        out = _apply_shard(gm, call, scale)
+        call.path = PACKED[call.provider]
+    elif call.facts.doc_ids is None:
         with g.inserting_before(call.node):
             gqa = value(k).shape[1] != q_heads
             out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),

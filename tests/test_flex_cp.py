@@ -1,0 +1,189 @@
+"""torch's flex CP (torchtitan's only CP path for packed documents): each rank's queries over the
+all-gathered K/V under a BlockMask whose mask_mod maps the local query index (and, under a load
+balancer, every index) to its place in the pack. document_mask reads those positions and lowers
+the call to FA4 varlen over the shard's document segments (``document_shard_attention``).
+CPU: the reference kernels stand in for FA4; torch 2.13's CPU flex has no backward, so the
+compiled programs run forward here and the op's gradients are checked against dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import cp_inductor
+from cp_inductor.lowerings import document_attention
+from cp_inductor.lowerings.varlen_attention import reference_kernels
+from cp_inductor.testing.documents import cp_document_block_mask, flex_cp_attention
+from cp_inductor.testing.launch import run_on_ranks
+
+T, CP, HQ, HKV, D = 512, 2, 4, 2, 16
+LENGTHS = [100, 250, 162]
+
+
+def _doc():
+    return torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))[None]
+
+
+def _full_qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, T, D, generator=g) for h in (HQ, HKV, HKV))
+
+
+def _reference(q, k, v, doc, causal=True):
+    """Single-device attention over the whole pack under the document(-causal) mask."""
+    mask = doc[0][:, None] == doc[0][None, :]
+    if causal:
+        mask = mask & torch.ones(T, T, dtype=torch.bool).tril()
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask)
+
+
+def _local(t, order, rank):
+    """This rank's rows of a pack-ordered tensor ([B, H, T, D]) after the balancer's rearrangement."""
+    return t[:, :, order][:, :, rank * (T // CP):(rank + 1) * (T // CP)]
+
+
+def flex_shard(q, k_all, v_all, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k_all, v_all, block_mask=block_mask, enable_gqa=True)
+
+
+def _compiled(fn, *args):
+    cp_inductor.clear_report()
+    torch._dynamo.reset()
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        out = torch.compile(fn, backend="cp_inductor", fullgraph=True)(*args)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    return out, lines
+
+
+def _shard_inputs(balance, rank):
+    doc = _doc()
+    block_mask, order = cp_document_block_mask(doc, CP, rank, balance, "cpu")
+    q, k, v = _full_qkv()
+    return doc, block_mask, order, (q, k, v), (_local(q, order, rank), k[:, :, order], v[:, :, order])
+
+
+class TestCPMasks(TestCase):
+    def test_what_the_report_says_per_balance(self):
+        """Without a balancer the mask maps the local query index to its place; with one, every
+        index goes through the balancer's permutation (keys too)."""
+        got = []
+        for balance in ("none", "headtail", "ptrr"):
+            *_, local = _shard_inputs(balance, rank=1)
+            _, lines = _compiled(flex_shard, *local, _shard_inputs(balance, 1)[1])
+            got.append(f"{balance}: {lines[0].split(': ', 1)[1]}")
+        self.assertExpectedInline("\n".join(got), """\
+none: documents from arg4_1 (checked on device), causal, queries at positions the mask_mod computes (add_1): fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place
+headtail: documents from arg5_1 (checked on device), causal, queries at positions the mask_mod computes (index), keys at positions the mask_mod computes (index_1): fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place
+ptrr: documents from arg5_1 (checked on device), causal, queries at positions the mask_mod computes (index), keys at positions the mask_mod computes (index_1): fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place""")
+
+    def test_causal_over_local_indices_is_kept(self):
+        """Documents read at the shard's place but causal over the LOCAL query index: not a
+        document-causal mask over the pack (a CP mask written wrong), kept with the reason."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc = _doc()
+
+        def wrong(b, h, q_idx, kv_idx):
+            place = (q_idx // 128 + 2) * 128 + q_idx % 128
+            return (doc[b, place] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+        block_mask = create_block_mask(wrong, 1, None, T // CP, T, device="cpu")
+        q, k, v = _full_qkv()
+        _, lines = _compiled(flex_shard, q[:, :, : T // CP], k, v, block_mask)
+        self.assertExpectedInline(lines[0].split(": ", 1)[1], """mask not read: kept: document_mask: causal over the local indices where the documents are read at mapped positions""")
+
+
+@pytest.mark.parametrize("balance", ["none", "headtail", "ptrr"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_forward_matches_eager_flex_and_the_single_device_pack(balance, rank):
+    doc, block_mask, order, full, local = _shard_inputs(balance, rank)
+    got, lines = _compiled(flex_shard, *local, block_mask)
+    assert "fa4_varlen" in lines[0], lines
+    torch.testing.assert_close(got, flex_shard(*local, block_mask), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, _local(_reference(*full, doc), order, rank), atol=2e-5, rtol=2e-5)
+
+
+def test_keys_at_positions_that_are_not_a_permutation_compute_densely():
+    """A key map the plan cannot read in place (two keys at one position) is found on device:
+    the op computes the mask densely, the answer the program's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = _doc()
+
+    def halves(b, h, q_idx, kv_idx):
+        key = kv_idx // 2 * 2
+        return (doc[b, q_idx] == doc[b, key]) & (q_idx >= key)
+
+    block_mask = create_block_mask(halves, 1, None, T, T, device="cpu")
+    q, k, v = _full_qkv()
+    got, lines = _compiled(flex_shard, q, k, v, block_mask)
+    assert "keys at positions the mask_mod computes" in lines[0], lines
+    torch.testing.assert_close(got, flex_shard(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
+
+
+def _layouts():
+    """(query positions, key positions) of shards as the balancers cut them, and odd ones."""
+    n = T // (2 * CP)
+    head_tail = torch.cat([torch.arange(n, 2 * n), torch.arange(2 * n, 3 * n)])  # rank 1 of cp 2
+    gathered = torch.cat([torch.arange(0, n), torch.arange(3 * n, 4 * n), torch.arange(n, 3 * n)])
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randperm(T // 16, generator=g)[: T // 32].sort().values
+    ptrr = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
+    return {
+        "one device": (None, None),
+        "no balancer, rank 1": (torch.arange(T // 2, T)[None], None),
+        "head-tail": (head_tail[None], gathered[None]),
+        "blocks, keys permuted": (ptrr[None], torch.randperm(T, generator=g)[None]),
+        "per-row shards": (torch.stack([head_tail, ptrr]), None),
+    }
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_shard_op_output_and_gradients_match_dense_attention(layout, causal):
+    """The op's FA4 path (reference kernels on CPU: one call per round, segments of one document
+    in different rounds) against dense attention under the same mask, output and every gradient."""
+    query_positions, key_positions = _layouts()[layout]
+    doc = torch.cat([_doc(), torch.repeat_interleave(torch.arange(3), torch.tensor([10, 400, 102]))[None]])
+    tq = T if query_positions is None else query_positions.shape[-1]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, HQ, tq, D, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (torch.randn(2, HKV, T, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    with reference_kernels():
+        plan, meta = torch.ops.cp_inductor.document_shard_plan(doc, query_positions, key_positions, True, causal, 2, tq, T)
+        out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, doc, query_positions, key_positions,
+                                                             0.25, causal)[0]
+    assert int(meta[4]) == 1, meta  # packable: the FA4 path ran
+    want = document_attention._shard_dense(q, k, v, doc, query_positions, key_positions, 0.25, causal)
+    grad = torch.randn_like(out)
+    for got_t, want_t in zip((out, *torch.autograd.grad(out, (q, k, v), grad)),
+                             (want, *torch.autograd.grad(want, (q, k, v), grad))):
+        torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)  # FA4's log-sum-exp is fp32
+
+
+def _gloo_rank(rank, cp, balance):
+    """torchtitan's flex CP on a real group: torch shards the BlockMask (``_context_parallel_shard``),
+    the attention all-gathers K/V through ``cplib::flex_cp_allgather``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (cp,))
+    doc = _doc()
+    block_mask, order = cp_document_block_mask(doc, cp, rank, balance, "cpu", mesh=mesh)
+    q, k, v = _full_qkv()
+    local = [_local(t, order, rank) for t in (q, k, v)]
+    group = dist.distributed_c10d._get_process_group_name(mesh.get_group())
+    got, lines = _compiled(flex_cp_attention, *local, block_mask, group)
+    return got, _local(_reference(q, k, v, doc), order, rank), lines
+
+
+@pytest.mark.parametrize("balance", ["none", "headtail"])
+def test_flex_cp_allgather_on_gloo(balance):
+    for got, want, lines in run_on_ranks(_gloo_rank, CP, balance):
+        assert "fa4_varlen" in lines[0], lines
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
