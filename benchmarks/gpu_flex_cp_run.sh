@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One H200, after the first call of docs/testing.md's two (it copies .whl/p1 to /root/parts):
+# FA4's wheels joined and installed under /tmp/site (once per machine), then
+#   tests:  the flex CP GPU tests and torch's flex CP benchmark (one rank's compute, T64K cp 2)
+#   hf:     HF Llama with flex_attention, T16K packed and plain
+# logs and JSON under $OUT.
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+out=${OUT:-bench_out}; mkdir -p "$out"
+if [ ! -d /tmp/site/flash_attn ]; then
+  cat /root/parts/cu13.part.aa .whl/p2/cu13.part.ab > /root/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/parts/*.whl .whl/p2/*.whl 2>&1 | tail -2
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If you want\|This will allow\|_FLEX_ATTENTION\|^ *$"; }
+case "${1:-tests}" in
+tests)
+  timeout 240 python3 -m pytest -q tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 | tee "$out/gpu_flex_cp.log" | grep -E "passed|failed|^E "
+  cd benchmarks
+  timeout 330 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
+    | filter | tee "$out/flex_cp_t64k.log" | tail -14 ;;
+hf)
+  cd benchmarks
+  timeout 560 python3 bench_hf_masks.py --impl flex_attention --tokens 16384 --docs 8 1 --iters 5 --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 \
+    | filter | tee "$out/hf_flex_t16k.log" | tail -16 ;;
+esac
