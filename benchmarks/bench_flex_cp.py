@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import cp_inductor
+    from cp_inductor.lowerings import document_attention  # noqa: F401 - registers the plan op the floor calls
     from cp_inductor.testing.documents import cp_document_block_mask
 
     tokens, cp, local = args.tokens, args.cp, args.tokens // args.cp
