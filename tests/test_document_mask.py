@@ -400,6 +400,45 @@ def test_flex_document_mask_lowered():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def _flex_with_lse(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    return out, aux.lse.to(v.dtype)  # HF's flex path on CUDA: the lse in the dtype, as attention weights
+
+
+def hf_layer_drops_lse(q, k, v, block_mask):
+    out, _ = _flex_with_lse(q, k, v, block_mask)
+    return out
+
+
+def program_returns_lse(q, k, v, block_mask):
+    out, lse = _flex_with_lse(q, k, v, block_mask)
+    return out, lse
+
+
+def test_flex_lse_asked_for_and_dropped_is_lowered_read_is_kept():
+    """HF asks flex for the log-sum-exp on CUDA (flex scales it by ln 2, HF casts it) and its
+    decoder layer drops it: lowered. A program that returns it keeps its op."""
+    doc = _doc_ids()
+    block_mask = _flex_doc_causal(doc)
+    q, k, v = _qkv()
+    got, lines = _routes(hf_layer_drops_lse, q, k, v, block_mask)
+    assert "fa4_varlen" in lines[0], lines
+    torch.testing.assert_close(got, flex_program(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
+    from cp_inductor.passes.dynamo import document_mask
+
+    reasons = []
+
+    def read_only(gm, inputs):  # Inductor's CPU flex has no lse: the pass's verdict alone
+        reasons.extend(document_mask.why_not(call, cp_inductor.config) for call in document_mask.find(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(program_returns_lse, backend=read_only, fullgraph=True)(q, k, v, block_mask)
+    assert reasons == ["the program reads the log-sum-exp"], reasons
+
+
 def test_hf_llama_flex_compiled_forward():
     """Against the same weights under HF's eager ``sdpa``: on CPU (torch 2.13) HF's own flex
     path, compiled flex inside, differs from it by 0.14 in the logits, and default Inductor's

@@ -232,10 +232,10 @@ def _flex_reason(call: MaskedCall) -> str | None:
 
 
 def _unread(node: torch.fx.Node) -> bool:
-    """Whether nothing but dead views and casts read ``node`` (HF's flex path on CUDA returns
-    the log-sum-exp as its attention weights, which the decoder layer drops)."""
-    return all(u.op == "call_method" and u.target in ("to", "transpose", "view", "float", "type_as") and _unread(u)
-               or u.op == "call_function" and u.target is operator.getitem and _unread(u) for u in node.users)
+    """Whether nothing but dead pure ops read ``node`` (HF's flex path on CUDA asks for the
+    log-sum-exp, which flex scales by ln 2 and HF casts and returns as its attention weights,
+    which the decoder layer drops)."""
+    return all(u.op in ("call_function", "call_method") and not u.is_impure() and _unread(u) for u in node.users)
 
 
 def _above(node: torch.fx.Node) -> set:
