@@ -21,6 +21,9 @@ q, k, v (no copy where they are ``[B, T, H, D]`` underneath, as HF's are). Where
 not to be contiguous, or a CUDA graph is being captured (the host cannot read the count then),
 both ops compute the masked attention densely instead: slower, never a different answer.
 ``lse`` is ``[H_q, B*T]`` fp32 (zeros on the dense path, whose backward recomputes).
+
+``document_shard_plan`` / ``document_shard_attention`` (below): a shard of the queries over every
+key, at positions a CP BlockMask computes (torch's flex CP).
 """
 
 from __future__ import annotations

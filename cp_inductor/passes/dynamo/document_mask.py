@@ -16,6 +16,15 @@ cuDNN's ragged SDPA) over the documents; the mask is no longer built::
     cu_seqlens, meta = cp_inductor.document_plan(ids, None, check, B, T)   # once per mask, not per layer
     out = cp_inductor.document_attention(q, k0, v0, cu_seqlens, meta, ids, scale, True, "fa4")[0]
 
+torch's flex CP (torchtitan's): the BlockMask's ``mask_mod`` maps this rank's query index (and,
+under a load balancer, every index) to its place in the pack, and K/V come all-gathered; the
+call becomes FA4 varlen over the shard's document segments, the keys read in place::
+
+    out = flex_attention(q_local, k_all, v_all, block_mask=cp_mask)      # doc[b, place(q)] ...
+    ->
+    plan, meta = cp_inductor.document_shard_plan(doc, places, keys, check, True, B, T_local, T)
+    out = cp_inductor.document_shard_attention(q_local, k_all, v_all, plan, meta, doc, places, keys, scale, True)[0]
+
 A mask that is causal alone (``tril``, HF's plain batch where its ids are provably one document)
 becomes SDPA with ``is_causal=True`` on the un-repeated K/V (``enable_gqa``), which the dense
 lowerings take from there. K/V heads HF repeats only to feed SDPA are read un-repeated (GQA as
