@@ -17,7 +17,7 @@ filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If y
 case "${1:-tests}" in
 tests)
   [ -n "$SKIP_TESTS" ] ||
-  timeout 240 python3 -m pytest -q tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 | tee "$out/gpu_flex_cp.log" | grep -E "passed|failed|^E "
+  timeout 300 python3 -m pytest -q tests/test_flex_cp.py tests/test_document_mask.py -p no:cacheprovider -W ignore -k gpu 2>&1 | tee "$out/gpu_flex_cp.log" | grep -E "passed|failed|^E "
   cd benchmarks
   timeout 330 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
     | filter | tee "$out/flex_cp_t64k.log" | tail -14 ;;

@@ -92,6 +92,15 @@ def positions_checked(q, k, v, doc, pos=None):
     return _attend(q, k, v, mask[:, None])
 
 
+def hf_sliding(q, k, v, positions):
+    """HF's packed index form with its sliding-window overlay (``kv > q - window``, Mistral's)."""
+    ids = _resets(positions)
+    b = torch.arange(B)[:, None, None, None]
+    qi, ki = torch.arange(T)[None, None, :, None], torch.arange(T)[None, None, None, :]
+    mask = (positions[b, ki] <= positions[b, qi]) & (ids[b, qi] == ids[b, ki]) & (ki > qi - 4)
+    return _attend(q, k, v, mask.expand(B, -1, T, T))
+
+
 def causal_only(q, k, v, positions):
     return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())
 
@@ -153,7 +162,7 @@ class TestAnalysis(TestCase):
         pos, doc = _positions(), _doc_ids()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
             (hf_packed, pos), (hand_tril, doc), (additive_where, pos), (additive_masked_fill, pos),
-            (bidirectional, pos), (positions_checked, doc), (causal_only, pos)))
+            (bidirectional, pos), (positions_checked, doc), (causal_only, pos), (hf_sliding, pos)))
         self.assertExpectedInline(got, """\
 hf_packed: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
 hand_tril: documents from arg0_1 (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
@@ -161,7 +170,8 @@ additive_where: documents from cumsum (proven (cumulative sum of non-negatives))
 additive_masked_fill: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
 bidirectional: documents from cumsum (proven (cumulative sum of non-negatives)), bidirectional: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 full float32
 positions_checked: documents from arg0_1 (checked on device), causal over positions mul (rising within documents: checked on device): fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
-causal_only: causal: sdpa_is_causal: one document per row: dense causal SDPA, K/V heads as they are""")
+causal_only: causal: sdpa_is_causal: one document per row: dense causal SDPA, K/V heads as they are
+hf_sliding: documents from cumsum (proven (cumulative sum of non-negatives)), causal, keys from q-3: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: a sliding window (cuDNN's ragged SDPA here takes none)""")
 
     def test_near_misses_keep_their_op(self):
         pos, doc = _positions(), _doc_ids()
@@ -171,7 +181,7 @@ causal_only: causal: sdpa_is_causal: one document per row: dense causal SDPA, K/
             (shifted, doc)))
         self.assertExpectedInline(got, """\
 padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
-window: mask not read: kept: document_mask: a sliding window (keys from q-3): not lowered yet
+window: causal, keys from q-3: kept: document_mask: a sliding window without document ids (not lowered yet)
 or_masks: mask not read: kept: document_mask: a disjunction of masks (or_masks, |): not a document mask
 mask_from_outside: mask not read: kept: document_mask: the mask comes in from outside the graph (its values are not known to the compiler)
 real_bias: mask not read: kept: document_mask: a real-valued bias (aten.neg.default is not where(mask, 0, -inf) or masked_fill(-inf))
@@ -232,7 +242,7 @@ def _grads(fn, q, k, v, table, compiled):
 
 
 @pytest.mark.parametrize("fn", [hf_packed, hand_tril, additive_where, additive_masked_fill, bidirectional,
-                                positions_checked, causal_only], ids=lambda f: f.__name__)
+                                positions_checked, causal_only, hf_sliding], ids=lambda f: f.__name__)
 def test_numerics_match_the_program(fn):
     """Output and every gradient against the program's own masked SDPA (eager)."""
     table = _doc_ids() if fn in (hand_tril, positions_checked) else _positions([7, 1, 16])
@@ -327,6 +337,32 @@ def test_hf_llama_sdpa_compiled(packed):
         torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_hf_mistral_sliding_window_compiled(packed):
+    """Mistral's sliding window (HF's overlay, over the positions it remaps a packed batch to):
+    lowered with FA4's window; loss and every gradient as under eager HF."""
+    pytest.importorskip("transformers")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, sliding_window=6, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config)
+    inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))}
+    if packed:
+        inputs["position_ids"] = _positions()
+    want = _train_step(model, model, inputs)
+    cp_inductor.clear_report()
+    torch._dynamo.reset()
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert len(lines) == 2 and all("keys from q-5: fa4_varlen" in line for line in lines), lines
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 # --- one GPU -----------------------------------------------------------------------------------
 
 
@@ -339,13 +375,14 @@ def _gpu_missing():
 @pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
 @pytest.mark.parametrize("provider", document_attention.PROVIDERS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_document_attention_matches_fp32(provider, causal):
+def test_gpu_document_attention_matches_fp32(provider, causal, window=-1):
     from cp_inductor.lowerings import varlen_attention
 
     why = (fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128) if provider == "fa4"
            else varlen_attention.cudnn_unavailable(torch.device("cuda"), torch.bfloat16, 128))
     if why:
         pytest.skip(why)
+    extra = [window] if window >= 0 else []
     g = torch.Generator().manual_seed(0)
     b, t, hq, hkv, d = 2, 2048, 8, 2, 128
     lengths = [1, 300, 77, 1000, 129, 541]
@@ -355,10 +392,10 @@ def test_gpu_document_attention_matches_fp32(provider, causal):
 
     def ours(q, k, v):
         cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
-        return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, d ** -0.5, causal, provider)[0]
+        return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, d ** -0.5, causal, provider, *extra)[0]
 
     def dense(q, k, v):
-        return document_attention._dense(q, k, v, doc, None, d ** -0.5, causal)
+        return document_attention._dense(q, k, v, doc, None, d ** -0.5, causal, window)
 
     def run(fn, dtype):
         ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
@@ -371,6 +408,13 @@ def test_gpu_document_attention_matches_fp32(provider, causal):
         err = float((got.float() - ref).norm() / ref.norm())
         err_program = float((bf16.float() - ref).norm() / ref.norm())
         assert err < max(2 * err_program, 5e-3), (name, err, err_program)
+
+
+@pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
+@pytest.mark.parametrize("window", [0, 100, 4000])
+def test_gpu_document_attention_sliding_window_matches_fp32(window):
+    """FA4's window over the documents (Mistral's sliding window on a pack)."""
+    test_gpu_document_attention_matches_fp32("fa4", True, window)
 
 
 # --- flex_attention ------------------------------------------------------------------------------
@@ -437,6 +481,28 @@ def test_flex_lse_asked_for_and_dropped_is_lowered_read_is_kept():
     torch._dynamo.reset()
     torch.compile(program_returns_lse, backend=read_only, fullgraph=True)(q, k, v, block_mask)
     assert reasons == ["the program reads the log-sum-exp"], reasons
+
+
+def test_flex_sliding_window_documents_lowered():
+    """torchtitan's sliding-window flex mask (and_masks of causal, same document, window)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    doc = _doc_ids()
+
+    def window(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 4
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    block_mask = create_block_mask(and_masks(causal, same_document, window), B, None, T, T, device="cpu")
+    q, k, v = _qkv()
+    got, lines = _routes(flex_program, q, k, v, block_mask)
+    assert "causal, keys from q-3: fa4_varlen" in lines[0], lines
+    torch.testing.assert_close(got, flex_program(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
 
 
 def test_hf_llama_flex_compiled_forward():

@@ -38,12 +38,12 @@ _lib = torch.library.Library("cp_inductor", "FRAGMENT")
 _lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens) -> (Tensor, Tensor)")
 _lib.define(
     "document_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor meta, Tensor doc_ids, "
-    "Tensor? positions, float scale, bool is_causal, str provider) -> (Tensor, Tensor)"
+    "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1) -> (Tensor, Tensor)"
 )
 _lib.define(
     "document_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor cu_seqlens, Tensor meta, Tensor doc_ids, Tensor? positions, float scale, bool is_causal, str provider) "
-    "-> (Tensor, Tensor, Tensor)"
+    "Tensor cu_seqlens, Tensor meta, Tensor doc_ids, Tensor? positions, float scale, bool is_causal, str provider, "
+    "int window_left=-1) -> (Tensor, Tensor, Tensor)"
 )
 
 _COUNT, _LONGEST, _CONTIGUOUS = range(3)
@@ -124,22 +124,25 @@ def _packed(meta: torch.Tensor) -> bool:
     return bool(meta[_CONTIGUOUS])
 
 
-def _dense_mask(doc_ids, positions, q, is_causal):
+def _dense_mask(doc_ids, positions, q, is_causal, window_left=-1):
     rows = _rows(doc_ids, q.shape[0], q.shape[2])
     mask = rows[:, None, :, None] == rows[:, None, None, :]
+    index = torch.arange(rows.shape[1], device=rows.device)
     if is_causal and positions is not None:
         p = _rows(positions, q.shape[0], q.shape[2])
         mask = mask & (p[:, None, None, :] <= p[:, None, :, None])
     elif is_causal:
-        p = torch.arange(rows.shape[1], device=rows.device)
-        mask = mask & (p[None, :] <= p[:, None])
+        mask = mask & (index[None, :] <= index[:, None])
+    if window_left >= 0:
+        mask = mask & (index[None, :] >= index[:, None] - window_left)
     return mask
 
 
-def _dense(q, k, v, doc_ids, positions, scale, is_causal):
+def _dense(q, k, v, doc_ids, positions, scale, is_causal, window_left=-1):
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(doc_ids, positions, q, is_causal), scale=scale)
+    mask = _dense_mask(doc_ids, positions, q, is_causal, window_left)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _lengths(cu_seqlens, meta):
@@ -148,22 +151,23 @@ def _lengths(cu_seqlens, meta):
 
 
 @torch.library.register_fake("cp_inductor::document_attention", lib=_lib)
-def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider):
+def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((batch, tokens, heads, v.shape[3])).transpose(1, 2)
     return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
 
 
 @torch.library.impl("cp_inductor::document_attention", "CompositeExplicitAutograd", lib=_lib)
-def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider):
+def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     if not _packed(meta):
-        out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal))
+        out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal, window_left))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
     cu, longest = _lengths(cu_seqlens, meta)
     qt, kt, vt = _flat(q), _flat(k), _flat(v)
     if provider == "fa4":
-        out, lse = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu, cu, None, longest, longest, scale, is_causal)
+        out, lse = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu, cu, None, longest, longest, scale, is_causal,
+                                                              window_left)
     else:
         out, lse = torch.ops.cp_inductor.varlen_attention(qt, kt, vt, cu, cu, longest, longest, scale, is_causal)
         lse = lse.t()  # cuDNN's is [tokens, heads]
@@ -171,23 +175,25 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
 
 
 @torch.library.register_fake("cp_inductor::document_attention_backward", lib=_lib)
-def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider):
+def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
     return tuple(t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2) for t in (q, k, v))
 
 
 @torch.library.impl("cp_inductor::document_attention_backward", "CompositeExplicitAutograd", lib=_lib)
-def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider):
+def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider,
+              window_left=-1):
     batch = q.shape[0]
     if not _packed(meta):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            grads = torch.autograd.grad(_dense(*inputs, doc_ids, positions, scale, is_causal), inputs, grad_out)
+            dense = _dense(*inputs, doc_ids, positions, scale, is_causal, window_left)
+            grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
     cu, longest = _lengths(cu_seqlens, meta)
     qt, kt, vt, ot, dot = (_flat(t) for t in (q, k, v, out, grad_out))
     if provider == "fa4":
         grads = torch.ops.cp_inductor.fa4_varlen_attention_backward(
-            dot, None, qt, kt, vt, ot, lse, cu, cu, None, longest, longest, scale, is_causal)
+            dot, None, qt, kt, vt, ot, lse, cu, cu, None, longest, longest, scale, is_causal, window_left)
     else:
         grads = torch.ops.cp_inductor.varlen_attention_backward(
             dot, qt, kt, vt, ot, lse.t(), cu, cu, longest, longest, scale, is_causal)
@@ -195,16 +201,17 @@ def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions,
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider = inputs
+    q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, *window = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, meta, doc_ids, positions)
-    ctx.args = (scale, is_causal, provider)
+    ctx.args = (scale, is_causal, provider, *window)
+    ctx.count = len(inputs)
 
 
 def _autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions = ctx.saved_tensors
     dq, dk, dv = torch.ops.cp_inductor.document_attention_backward(
         grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.count - 3)
 
 
 torch.library.register_autograd("cp_inductor::document_attention", _autograd_backward, setup_context=_setup, lib=_lib)

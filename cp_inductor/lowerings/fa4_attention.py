@@ -94,12 +94,12 @@ def _interface():
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")
 _lib.define(
     "fa4_varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-    "Tensor? seqused_k, SymInt max_q, SymInt max_k, float scale, bool is_causal) -> (Tensor, Tensor)"
+    "Tensor? seqused_k, SymInt max_q, SymInt max_k, float scale, bool is_causal, int window_left=-1) -> (Tensor, Tensor)"
 )
 _lib.define(
     "fa4_varlen_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
     "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, SymInt max_q, SymInt max_k, "
-    "float scale, bool is_causal) -> (Tensor, Tensor, Tensor)"
+    "float scale, bool is_causal, int window_left=-1) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define("fa4_sdpa(Tensor q, Tensor k, Tensor v, float scale, bool is_causal) -> (Tensor, Tensor)")
 _lib.define(
@@ -113,13 +113,13 @@ def _grads_like(q, k, v):
 
 
 @torch.library.register_fake("cp_inductor::fa4_varlen_attention", lib=_lib)
-def _(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal, window_left=-1):
     out = q.new_empty(q.shape[:2] + v.shape[2:])
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("cp_inductor::fa4_varlen_attention_backward", lib=_lib)
-def _(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal, window_left=-1):
     return _grads_like(q, k, v)
 
 
@@ -143,11 +143,16 @@ def _(grad_out, grad_lse, q, k, v, out, lse, scale, is_causal):
 # function; FA4 has changed how many values these return (torch's own FA4 switch unpacks two and
 # fails on 4.0.0b36), so only the leading ones are read.
 
-def _cuda_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _window(window_left: int) -> tuple:
+    """FA's (left, right) window: keys from ``window_left`` before the query (causal), or none."""
+    return (window_left, 0) if window_left >= 0 else (None, None)
+
+
+def _cuda_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal, window_left=-1):
     with torch.no_grad():
         result = _interface().flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, max_seqlen_q=max_q,
-            max_seqlen_k=max_k, softmax_scale=scale, causal=is_causal, return_lse=True)
+            max_seqlen_k=max_k, softmax_scale=scale, causal=is_causal, window_size=_window(window_left), return_lse=True)
     return result[0], result[1]
 
 
@@ -157,13 +162,14 @@ def _contiguous_grads(q, k, v, fill=torch.empty) -> dict:
     return {name: fill(t.shape, dtype=t.dtype, device=t.device) for name, t in (("dq", q), ("dk", k), ("dv", v))}
 
 
-def _cuda_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _cuda_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal,
+                          window_left=-1):
     # With seqused_k, FA4 writes dK/dV only for the keys a sequence uses (measured: the rest of
     # the buffer kept whatever memory held); keys no query reads have gradient zero.
     fill = torch.empty if seqused_k is None else torch.zeros
     grads = _contiguous_grads(q, k, v, fill)
     result = _interface()._flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, *_window(window_left), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         seqused_k=seqused_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=grad_lse, **grads)
     return tuple(result[:3])
 
@@ -197,11 +203,11 @@ def _sequences(cu_q, cu_k, seqused_k):
         yield slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], end_k)
 
 
-def _cpu_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _cpu_varlen_forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal, window_left=-1):
     out = q.new_zeros(q.shape[:2] + v.shape[2:])
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for sq, sk in _sequences(cu_q, cu_k, seqused_k):
-        o, l = varlen_attention.reference(q[sq], k[sk], v[sk], _whole(q[sq]), _whole(k[sk]), scale, is_causal)
+        o, l = varlen_attention.reference(q[sq], k[sk], v[sk], _whole(q[sq]), _whole(k[sk]), scale, is_causal, window_left)
         out[sq], lse[:, sq] = o, l.transpose(0, 1)
     return out, lse
 
@@ -210,7 +216,8 @@ def _whole(t):
     return torch.tensor([0, t.shape[0]], dtype=torch.int32)
 
 
-def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal):
+def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal,
+                         window_left=-1):
     """FA4's backward in plain torch: the probabilities from the log-sum-exp it is GIVEN, the
     softmax correction from the out it is given (a caller that merged partial attentions passes
     the merged pair, and each part's gradients come out right), plus the lse's own gradient."""
@@ -221,9 +228,8 @@ def _cpu_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, sequ
         qs, do = q[sq].to(acc), grad_out[sq].to(acc)
         ks, vs = (t[sk].to(acc).repeat_interleave(groups, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if is_causal:
-            s_q, s_k = qs.shape[0], ks.shape[0]
-            keep = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
+        keep = varlen_attention.kept_keys(qs.shape[0], ks.shape[0], is_causal, window_left)
+        if keep is not None:
             scores = scores.masked_fill(~keep, float("-inf"))
         rows_lse = lse[:, sq].to(acc)[..., None]
         probs = torch.where(torch.isfinite(rows_lse), torch.exp(scores - rows_lse), 0.0)  # a row with no keys: 0
@@ -282,9 +288,10 @@ for _name, _cuda, _cpu in (
 # ---- autograd: out and lse saved; the lse's gradient reaches the backward ----------------------
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal = inputs
+    q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, is_causal, *window = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seqused_k)
-    ctx.args = (max_q, max_k, scale, is_causal)
+    ctx.args = (max_q, max_k, scale, is_causal, *window)
+    ctx.count = len(inputs)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
@@ -292,7 +299,7 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv = torch.ops.cp_inductor.fa4_varlen_attention_backward(
         grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.count - 3)
 
 
 def _dense_setup(ctx, inputs, output):

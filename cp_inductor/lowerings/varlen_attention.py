@@ -194,13 +194,24 @@ def _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
                                  is_causal, bottom_right)
 
 
-def _sequence_probs(q, k, scale, is_causal):
+def kept_keys(s_q: int, s_k: int, is_causal: bool, window_left: int = -1, device=None) -> torch.Tensor | None:
+    """[S_q, S_k] bool: the keys each query of one sequence reads, or None (all). Causal is
+    bottom-right: row i sees keys up to i + (S_k - S_q); a window (``window_left >= 0``, with
+    causal) also from i + (S_k - S_q) - window_left, as FA's ``window_size=(left, 0)``."""
+    if not is_causal:
+        return None
+    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
+    if window_left >= 0:
+        keep = keep & ~torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q - window_left - 1)
+    return keep
+
+
+def _sequence_probs(q, k, scale, is_causal, window_left=-1):
     """One sequence ([S, H, D], K heads repeated): the attention probabilities [H, S_q, S_k] and
-    the log-sum-exp [H, S_q]. Causal is bottom-right: row i sees keys up to i + (S_k - S_q)."""
+    the log-sum-exp [H, S_q] (the keys ``kept_keys`` says)."""
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if is_causal:
-        s_q, s_k = q.shape[0], k.shape[0]
-        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+    keep = kept_keys(q.shape[0], k.shape[0], is_causal, window_left, q.device)
+    if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]).nan_to_num(0.0), lse  # a row with no keys: all zero
@@ -216,12 +227,12 @@ def _repeat(t, groups):
     return t.repeat_interleave(groups, dim=1)
 
 
-def reference(q, k, v, cu_q, cu_k, scale, is_causal):
+def reference(q, k, v, cu_q, cu_k, scale, is_causal, window_left=-1):
     """Per-sequence attention in the inputs' dtype: out [T_q, H_q, D_v], lse [T_q, H_q] fp32."""
     groups = q.shape[1] // k.shape[1]
     outs, lses = [], []
     for sq, sk in _sequences(cu_q, cu_k):
-        probs, lse = _sequence_probs(q[sq], _repeat(k[sk], groups), scale, is_causal)
+        probs, lse = _sequence_probs(q[sq], _repeat(k[sk], groups), scale, is_causal, window_left)
         outs.append(torch.einsum("hqk,khd->qhd", probs, _repeat(v[sk], groups)))
         lses.append(lse.transpose(0, 1))
     return torch.cat(outs).to(q.dtype), torch.cat(lses).float()

@@ -14,8 +14,9 @@ given as a boolean mask or an additive one (0 where kept, -inf or the dtype's lo
 The document ids must form contiguous runs in each row for the packed kernels to compute the same
 thing: proven where they are a cumulative sum of non-negative values along the row (HF's packed
 path), else checked on device each step (``document_attention``: the dense path where they are
-not). Everything else is kept, with the reason: windows (not lowered yet), padding (keys masked by
-a per-token table), disjunctions, a mask that comes in from outside the graph, real-valued biases.
+not). A causal sliding window (``kv >= q - w``) rides along. Everything else is kept, with the
+reason: padding (keys masked by a per-token table), disjunctions, a mask that comes in from
+outside the graph, real-valued biases.
 """
 
 from __future__ import annotations
@@ -115,6 +116,18 @@ class Logic:
 
 
 @dataclass(frozen=True)
+class Shifted:
+    """A table read plus a constant: ``positions[b, q] - window`` (HF's sliding window over the
+    positions it remaps a packed batch to)."""
+
+    table: Gather
+    by: object
+
+    def map_axes(self, fn) -> Shifted:
+        return Shifted(self.table.map_axes(fn), self.by)
+
+
+@dataclass(frozen=True)
 class Truth:
     value: bool
 
@@ -146,6 +159,7 @@ class DocumentMask:
     # permutation), the node computing it in the traced graph; None: the index itself.
     query_positions: torch.fx.Node | None = None
     key_positions: torch.fx.Node | None = None
+    window: int = -1  # causal with keys from q - window on (a sliding window), -1: none
 
     @property
     def mapped(self) -> bool:
@@ -156,6 +170,8 @@ class DocumentMask:
         if self.doc_ids is not None:
             parts.append(f"documents from {self.doc_ids.name} ({self.contiguity})")
         parts.append("causal" if self.causal else "bidirectional")
+        if self.window >= 0:
+            parts[-1] += f", keys from q-{self.window}"
         if self.positions is not None:
             parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
         for who, node in (("queries", self.query_positions), ("keys", self.key_positions)):
@@ -283,6 +299,10 @@ class _Reader:
             a, b = self._operand(args[0], out), self._operand(args[1], out)
             if isinstance(a, Lin) and isinstance(b, Lin):
                 return a + b.scaled(alpha)
+            if isinstance(a, Gather) and isinstance(b, Lin) and not b.coefs:
+                return Shifted(a, b.const * alpha)
+            if isinstance(b, Gather) and isinstance(a, Lin) and not a.coefs and alpha == 1:
+                return Shifted(b, a.const)
         if t is aten.unsqueeze.default:
             dim = args[1] % len(out)
             return self.read(args[0]).map_axes(lambda a: a + (a >= dim))
@@ -522,6 +542,8 @@ class _Classifier:
         self.maps: dict = {}  # axis -> the Pos node its index stands for (None: the index itself)
         self.mapped_causal: list = []  # (query position, key position) with key <= query
         self.index_causal = False  # kv <= q over the indices themselves
+        self.window: int | None = None  # kv >= q - window
+        self.stepping_positions: set = set()  # tables a band was read over as if they were the indices
 
     def _map(self, axis: int, col) -> None:
         position = col if _mapped(col) else None
@@ -560,6 +582,8 @@ class _Classifier:
             raise NotAMask(f"a term of the mask that is not a comparison ({type(atom).__name__})")
         if isinstance(atom.lhs, Lin) and isinstance(atom.rhs, Lin):
             return self._band(atom)
+        if any(isinstance(x, Shifted) for x in (atom.lhs, atom.rhs)):
+            return self._position_band(atom)
         sides = self._sides(atom)
         ordered = atom.op in ("le", "lt", "ge", "gt")
         if sides is None and ordered and {_axis_of(atom.lhs), _axis_of(atom.rhs)} == {self.q, self.kv}:
@@ -605,10 +629,32 @@ class _Classifier:
             self.causal = self.index_causal = True
             return None
         if op in ("ge", "gt"):
-            lower = bound if op == "ge" else bound + 1
-            raise NotAMask(f"a sliding window (keys from q{lower:+d}): not lowered yet")
+            lower = bound if op == "ge" else bound + 1  # kv - q >= lower
+            if lower > 0:
+                raise NotAMask(f"keys from q{lower:+d} on: the query's own key masked")
+            self.window = -lower if self.window is None else min(self.window, -lower)
+            return None
         raise NotAMask(f"a band kv - q {op} {bound} other than causal")
 
+
+    def _position_band(self, c: Cmp) -> None:
+        """``p[b, kv] op p[b, q] + c`` over one table of positions: the band ``kv - q op c``
+        where positions step by one within each document (checked in ``_classified``)."""
+        def parts(x):
+            return (x.table, x.by) if isinstance(x, Shifted) else (x, 0)
+
+        (lhs, shift_l), (rhs, shift_r) = parts(c.lhs), parts(c.rhs)
+        if not (isinstance(lhs, Gather) and isinstance(rhs, Gather) and isinstance(shift_l, int) and isinstance(shift_r, int)):
+            raise NotAMask("a shifted table compared with something other than the same table")
+        sides = self._sides(Cmp(c.op, lhs, rhs))
+        if sides is None:
+            raise NotAMask("a shifted table compared with something other than the same table")
+        # (lhs + shift_l) op (rhs + shift_r), read over the indices where positions step by one
+        index = {id(sides[0]): Lin(((self.q, 1),)), id(sides[1]): Lin(((self.kv, 1),))}
+        self.stepping_positions.add(_strip(lhs.table))
+        over_indices = self.index_causal
+        self._band(Cmp(c.op, index[id(lhs)] + Lin((), shift_l), index[id(rhs)] + Lin((), shift_r)))
+        self.index_causal = over_indices  # a causal band read this way is one over positions
 
     def _mapped_band(self, c: Cmp) -> None:
         """``P(q) >= P(kv)`` where a position is computed from an index (torch's CP masks)."""
@@ -685,6 +731,9 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
     doc_ids = next(iter(classify.doc_ids), None)
     query_positions, key_positions = (_node_of(p, reader) for p in classify.maps_of())
     mapped = query_positions is not None or key_positions is not None
+    if classify.window is not None and (mapped or not classify.causal and not classify.position_causal):
+        raise NotAMask(f"a sliding window (keys from q-{classify.window}) " + (
+            "over mapped positions" if mapped else "that is not causal") + ": not lowered yet")
     if mapped and classify.position_causal:
         raise NotAMask("causal over a table of positions where the documents are read at mapped positions")
     if classify.mapped_causal and doc_ids is None:
@@ -698,12 +747,16 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
                 raise NotAMask("causal over two tables of positions")
             checked_positions = positions
         classify.causal = True
+    for positions in classify.stepping_positions:  # a band over positions is one over indices where they step by one
+        if doc_ids is None or _resets_of(doc_ids) is not positions:
+            raise NotAMask("a band over a table of positions not proven to step by one within each document")
+    window = -1 if classify.window is None else classify.window
     if doc_ids is None:
-        return DocumentMask(None, classify.causal, traced=traced)
+        return DocumentMask(None, classify.causal, traced=traced, window=window)
     summand = _row_cumsum(doc_ids)
     proven = summand is not None and _nonnegative(summand)
     return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions,
-                        query_positions, key_positions)
+                        query_positions, key_positions, window)
 
 
 def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:

@@ -162,6 +162,8 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
     if call.facts.doc_ids is None:
+        if call.facts.window >= 0:
+            return "a sliding window without document ids (not lowered yet)"
         if not call.facts.causal:
             return "the mask keeps every key: SDPA without it is the same (not rewritten yet)"
         call.provider_reason = "one document per row: dense causal SDPA, K/V heads as they are"
@@ -177,6 +179,8 @@ def why_not(call: MaskedCall, cfg) -> str | None:
         "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
         "cudnn": varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1]),
     }
+    if call.facts.window >= 0:
+        candidates["cudnn"] = "a sliding window (cuDNN's ragged SDPA here takes none)"
     dims = (q.shape[0] * q.shape[2], q.shape[1], k0.shape[1], q.shape[-1])
     shape = None if not all(isinstance(d, int) for d in dims) else attention_provider.Shape(
         "thd", *dims, call.facts.causal, str(q.dtype).removeprefix("torch."))
@@ -380,7 +384,8 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         ids, positions, cu, meta = call.shared["plan"]
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
-                                        (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider))
+                                        (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
+                                         *([call.facts.window] if call.facts.window >= 0 else [])))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
