@@ -169,7 +169,8 @@ def _cuda_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seq
     fill = torch.empty if seqused_k is None else torch.zeros
     grads = _contiguous_grads(q, k, v, fill)
     result = _interface()._flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, *_window(window_left), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        q, k, v, out, grad_out.contiguous(), lse, scale, is_causal, window_size_left=_window(window_left)[0],
+        window_size_right=_window(window_left)[1], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         seqused_k=seqused_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=grad_lse, **grads)
     return tuple(result[:3])
 
