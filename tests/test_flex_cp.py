@@ -1,7 +1,8 @@
 """torch's flex CP (torchtitan's only CP path for packed documents): each rank's queries over the
 all-gathered K/V under a BlockMask whose mask_mod maps the local query index (and, under a load
-balancer, every index) to its place in the pack. document_mask reads those positions and lowers
-the call to FA4 varlen over the shard's document segments (``document_shard_attention``).
+balancer, every index) to its place in the pack; and the same written by hand as a masked SDPA.
+document_mask reads those positions and lowers the call to FA4 varlen over the shard's document
+segments (``document_shard_attention``).
 CPU: the reference kernels stand in for FA4; torch 2.13's CPU flex has no backward, so the
 compiled programs run forward here and the op's gradients are checked against dense attention."""
 
@@ -185,6 +186,83 @@ def _gloo_rank(rank, cp, balance):
 @pytest.mark.parametrize("balance", ["none", "headtail"])
 def test_flex_cp_allgather_on_gloo(balance):
     for got, want, lines in run_on_ranks(_gloo_rank, CP, balance):
+        assert "fa4_varlen" in lines[0], lines
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# --- a masked SDPA over all-gathered K/V, written by hand ----------------------------------------
+
+
+def _head_tail(rank, cp, tokens):
+    n = tokens // (2 * cp)
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)])
+
+
+def sdpa_cp_by_hand(q, k_all, v_all, doc, rank: int, cp: int):
+    """Each rank holds the pack's chunks r and 2cp-1-r (Llama 3's head-tail); K/V gathered in
+    rank order; the mask over the places of the local queries and of the gathered keys."""
+    places = _head_tail(rank, cp, doc.shape[1])
+    keys = torch.cat([_head_tail(r, cp, doc.shape[1]) for r in range(cp)])
+    same = doc[:, places][:, :, None] == doc[:, keys][:, None, :]
+    mask = same & (keys[None, None, :] <= places[None, :, None])
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], enable_gqa=True)
+
+
+def sdpa_shard_by_offset(q, k_all, v_all, doc):
+    """No balancer: rank 1's queries are the pack's second half, ``arange + offset``."""
+    places = torch.arange(q.shape[2]) + q.shape[2]
+    mask = (doc[0][places][:, None] == doc[0][None, :]) & (torch.arange(k_all.shape[2])[None, :] <= places[:, None])
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[None, None], enable_gqa=True)
+
+
+def _compiled_grads(fn, q, k, v, *rest):
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lines = _compiled(lambda *a: fn(*a, *rest), *ins)
+    return [out, *torch.autograd.grad(out, ins, out.detach() + 1)], lines
+
+
+def test_sdpa_cp_mask_by_hand_output_and_gradients():
+    """The hand-written forms against their own eager SDPA (output and every gradient) and the
+    single-device pack; the report names the positions read."""
+    doc = _doc()
+    q, k, v = _full_qkv()
+    local = T // CP
+    cases = [(sdpa_cp_by_hand, _head_tail(1, CP, T), torch.cat([_head_tail(r, CP, T) for r in range(CP)]), (1, CP)),
+             (sdpa_shard_by_offset, torch.arange(local, T), torch.arange(T), ())]
+    got_lines = []
+    for fn, places, keys, rest in cases:
+        args = (q[:, :, places], k[:, :, keys], v[:, :, keys], doc)
+        got, lines = _compiled_grads(fn, *args, *rest)
+        ins = [t.detach().clone().requires_grad_() for t in args[:3]]
+        want = fn(*ins, doc, *rest)
+        for g, w in zip(got, [want, *torch.autograd.grad(want, ins, want.detach() + 1)]):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[0], _reference(q, k, v, doc)[:, :, places], atol=2e-5, rtol=2e-5)
+        got_lines.append(f"{fn.__name__}: {lines[0].split(': ', 1)[1]}")
+    TestCase().assertExpectedInline("\n".join(got_lines), """\
+sdpa_cp_by_hand: documents from arg0_1 (checked on device), causal, queries at positions cat[index], keys at positions cat_3[index]: fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place
+sdpa_shard_by_offset: documents from arg0_1 (checked on device), causal, queries at positions index+256: fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place""")
+
+
+def _gloo_by_hand(rank, cp):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    doc = _doc()
+    q, k, v = _full_qkv()
+    places = _head_tail(rank, cp, T)
+    local = [t[:, :, places] for t in (q, k, v)]
+
+    def program(q, k, v, doc):
+        k_all, v_all = (funcol.all_gather_tensor(t.contiguous(), 2, dist.group.WORLD) for t in (k, v))
+        return sdpa_cp_by_hand(q, k_all, v_all, doc, rank, cp)
+
+    got, lines = _compiled(program, *local, doc)
+    return got, _reference(q, k, v, doc)[:, :, places], lines
+
+
+def test_sdpa_cp_mask_by_hand_on_gloo():
+    for got, want, lines in run_on_ranks(_gloo_by_hand, CP):
         assert "fa4_varlen" in lines[0], lines
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

@@ -154,11 +154,13 @@ class DocumentMask:
     # Causal over this table of positions (traced graph), which the graph does not prove to rise
     # within each document: checked on device with the ids.
     positions: torch.fx.Node | None = None
-    # Where a flex mask_mod reads the documents at a position it computes from the query / key
-    # index (torch's CP block masks: a local query shard's place in the pack, a load balancer's
-    # permutation), the node computing it in the traced graph; None: the index itself.
-    query_positions: torch.fx.Node | None = None
-    key_positions: torch.fx.Node | None = None
+    # Where the documents are read at a position computed from the query / key index (torch's
+    # CP block masks: a local query shard's place in the pack, a load balancer's permutation; a
+    # hand-written CP mask: the index plus the shard's offset, or a table of places), the traced
+    # node computing it (a flex mask_mod's), or its expression (Lin, Gather: the pass builds it
+    # from the tables it reads); None: the index itself.
+    query_positions: object = None
+    key_positions: object = None
     window: int = -1  # causal with keys from q - window on (a sliding window), -1: none
 
     @property
@@ -174,9 +176,11 @@ class DocumentMask:
             parts[-1] += f", keys from q-{self.window}"
         if self.positions is not None:
             parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
-        for who, node in (("queries", self.query_positions), ("keys", self.key_positions)):
-            if node is not None:
-                parts.append(f"{who} at positions the mask_mod computes ({node.name})")
+        for who, where in (("queries", self.query_positions), ("keys", self.key_positions)):
+            if isinstance(where, torch.fx.Node):
+                parts.append(f"{who} at positions the mask_mod computes ({where.name})")
+            elif where is not None:
+                parts.append(f"{who} at positions {position_text(where)}")
         return ", ".join(parts)
 
 
@@ -361,16 +365,21 @@ class _Reader:
         return inner.map_axes(lambda a: Lin(((a, step),), start) if a == dim else a)
 
     def _index(self, n):
+        """``table[..., i, j, ...]``: leading dims skipped (``x[:, i]``) kept as they are, the
+        indexed dims read where the index tensors (broadcast together) point."""
         table, indices = n.args
-        if any(i is None for i in indices):
-            raise NotAMask("an index with skipped dims (x[:, i]) in the mask")
-        out = _shape(n)
-        lead = len(out) - (len(_shape(table)) - len(indices))
-        exprs = [self._operand(i, out[:lead]) for i in indices]
-        if not all(isinstance(e, (Lin, Pos)) or isinstance(e, Gather) and self.axis_of for e in exprs):
+        skipped = next((j for j, i in enumerate(indices) if i is not None), len(indices))
+        given = indices[skipped:]
+        if not given or any(i is None for i in given):
+            raise NotAMask("an index with skipped dims between or after the indexed ones in the mask")
+        out, rank = _shape(n), len(_shape(table))
+        width = len(out) - (rank - len(indices))  # the broadcast index dims, after the skipped ones
+        exprs = [self._operand(i, out[skipped:skipped + width]).map_axes(lambda a: a + skipped) for i in given]
+        if not all(isinstance(e, (Lin, Pos, Gather)) for e in exprs):
             raise NotAMask("a table is read at positions the indices do not give")
-        exprs += [Lin(((lead + j, 1),)) for j in range(len(_shape(table)) - len(indices))]
-        return self.read(table).map_axes(lambda a: exprs[a])
+        axes = [Lin(((a, 1),)) for a in range(skipped)] + exprs
+        axes += [Lin(((skipped + width + j, 1),)) for j in range(rank - len(indices))]
+        return self.read(table).map_axes(lambda a: axes[a])
 
 
 @dataclass(frozen=True)
@@ -509,8 +518,8 @@ def _resets_of(doc_ids) -> torch.fx.Node | None:
 def _axis_of(x) -> int | None:
     """The one query/key index ``x`` is a position of (the index itself, a ``Pos`` of it, a
     table read there), or None. The batch index may take part."""
-    if isinstance(x, Lin):
-        return x.coefs[0][0] if len(x.coefs) == 1 and x.coefs[0][1] == 1 and x.const == 0 else None
+    if isinstance(x, Lin):  # the index itself, or the index plus an offset (a shard's place)
+        return x.coefs[0][0] if len(x.coefs) == 1 and x.coefs[0][1] == 1 and isinstance(x.const, int) else None
     if isinstance(x, Pos):
         return x.axis
     if isinstance(x, Gather):
@@ -525,7 +534,7 @@ def _axis_of(x) -> int | None:
 
 def _mapped(x) -> bool:
     """Whether position ``x`` is computed from an index, not the index itself."""
-    return _axis_of(x) is not None and not isinstance(x, Lin)
+    return _axis_of(x) is not None and not (isinstance(x, Lin) and x.const == 0)
 
 
 def _axes(lin: Lin) -> dict:
@@ -544,6 +553,7 @@ class _Classifier:
         self.index_causal = False  # kv <= q over the indices themselves
         self.window: int | None = None  # kv >= q - window
         self.stepping_positions: set = set()  # tables a band was read over as if they were the indices
+        self.bands: list = []  # comparisons of the indices themselves
 
     def _map(self, axis: int, col) -> None:
         position = col if _mapped(col) else None
@@ -581,7 +591,8 @@ class _Classifier:
         if not isinstance(atom, Cmp):
             raise NotAMask(f"a term of the mask that is not a comparison ({type(atom).__name__})")
         if isinstance(atom.lhs, Lin) and isinstance(atom.rhs, Lin):
-            return self._band(atom)
+            self.bands.append(atom)  # read once the positions the documents are read at are known
+            return None
         if any(isinstance(x, Shifted) for x in (atom.lhs, atom.rhs)):
             return self._position_band(atom)
         sides = self._sides(atom)
@@ -670,6 +681,18 @@ class _Classifier:
     def maps_of(self) -> tuple:
         """(query positions, key positions): Pos nodes, None where the index is its own position."""
         q, kv = self.maps.get(self.q), self.maps.get(self.kv)
+        offsets = {axis: 0 if m is None else m.const if isinstance(m, Lin) else None for axis, m in ((self.q, q), (self.kv, kv))}
+        for band in self.bands:
+            if None in offsets.values() or not any(offsets.values()):
+                self._band(band)  # over the indices (where positions come from a table: checked below)
+                continue
+            # positions = index + offset (a shard's place): the band read over the positions
+            def to_positions(a):
+                return Lin(((a, 1),), -offsets[a]) if a in offsets else a
+
+            over_indices = self.index_causal
+            self._band(Cmp(band.op, band.lhs.map_axes(to_positions), band.rhs.map_axes(to_positions)))
+            self.index_causal = over_indices
         for qs, kvs in self.mapped_causal:
             if (qs if _mapped(qs) else None) != q or (kvs if _mapped(kvs) else None) != kv:
                 raise NotAMask("causal over positions other than the ones the documents are read at")
@@ -710,6 +733,26 @@ def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
     return _classified(predicate, traced, val.dim())
 
 
+def position_text(x) -> str:
+    """A position expression for the report: ``index+32``, ``cat[index]``."""
+    if isinstance(x, Lin):
+        return str(x.const) if not x.coefs else "index" + (f"{x.const:+d}" if x.const else "")
+    if isinstance(x, Pos):
+        return x.node.name
+    if isinstance(x, Gather):
+        return f"{_strip(x.table).name}[{', '.join(position_text(i) for i in x.index)}]"
+    return type(x).__name__
+
+
+def position_tables(x) -> list:
+    """The traced tables a position expression reads."""
+    if isinstance(x, Gather):
+        return [x.table] + [t for i in x.index for t in position_tables(i)]
+    if isinstance(x, Pos):
+        return [x.node]
+    return []
+
+
 def _node_of(position, reader: _Reader | None) -> torch.fx.Node | None:
     """The traced node computing a mapped position (the lowering evaluates it on device)."""
     if position is None:
@@ -717,9 +760,7 @@ def _node_of(position, reader: _Reader | None) -> torch.fx.Node | None:
     if isinstance(position, Pos):
         return position.node
     found = [n for n, e in (reader.memo.items() if reader else ()) if e == position and isinstance(n, torch.fx.Node)]
-    if not found:
-        raise NotAMask("a position the mask_mod computes that no one op of it holds")
-    return found[0]
+    return found[0] if found else position  # else the expression: the pass builds it from its tables
 
 
 def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader | None = None) -> DocumentMask:

@@ -204,10 +204,14 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
     the shard's document segments, the keys read in place."""
     facts, a = call.facts, call.args
-    if not a.get("flex"):
-        return "an SDPA mask read at computed positions (not lowered yet)"
-    for node in (facts.query_positions, facts.key_positions):
+    rank = facts.traced.output.meta["val"].dim()
+    for node, axis in ((facts.query_positions, rank - 2), (facts.key_positions, rank - 1)):
         if node is None:
+            continue
+        if not isinstance(node, torch.fx.Node) or not a.get("flex"):
+            why = _unbuildable(node, axis, rank)
+            if why is not None:
+                return why
             continue
         ops = {n.target for n in _above(node) if n.op == "call_function"}
         if not ops <= set(_POSITION_OPS):
@@ -305,32 +309,83 @@ def _copy_tables(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, ta
     return [env[t] for t in tables]
 
 
+def _unbuildable(position, axis: int, rank: int) -> str | None:
+    """Why the pass cannot compute a position expression of a traced SDPA mask, or None: it
+    reads the index (plus an offset), tables, and the batch index of a 4-d mask."""
+    if isinstance(position, torch.fx.Node):
+        return None
+    if isinstance(position, mask_analysis.Lin):
+        axes = [a for a, _ in position.coefs]
+        if axes and axes != [axis] and not (rank == 4 and axes == [0]):
+            return f"a position over the mask's dims {axes}"
+        return None
+    if isinstance(position, mask_analysis.Gather):
+        return next((why for i in position.index if (why := _unbuildable(i, axis, rank)) is not None), None)
+    return f"a position the pass cannot compute ({type(position).__name__})"
+
+
+def _built_position(gm: torch.fx.GraphModule, call: MaskedCall, position, axis: int, size, before) -> torch.fx.Node:
+    """A position expression of an SDPA mask as a ``[B or 1, n]`` table over the real index
+    range: aranges for the indices, the tables it reads copied from the traced mask."""
+    g, rank = gm.graph, call.facts.traced.output.meta["val"].dim()
+    device = value(call.args["query"]).device
+
+    def built(x):
+        if isinstance(x, torch.fx.Node):
+            return _copy_tables(gm, call.facts, [x], before)[0]
+        if isinstance(x, mask_analysis.Lin):
+            if not x.coefs:
+                return x.const
+            (a, _), = x.coefs
+            length = size if a == axis else g.call_function(torch.ops.aten.sym_size.int, (call.args["query"], 0))
+            index = g.call_function(torch.arange, (length,), {"device": device})
+            index = g.call_method("view", (index, 1, -1) if a == axis else (index, -1, 1))
+            return g.call_function(operator.add, (index, x.const)) if x.const else index
+        return g.call_function(operator.getitem, (built(x.table), tuple(built(i) for i in x.index)))
+
+    with g.inserting_before(before):
+        return g.call_method("reshape", (built(position), -1, size))
+
+
 def _copy_positions(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx.Node) -> list:
-    """The traced ops computing the mapped query and key positions, over the real index ranges
-    (aranges in place of the mask_mod's index arguments), as ``[B or 1, n]`` tables (None where
-    the index is its own position)."""
+    """The mapped query and key positions over the real index ranges, as ``[B or 1, n]``
+    tables (None where the index is its own position): a flex mask_mod's traced ops with aranges
+    in place of its index arguments, or an SDPA mask's position expression built."""
     facts, a, g = call.facts, call.args, gm.graph
     traced = facts.traced
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    env = dict(zip(placeholders[4:], traced.leaves[4:]))
     q, k = a["query"], a["key"]
+    rank = traced.output.meta["val"].dim()
+    env = None
+    out = []
     with g.inserting_before(before):
-        sizes = {0: (q, 0), 1: (q, 1), 2: (q, 2), 3: (k, 2)}
-        for axis, (tensor, dim) in sizes.items():
-            size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
-            index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(q).device})
-            env[placeholders[axis]] = g.call_method("view", (index, *[-1 if d == axis else 1 for d in range(4)]))
-        out = []
-        for node, axis in ((facts.query_positions, 2), (facts.key_positions, 3)):
+        for node, axis, (tensor, dim) in ((facts.query_positions, rank - 2, (q, 2)), (facts.key_positions, rank - 1, (k, 2))):
             if node is None:
                 out.append(None)
                 continue
+            size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+            if not a.get("flex") or not isinstance(node, torch.fx.Node):
+                out.append(_built_position(gm, call, node, axis, size, before))
+                continue
+            env = env if env is not None else _mask_mod_indices(gm, call)
             for n in traced.graph.nodes:
                 if n in _above(node) and n not in env:
                     env[n] = g.node_copy(n, lambda x: env[x])
-            size = g.call_function(torch.ops.aten.sym_size.int, sizes[axis])
             out.append(g.call_method("reshape", (env[node], -1, size)))
     return out
+
+
+def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
+    """The traced mask_mod's inputs in ``gm``: aranges over the real index ranges for its index
+    arguments (b, h, q_idx, kv_idx, each along its own dim as flex's vmap broadcasts them), the
+    Dynamo graph's nodes for its buffers."""
+    traced, g, q, k = call.facts.traced, gm.graph, call.args["query"], call.args["key"]
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders[4:], traced.leaves[4:]))
+    for axis, (tensor, dim) in enumerate(((q, 0), (q, 1), (q, 2), (k, 2))):
+        size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+        index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(q).device})
+        env[placeholders[axis]] = g.call_method("view", (index, *[-1 if d == axis else 1 for d in range(4)]))
+    return env
 
 
 def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, scale: float) -> torch.fx.Node:
