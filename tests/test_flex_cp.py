@@ -141,6 +141,8 @@ def _layouts():
         "head-tail": (head_tail[None], gathered[None]),
         "blocks, keys permuted": (ptrr[None], torch.randperm(T, generator=g)[None]),
         "per-row shards": (torch.stack([head_tail, ptrr]), None),
+        "blocks out of order": ((torch.randperm(T // 32, generator=g)[: T // 64, None] * 32 + torch.arange(32)).reshape(1, -1),
+                                None),
     }
 
 

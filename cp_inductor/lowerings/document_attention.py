@@ -296,10 +296,18 @@ def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch
     used = torch.where(real, used, 0).to(torch.int32)
     cu_k = torch.where(real, doc_start, pack).to(torch.int32)
     cu_k = torch.cat([cu_k, cu_k.new_full((1,), pack)])
+    # A segment's round: how many segments of its document come before it (a stable sort by
+    # document, each one's rank in its group), so that rounds are as few as a rank's most
+    # segments of one document.
     index = torch.arange(n, device=device)
-    first = torch.full((pack,), n, dtype=torch.int64, device=device).scatter_reduce(
-        0, seg_run.long(), torch.where(real, index, n), "amin")
-    seg_round = torch.where(real, index - first[seg_run], -1).to(torch.int32)
+    by_doc = torch.where(real, seg_run.long(), pack)
+    order = torch.sort(by_doc, stable=True).indices
+    grouped = by_doc[order]
+    group_start = torch.ones(n, dtype=torch.bool, device=device)
+    group_start[1:] = grouped[1:] != grouped[:-1]
+    rank_in_group = index - torch.cummax(torch.where(group_start, index, 0), 0).values
+    seg_round = torch.empty(n, dtype=torch.int64, device=device).scatter_(0, order, rank_in_group)
+    seg_round = torch.where(real, seg_round, -1).to(torch.int32)
     row_round = seg_round[segment]
     if key_positions is not None:  # gathered row j holds pack position key_rows[j]; key_order inverts it
         kpos = _positions(key_positions, batch, keys, device)
