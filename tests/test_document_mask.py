@@ -108,6 +108,22 @@ def causal_only(q, k, v, positions):
 # near misses: each must be kept, with its reason
 
 
+def window_at_other_positions(q, k, v, positions):
+    """A window over the positions read two tokens late: not the window over the tokens."""
+    ids = _resets(positions)
+    i = torch.arange(T)
+    late = positions[:, (i + 2) % T]
+    keep = (ids[:, :, None] == ids[:, None, :]) & (positions[:, None, :] <= positions[:, :, None])
+    return _attend(q, k, v, (keep & (late[:, None, :] > positions[:, :, None] - 4))[:, None])
+
+
+def ids_through_a_stack(q, k, v, doc):
+    """The ids read through ``stack([doc, doc], -1)[:, i][..., 0]`` (an index with a skipped
+    leading dim and a trailing one): the same ids."""
+    ids = torch.stack([doc, doc], -1)[:, torch.arange(T)][..., 0]
+    return _attend(q, k, v, ((ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None])
+
+
 def padding(q, k, v, positions):
     pad = positions > 0  # a per-key table
     return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril() & pad[:, None, None, :])
@@ -178,14 +194,16 @@ hf_sliding: documents from cumsum (proven (cumulative sum of non-negatives)), ca
         outside = torch.ones(T, T, dtype=torch.bool).tril()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
             (padding, pos), (window, pos), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
-            (shifted, doc)))
+            (shifted, doc), (window_at_other_positions, pos), (ids_through_a_stack, doc)))
         self.assertExpectedInline(got, """\
 padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
 window: causal, keys from q-3: kept: document_mask: a sliding window without document ids (not lowered yet)
 or_masks: mask not read: kept: document_mask: a disjunction of masks (or_masks, |): not a document mask
 mask_from_outside: mask not read: kept: document_mask: the mask comes in from outside the graph (its values are not known to the compiler)
 real_bias: mask not read: kept: document_mask: a real-valued bias (aten.neg.default is not where(mask, 0, -inf) or masked_fill(-inf))
-shifted: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)""")
+shifted: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)
+window_at_other_positions: mask not read: kept: document_mask: a shifted table compared other than as positions[b, q] and positions[b, kv]
+ids_through_a_stack: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)""")
 
     def test_switch_off_keeps_the_call(self):
         q, k, v = _qkv()
@@ -461,6 +479,12 @@ def program_returns_lse(q, k, v, block_mask):
     return out, lse
 
 
+def program_writes_lse(q, k, v, block_mask, stats):
+    out, lse = _flex_with_lse(q, k, v, block_mask)
+    stats.copy_(lse)  # a write: the lse is read
+    return out
+
+
 def test_flex_lse_asked_for_and_dropped_is_lowered_read_is_kept():
     """HF asks flex for the log-sum-exp on CUDA (flex scales it by ln 2, HF casts it) and its
     decoder layer drops it: lowered. A program that returns it keeps its op."""
@@ -480,6 +504,11 @@ def test_flex_lse_asked_for_and_dropped_is_lowered_read_is_kept():
 
     torch._dynamo.reset()
     torch.compile(program_returns_lse, backend=read_only, fullgraph=True)(q, k, v, block_mask)
+    assert reasons == ["the program reads the log-sum-exp"], reasons
+    reasons.clear()
+    torch._dynamo.reset()
+    stats = torch.zeros(B, HQ, T)
+    torch.compile(program_writes_lse, backend=read_only, fullgraph=True)(q, k, v, block_mask, stats)
     assert reasons == ["the program reads the log-sum-exp"], reasons
 
 

@@ -127,6 +127,23 @@ def test_keys_at_positions_that_are_not_a_permutation_compute_densely():
     torch.testing.assert_close(got, flex_shard(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
 
 
+def test_positions_past_the_keys_compute_densely_on_the_whole_table():
+    """A mask_mod over a local shard of the KEYS (positions kv + 32 past the 32 keys given): the
+    plan cannot read them in place; the dense path reads the whole table at those positions."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = _doc()
+
+    def later_keys(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx + 256]) & (q_idx >= kv_idx + 256)
+
+    block_mask = create_block_mask(later_keys, 1, None, T, T // 2, device="cpu")
+    q, k, v = _full_qkv()
+    got, lines = _compiled(flex_shard, q, k[:, :, T // 2:], v[:, :, T // 2:], block_mask)
+    assert "keys at positions the mask_mod computes" in lines[0], lines
+    torch.testing.assert_close(got, flex_shard(q, k[:, :, T // 2:], v[:, :, T // 2:], block_mask), atol=2e-5, rtol=2e-5)
+
+
 def _layouts():
     """(query positions, key positions) of shards as the balancers cut them, and odd ones."""
     n = T // (2 * CP)

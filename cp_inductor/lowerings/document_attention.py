@@ -169,6 +169,7 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
         out, lse = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu, cu, None, longest, longest, scale, is_causal,
                                                               window_left)
     else:
+        assert window_left < 0, "cuDNN's ragged SDPA is not given a window (document_mask offers FA4 only)"
         out, lse = torch.ops.cp_inductor.varlen_attention(qt, kt, vt, cu, cu, longest, longest, scale, is_causal)
         lse = lse.t()  # cuDNN's is [tokens, heads]
     return _unflat(out, batch), lse
@@ -195,6 +196,7 @@ def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions,
         grads = torch.ops.cp_inductor.fa4_varlen_attention_backward(
             dot, None, qt, kt, vt, ot, lse, cu, cu, None, longest, longest, scale, is_causal, window_left)
     else:
+        assert window_left < 0, "cuDNN's ragged SDPA is not given a window (document_mask offers FA4 only)"
         grads = torch.ops.cp_inductor.varlen_attention_backward(
             dot, qt, kt, vt, ot, lse.t(), cu, cu, longest, longest, scale, is_causal)
     return tuple(_unflat(g, batch) for g in grads)
@@ -327,10 +329,13 @@ def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch
 
 
 def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal):
+    """The mask as the program reads it: the whole table at the positions (no clamp: a position
+    past the table fails here as in the program)."""
     batch, keys = q.shape[0], k.shape[2]
-    ids = _rows(doc_ids, batch, keys)
-    qpos = _positions(query_positions, batch, q.shape[2], q.device).clamp(0, keys - 1)
-    kpos = _positions(key_positions, batch, keys, q.device).clamp(0, keys - 1)
+    table = doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids
+    ids = table.expand(batch, table.shape[1])
+    qpos = _positions(query_positions, batch, q.shape[2], q.device)
+    kpos = _positions(key_positions, batch, keys, q.device)
     mask = ids.gather(1, qpos)[:, None, :, None] == ids.gather(1, kpos)[:, None, None, :]
     if is_causal:
         mask = mask & (kpos[:, None, None, :] <= qpos[:, None, :, None])

@@ -199,6 +199,8 @@ def kept_keys(s_q: int, s_k: int, is_causal: bool, window_left: int = -1, device
     bottom-right: row i sees keys up to i + (S_k - S_q); a window (``window_left >= 0``, with
     causal) also from i + (S_k - S_q) - window_left, as FA's ``window_size=(left, 0)``."""
     if not is_causal:
+        if window_left >= 0:
+            raise ValueError("a window is taken with causal only (FA's window_size=(left, 0))")
         return None
     keep = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
     if window_left >= 0:

@@ -373,7 +373,7 @@ class _Reader:
         if not given or any(i is None for i in given):
             raise NotAMask("an index with skipped dims between or after the indexed ones in the mask")
         out, rank = _shape(n), len(_shape(table))
-        width = len(out) - (rank - len(indices))  # the broadcast index dims, after the skipped ones
+        width = len(out) - skipped - (rank - len(indices))  # the broadcast index dims, after the skipped ones
         exprs = [self._operand(i, out[skipped:skipped + width]).map_axes(lambda a: a + skipped) for i in given]
         if not all(isinstance(e, (Lin, Pos, Gather)) for e in exprs):
             raise NotAMask("a table is read at positions the indices do not give")
@@ -548,7 +548,7 @@ class _Classifier:
         self.doc_ids: set = set()
         self.causal = False
         self.position_causal: list = []  # tables p with p[kv] <= p[q]
-        self.maps: dict = {}  # axis -> the Pos node its index stands for (None: the index itself)
+        self.maps: dict = {}  # axis -> the position expression the documents read it at (None: the index itself)
         self.mapped_causal: list = []  # (query position, key position) with key <= query
         self.index_causal = False  # kv <= q over the indices themselves
         self.window: int | None = None  # kv >= q - window
@@ -602,7 +602,7 @@ class _Classifier:
         if sides is not None:
             qside, kvside = sides
             flipped = qside is atom.rhs  # kv op q
-            op = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}.get(atom.op, atom.op) if flipped else atom.op
+            op = _FLIP[atom.op] if flipped else atom.op
             if op == "eq":
                 self.doc_ids.add(_strip(qside.table))
                 self._map(self.q, qside.index[-1])
@@ -631,7 +631,7 @@ class _Classifier:
         sign = coefs[self.kv]  # d = sign * (kv - q) + const
         if not isinstance(d.const, int):
             raise NotAMask("a band of symbolic width")
-        op = c.op if sign > 0 else {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}.get(c.op, c.op)
+        op = c.op if sign > 0 else _FLIP[c.op]
         bound = -d.const // sign if sign > 0 else d.const // -sign  # (kv - q) op bound
         if abs(sign) != 1:
             raise NotAMask("a band with a slope")
@@ -658,19 +658,16 @@ class _Classifier:
         if not (isinstance(lhs, Gather) and isinstance(rhs, Gather) and isinstance(shift_l, int) and isinstance(shift_r, int)):
             raise NotAMask("a shifted table compared with something other than the same table")
         sides = self._sides(Cmp(c.op, lhs, rhs))
-        if sides is None:
-            raise NotAMask("a shifted table compared with something other than the same table")
+        if sides is None or sides[0].index[-1] != Lin(((self.q, 1),)) or sides[1].index[-1] != Lin(((self.kv, 1),)):
+            raise NotAMask("a shifted table compared other than as positions[b, q] and positions[b, kv]")
         # (lhs + shift_l) op (rhs + shift_r), read over the indices where positions step by one
         index = {id(sides[0]): Lin(((self.q, 1),)), id(sides[1]): Lin(((self.kv, 1),))}
         self.stepping_positions.add(_strip(lhs.table))
-        over_indices = self.index_causal
         self._band(Cmp(c.op, index[id(lhs)] + Lin((), shift_l), index[id(rhs)] + Lin((), shift_r)))
-        self.index_causal = over_indices  # a causal band read this way is one over positions
 
     def _mapped_band(self, c: Cmp) -> None:
         """``P(q) >= P(kv)`` where a position is computed from an index (torch's CP masks)."""
-        flips = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
-        for qs, kvs, op in ((c.lhs, c.rhs, c.op), (c.rhs, c.lhs, flips[c.op])):
+        for qs, kvs, op in ((c.lhs, c.rhs, c.op), (c.rhs, c.lhs, _FLIP[c.op])):
             if _axis_of(qs) == self.q and _axis_of(kvs) == self.kv:
                 if op != "ge":
                     raise NotAMask(f"query and key positions compared {op!r} (not causal)")
@@ -679,7 +676,9 @@ class _Classifier:
         raise NotAMask("a comparison of positions that are not a query's and a key's")
 
     def maps_of(self) -> tuple:
-        """(query positions, key positions): Pos nodes, None where the index is its own position."""
+        """(query positions, key positions): position expressions, None where the index is its own
+        position; the bands over the indices read now, over the positions where those are the
+        index plus an offset."""
         q, kv = self.maps.get(self.q), self.maps.get(self.kv)
         offsets = {axis: 0 if m is None else m.const if isinstance(m, Lin) else None for axis, m in ((self.q, q), (self.kv, kv))}
         for band in self.bands:
@@ -700,6 +699,9 @@ class _Classifier:
         if (q is not None or kv is not None) and self.index_causal:
             raise NotAMask("causal over the local indices where the documents are read at mapped positions")
         return q, kv
+
+
+_FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}  # a op b == b FLIP[op] a
 
 
 def _holds(op: str, x) -> bool:
@@ -733,24 +735,19 @@ def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
     return _classified(predicate, traced, val.dim())
 
 
-def position_text(x) -> str:
-    """A position expression for the report: ``index+32``, ``cat[index]``."""
+def position_text(x, axis: int | None = None) -> str:
+    """A position expression for the report: ``index+32``, ``cat[index]``, ``places[b, index]``."""
     if isinstance(x, Lin):
-        return str(x.const) if not x.coefs else "index" + (f"{x.const:+d}" if x.const else "")
+        if not x.coefs:
+            return str(x.const)
+        name = "index" if axis is None or x.coefs[0][0] == axis else "b"
+        return name + (f"{x.const:+d}" if x.const else "")
     if isinstance(x, Pos):
         return x.node.name
     if isinstance(x, Gather):
-        return f"{_strip(x.table).name}[{', '.join(position_text(i) for i in x.index)}]"
+        axis = _axis_of(x) if axis is None else axis
+        return f"{_strip(x.table).name}[{', '.join(position_text(i, axis) for i in x.index)}]"
     return type(x).__name__
-
-
-def position_tables(x) -> list:
-    """The traced tables a position expression reads."""
-    if isinstance(x, Gather):
-        return [x.table] + [t for i in x.index for t in position_tables(i)]
-    if isinstance(x, Pos):
-        return [x.node]
-    return []
 
 
 def _node_of(position, reader: _Reader | None) -> torch.fx.Node | None:

@@ -100,6 +100,8 @@ def _flex_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict | None:
 
 
 def _read_mask(args):
+    """What the mask computes, or why it is kept (also where the reader itself fails: a mask we
+    cannot read is a mask we keep)."""
     try:
         if not args.get("flex"):
             return mask_analysis.analyze(args["attn_mask"])
@@ -109,6 +111,8 @@ def _read_mask(args):
         return mask_analysis.analyze_mask_mod(traced)
     except mask_analysis.NotAMask as why:
         return str(why)
+    except Exception as error:  # noqa: BLE001 - the reader's own failure keeps the call, with the reason
+        return f"the mask analysis failed ({type(error).__name__}: {str(error).strip()[:120]})"
 
 
 def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
@@ -248,11 +252,27 @@ def _flex_reason(call: MaskedCall) -> str | None:
     return None
 
 
+# What may read flex's log-sum-exp for it to count as unread when the readers are dead: views,
+# casts and arithmetic that write nothing (HF scales it by ln 2 and casts it).
+_PURE_METHODS = ("to", "transpose", "view", "reshape", "float", "type_as", "contiguous", "unsqueeze", "squeeze",
+                 "permute", "expand", "flatten", "clone", "detach", "mul", "add", "sub", "div", "exp", "log",
+                 "__mul__", "__add__", "__sub__", "__truediv__", "__neg__")
+_PURE_FUNCTIONS = (operator.getitem, operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
+                   torch.mul, torch.add, torch.sub, torch.div, torch.exp, torch.log)
+
+
 def _unread(node: torch.fx.Node) -> bool:
     """Whether nothing but dead pure ops read ``node`` (HF's flex path on CUDA asks for the
     log-sum-exp, which flex scales by ln 2 and HF casts and returns as its attention weights,
-    which the decoder layer drops)."""
-    return all(u.op in ("call_function", "call_method") and not u.is_impure() and _unread(u) for u in node.users)
+    which the decoder layer drops). A write (``copy_``, ``out=``) keeps it read."""
+    def pure(u):
+        if "out" in u.kwargs:
+            return False
+        if u.op == "call_method":
+            return u.target in _PURE_METHODS
+        return u.op == "call_function" and u.target in _PURE_FUNCTIONS
+
+    return all(pure(u) and _unread(u) for u in node.users)
 
 
 def _above(node: torch.fx.Node) -> set:
@@ -370,6 +390,7 @@ def _copy_positions(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx
             for n in traced.graph.nodes:
                 if n in _above(node) and n not in env:
                     env[n] = g.node_copy(n, lambda x: env[x])
+                    env[n].meta = {}  # the trace's values have its dummy index sizes: none is better
             out.append(g.call_method("reshape", (env[node], -1, size)))
     return out
 
