@@ -409,7 +409,7 @@ def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     return env
 
 
-def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, scale: float) -> torch.fx.Node:
+def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float) -> torch.fx.Node:
     a, g = call.args, gm.graph
     if "plan" not in call.shared:
         (ids,) = _copy_tables(gm, call.facts, [call.facts.doc_ids], call.node)
@@ -425,7 +425,7 @@ def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, scale: float) -> to
     ids, query_positions, key_positions, parts, meta = call.shared["plan"]
     with g.inserting_before(call.node):
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (a["query"], a["key"], a["value"], parts, meta, ids, query_positions, key_positions,
+                                    (a["query"], k, v, parts, meta, ids, query_positions, key_positions,
                                      scale, call.facts.causal))
         return g.call_function(operator.getitem, (attention, 0))
 
@@ -439,7 +439,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     scale = a.get("scale")
     scale = float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5
     if call.facts.mapped:
-        out = _apply_shard(gm, call, scale)
+        out = _apply_shard(gm, call, k, v, scale)
         call.path = PACKED[call.provider]
     elif call.facts.doc_ids is None:
         with g.inserting_before(call.node):
