@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from bench_flex_documents import pack
-from common import device_ms
+from common import add_attention_args, device_ms
 
 
 def main(argv=None) -> int:
@@ -28,11 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--balances", nargs="+", default=["none", "headtail"])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default="")
+    add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
     from cp_inductor.lowerings import document_attention  # noqa: F401 - registers the plan op the floor calls

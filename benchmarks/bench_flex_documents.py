@@ -14,7 +14,7 @@ import sys
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from common import device_ms
+from common import add_attention_args, device_ms
 
 
 def pack(tokens: int, docs: int, seed: int = 0):
@@ -29,11 +29,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--docs", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default="")
+    add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
     from cp_inductor.testing.documents import document_causal_block_mask

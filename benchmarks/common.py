@@ -191,3 +191,13 @@ def peak_composition(step, top: int = 12) -> dict:
         "blocks": [{"where": w, "count": c, "gib": b / 2**30} for w, (c, b) in rows[:top]],
         "rest_gib": sum(b for _, (_, b) in rows[top:]) / 2**30,
     }
+
+
+def add_attention_args(parser, iters: int = 10) -> None:
+    """The attention shape and run options the packed-attention benchmarks share (GQA Hq32
+    Hkv8 D128 by default), ``--iters`` and ``--json``."""
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--json", default="")

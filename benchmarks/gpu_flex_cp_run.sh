@@ -4,15 +4,7 @@
 #   tests:  the flex CP GPU tests and torch's flex CP benchmark (one rank's compute, T64K cp 2)
 #   hf:     HF Llama with flex_attention, T16K packed and plain
 # logs and JSON under $OUT.
-set -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${OUT:-bench_out}; mkdir -p "$out"
-if [ ! -d /tmp/site/flash_attn ]; then
-  cat /root/parts/cu13.part.aa .whl/p2/cu13.part.ab > /root/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/parts/*.whl .whl/p2/*.whl 2>&1 | tail -2
-fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+source benchmarks/gpu_fa4_install.sh
 filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If you want\|This will allow\|_FLEX_ATTENTION\|^ *$"; }
 case "${1:-tests}" in
 tests)

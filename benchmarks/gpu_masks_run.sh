@@ -1,15 +1,7 @@
 #!/usr/bin/env bash
 # One H200, second call of two (docs/testing.md): FA4's wheels joined and installed under
 # /tmp/site, then the document-mask GPU tests and the HF Llama benchmark; logs under $OUT.
-set -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${OUT:-bench_out}; mkdir -p "$out"
-if [ ! -d /tmp/site/flash_attn ]; then
-  cat /root/parts/cu13.part.aa .whl/p2/cu13.part.ab > /root/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/parts/*.whl .whl/p2/*.whl 2>&1 | tail -2
-fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+source benchmarks/gpu_fa4_install.sh
 timeout 150 python3 -m pytest -q tests/test_document_mask.py -p no:cacheprovider -W ignore -k "gpu_flex or gpu_document" 2>&1 | tee "$out/gpu_document_mask.log" | grep -E "passed|failed|^E " | head -20
 cd benchmarks
 timeout 200 python3 bench_flex_documents.py --tokens 32768 65536 32768 --docs 8 16 64 --json "$out/flex_documents.json" 2>&1 \

@@ -15,7 +15,7 @@ from expecttest import TestCase
 import cp_inductor
 from cp_inductor.lowerings import document_attention, fa4_attention
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.testing.documents import document_causal_block_mask
+from cp_inductor.testing.documents import compile_masked, document_causal_block_mask
 
 B, T, HQ, HKV, D = 2, 24, 4, 2, 16
 LENGTHS = [5, 9, 10]  # documents of each row
@@ -156,13 +156,7 @@ def shifted(q, k, v, doc):
     return _attend(q, k, v, (doc[:, :, None] == shifted_doc[:, None, :])[:, None])
 
 
-def _routes(fn, *args):
-    cp_inductor.clear_report()
-    torch._dynamo.reset()
-    with reference_kernels(), cp_inductor.config.patch(strict=True):
-        out = torch.compile(fn, backend="cp_inductor", fullgraph=True)(*args)
-    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
-    return out, lines
+_routes = compile_masked
 
 
 def _describe(fn, table):
@@ -339,7 +333,13 @@ def _train_step(model, run, inputs):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 def test_hf_llama_sdpa_compiled(packed):
     pytest.importorskip("transformers")
-    model = _llama("sdpa")
+    lines = _compiled_training_matches_eager(_llama("sdpa"), packed)
+    assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
+
+
+def _compiled_training_matches_eager(model, packed: bool) -> list:
+    """One training step of an HF model compiled under cp_inductor against eager HF: loss and
+    every parameter's gradient. Returns the report's masked-attention lines."""
     inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))}
     if packed:
         inputs["position_ids"] = _positions()
@@ -348,11 +348,10 @@ def test_hf_llama_sdpa_compiled(packed):
     torch._dynamo.reset()
     with reference_kernels(), cp_inductor.config.patch(strict=True):
         got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs)
-    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
-    assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
+    return [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
@@ -365,20 +364,8 @@ def test_hf_mistral_sliding_window_compiled(packed):
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=8, sliding_window=6, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = MistralForCausalLM(config)
-    inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))}
-    if packed:
-        inputs["position_ids"] = _positions()
-    want = _train_step(model, model, inputs)
-    cp_inductor.clear_report()
-    torch._dynamo.reset()
-    with reference_kernels(), cp_inductor.config.patch(strict=True):
-        got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs)
-    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    lines = _compiled_training_matches_eager(MistralForCausalLM(config), packed)
     assert len(lines) == 2 and all("keys from q-5: fa4_varlen" in line for line in lines), lines
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 # --- one GPU -----------------------------------------------------------------------------------

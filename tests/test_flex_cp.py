@@ -16,7 +16,7 @@ from expecttest import TestCase
 import cp_inductor
 from cp_inductor.lowerings import document_attention
 from cp_inductor.lowerings.varlen_attention import reference_kernels
-from cp_inductor.testing.documents import cp_document_block_mask, flex_cp_attention
+from cp_inductor.testing.documents import compile_masked, cp_document_block_mask, flex_cp_attention
 from cp_inductor.testing.launch import run_on_ranks
 
 T, CP, HQ, HKV, D = 512, 2, 4, 2, 16
@@ -52,13 +52,7 @@ def flex_shard(q, k_all, v_all, block_mask):
     return flex_attention(q, k_all, v_all, block_mask=block_mask, enable_gqa=True)
 
 
-def _compiled(fn, *args):
-    cp_inductor.clear_report()
-    torch._dynamo.reset()
-    with reference_kernels(), cp_inductor.config.patch(strict=True):
-        out = torch.compile(fn, backend="cp_inductor", fullgraph=True)(*args)
-    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
-    return out, lines
+_compiled = compile_masked
 
 
 def _shard_inputs(balance, rank):

@@ -76,3 +76,16 @@ def flex_cp_attention(q, k, v, block_mask, group_name: str):
 
     k_all, v_all = flex_cp_allgather(k.contiguous(), v.contiguous(), 2, group_name)
     return flex_attention(q, k_all, v_all, block_mask=block_mask, enable_gqa=True)
+
+
+def compile_masked(fn, *args):
+    """``fn(*args)`` compiled under cp_inductor (strict, CPU reference kernels standing in for
+    FA4 and cuDNN) and the report's lines about masked attention calls."""
+    import cp_inductor
+    from cp_inductor.lowerings.varlen_attention import reference_kernels
+
+    cp_inductor.clear_report()
+    torch._dynamo.reset()
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        out = torch.compile(fn, backend="cp_inductor", fullgraph=True)(*args)
+    return out, [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
