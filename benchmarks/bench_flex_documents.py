@@ -1,6 +1,9 @@
 """Flex document-causal attention alone (fwd+bwd): compiled ``flex_attention`` with a BlockMask
 of document ids and causal (torchtitan's form) under default Inductor and cp_inductor, and the
-floor (FA4's varlen op on the same pack). Prints a table and writes JSON.
+floor (FA4's varlen op on the same pack, its cu_seqlens given). ``floor_plan`` is the floor with
+its cu_seqlens found from the document ids by ``document_plan`` in the step (what cp_inductor's
+lowering pays on top of the kernels); ``--profile`` prints each arm's kernels and idle time.
+Prints a table and writes JSON.
 
     python benchmarks/bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json out.json
 """
@@ -14,7 +17,7 @@ import sys
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from common import add_attention_args, device_ms
+from common import add_attention_args, device_ms, print_kernels
 
 
 def pack(tokens: int, docs: int, seed: int = 0):
@@ -29,6 +32,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--docs", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--arms", default="inductor,cp_inductor,floor")
+    p.add_argument("--profile", action="store_true")
     add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
@@ -53,13 +58,23 @@ def main(argv=None) -> int:
             out, _ = torch.ops.cp_inductor.fa4_varlen_attention(*flat, cu, cu, None, longest, longest, scale, True)
             return out.transpose(0, 1)[None]
 
+        def floor_plan(q, k, v, block_mask):
+            found, meta = torch.ops.cp_inductor.document_plan(doc, None, False, 1, tokens)
+            count, most = int(meta[0]), int(meta[1])
+            flat = [x[0].transpose(0, 1) for x in (q, k, v)]
+            out, _ = torch.ops.cp_inductor.fa4_varlen_attention(*flat, found[:count + 1], found[:count + 1], None, most,
+                                                                 most, scale, True)
+            return out.transpose(0, 1)[None]
+
+        arms = {"inductor": (program, "inductor"), "cp_inductor": (program, "cp_inductor"), "floor": (floor, "inductor"),
+                "floor_plan": (floor_plan, None)}
         row = {"tokens": tokens, "docs": docs, "ms": {}}
         outs = {}
-        for arm, fn, backend in (("inductor", program, "inductor"), ("cp_inductor", program, "cp_inductor"),
-                                 ("floor", floor, "inductor")):
+        for arm in args.arms.split(","):
+            fn, backend = arms[arm]
             torch._dynamo.reset()
             cp_inductor.clear_report()
-            run = torch.compile(fn, backend=backend)
+            run = torch.compile(fn, backend=backend) if backend else fn
 
             def step():
                 out = run(q, k, v, block_mask)
@@ -68,19 +83,25 @@ def main(argv=None) -> int:
 
             outs[arm] = step().detach().float()
             row["ms"][arm] = device_ms(step, args.iters, warmup=2)
+            if args.profile:
+                row.setdefault("profile", {})[arm] = print_kernels(f"T{tokens} docs {docs} {arm}", step)
             if arm == "cp_inductor":
                 row["report"] = [line for line in str(cp_inductor.report()).splitlines() if "attention" in line]
             q.grad = k.grad = v.grad = None
-        row["max_abs_diff_vs_inductor"] = float((outs["cp_inductor"] - outs["inductor"]).abs().max())
-        row["speedup_vs_inductor"] = row["ms"]["inductor"] / row["ms"]["cp_inductor"]
-        row["vs_floor"] = row["ms"]["cp_inductor"] / row["ms"]["floor"]
+        ms = row["ms"]
+        nan = float("nan")
+        row["max_abs_diff_vs_inductor"] = float((outs["cp_inductor"] - outs["inductor"]).abs().max()) \
+            if "cp_inductor" in outs and "inductor" in outs else nan
+        row["speedup_vs_inductor"] = ms.get("inductor", nan) / ms.get("cp_inductor", nan)
+        row["vs_floor"] = ms.get("cp_inductor", nan) / ms.get("floor", nan)
         rows.append(row)
-    print("| T | docs | inductor ms | cp_inductor ms | floor ms | cp / inductor | cp vs floor | max |out diff| |")
-    print("|---|---|---|---|---|---|---|---|")
+    names = args.arms.split(",")
+    print(f"| T | docs | {' | '.join(a + ' ms' for a in names)} | cp / inductor | cp vs floor | max |out diff| |")
+    print("|---|---|" + "---|" * (len(names) + 3))
     for r in rows:
-        ms = r["ms"]
-        print(f"| {r['tokens']} | {r['docs']} | {ms['inductor']:.2f} | {ms['cp_inductor']:.2f} | {ms['floor']:.2f} | "
-              f"{r['speedup_vs_inductor']:.2f}x | {r['vs_floor']:.3f} | {r['max_abs_diff_vs_inductor']:.2e} |")
+        cells = " | ".join(f"{r['ms'][a]:.2f}" for a in names)
+        print(f"| {r['tokens']} | {r['docs']} | {cells} | {r['speedup_vs_inductor']:.2f}x | {r['vs_floor']:.3f} | "
+              f"{r['max_abs_diff_vs_inductor']:.2e} |")
     for r in rows:
         for line in r.get("report", []):
             print(f"  T{r['tokens']}: {line}")

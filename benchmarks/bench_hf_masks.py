@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from common import device_ms
+from common import device_ms, print_kernels
 
 ARMS = ("eager", "inductor", "cp_inductor", "floor")
 
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="print each arm's kernels and idle time")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import cp_inductor  # noqa: F401 - registers the backend and our ops
@@ -97,6 +98,9 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
             row["ms"][arm] = device_ms(step, args.iters, warmup=3)
             row["peak_gib"][arm] = torch.cuda.max_memory_allocated() / 2**30
+            if args.profile:
+                row.setdefault("profile", {})[arm] = print_kernels(f"{args.impl} T{args.tokens} docs {docs} {arm}", step,
+                                                                   top=16)
             if arm == "cp_inductor":
                 row["report"] = str(cp_inductor.report()).splitlines()
             del model, run

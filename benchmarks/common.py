@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 
 def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
@@ -39,6 +40,25 @@ def device_ms(fn, iters: int, calls: int = 1, warmup: int = 2) -> float:
         else:
             times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
+
+
+def kernel_trace(fn, steps: int) -> tuple[float, float, list]:
+    """Per step of ``steps`` back to back: kernels' total ms, span ms, and (ms, launches, name)
+    per kernel name, largest first."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1000 / steps
+    table: dict[str, list] = {}
+    for e in kernels:
+        row = table.setdefault(e.name, [0.0, 0])
+        row[0] += e.device_time / 1000 / steps
+        row[1] += 1
+    rows = sorted(((ms, n // steps, name) for name, (ms, n) in table.items()), reverse=True)
+    return sum(r[0] for r in rows), span, rows
 
 
 @contextlib.contextmanager
@@ -201,3 +221,14 @@ def add_attention_args(parser, iters: int = 10) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=iters)
     parser.add_argument("--json", default="")
+
+
+def print_kernels(label: str, fn, steps: int = 3, top: int = 10) -> dict:
+    """``kernel_trace`` of ``fn`` printed: kernels' ms per step, the GPU's idle ms inside the
+    traced steps, and the ``top`` kernels by time; returned as a JSON-able dict."""
+    kernels_ms, span_ms, rows = kernel_trace(fn, steps)
+    print(f"{label}: kernels {kernels_ms:.3f} ms, span {span_ms:.3f} ms, idle {span_ms - kernels_ms:.3f} ms per step",
+          flush=True)
+    for ms, n, name in rows[:top]:
+        print(f"  {ms:8.3f} ms  x{n:<3} {name[:100]}")
+    return {"kernels_ms": kernels_ms, "span_ms": span_ms, "kernels": [{"ms": ms, "launches": n, "name": k} for ms, n, k in rows]}

@@ -22,29 +22,9 @@ import argparse
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench_thd import add_pack_options, arms_for, random_pack
-from common import device_ms, gpu_clocks, write_rows
-
-
-def kernel_trace(fn, steps: int) -> tuple[float, float, list]:
-    """Per step of ``steps`` back to back: kernels' total ms, span ms, and (ms, launches, name)
-    per kernel name, largest first."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1000 / steps
-    table: dict[str, list] = {}
-    for e in kernels:
-        row = table.setdefault(e.name, [0.0, 0])
-        row[0] += e.device_time / 1000 / steps
-        row[1] += 1
-    rows = sorted(((ms, n // steps, name) for name, (ms, n) in table.items()), reverse=True)
-    return sum(r[0] for r in rows), span, rows
+from common import device_ms, gpu_clocks, kernel_trace, write_rows
 
 
 def main() -> int:

@@ -310,6 +310,38 @@ def test_plan_counts_runs_and_checks_contiguity():
     assert meta.tolist()[2] == 0
 
 
+def test_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
+    """A shape's first plan reads its numbers at once; later ones launch FA4 at the capacity
+    learned before reading them, and keep that result only where the numbers prove it exact."""
+    monkeypatch.setattr(document_attention, "_LEARNED", {})
+    launches = []
+    packed = document_attention._fa4_packed
+    monkeypatch.setattr(document_attention, "_fa4_packed", lambda q, k, v, cu, *a: launches.append(len(cu) - 1) or
+                        packed(q, k, v, cu, *a))
+    t = 64
+    q, k, v = (torch.randn(1, h, t, D, requires_grad=True) for h in (HQ, HKV, HKV))
+
+    def step(doc):
+        doc = doc[None]
+        launches.clear()
+        cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, 1, t)
+        out = torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, D ** -0.5, True, "fa4")[0]
+        got = [out, *torch.autograd.grad(out.sum(), (q, k, v))]
+        ref = document_attention._dense(q, k, v, doc, None, D ** -0.5, True)
+        for a, b in zip(got, [ref, *torch.autograd.grad(ref.sum(), (q, k, v))]):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        return list(launches)
+
+    runs = lambda n: torch.arange(t) * n // t  # noqa: E731 - n contiguous documents
+    assert step(runs(5)) == [5]  # the first plan of the shape: exact (learns room for 16)
+    assert step(runs(3)) == [16]  # speculative at the capacity, kept: 3 <= 16
+    assert step(runs(40)) == [16, 40]  # speculative, 40 > 16: computed again exactly (room for 64 now)
+    assert step(runs(40)) == [64]
+    assert step(torch.arange(t) % 2) == [64]  # not contiguous: the launch wasted, dense, no more guessing
+    assert step(runs(7)) == [7]
+    assert step(runs(7)) == [16]
+
+
 # --- HF transformers' Llama, compiled end to end ---------------------------------------------
 
 
@@ -390,29 +422,32 @@ def test_gpu_document_attention_matches_fp32(provider, causal, window=-1):
     extra = [window] if window >= 0 else []
     g = torch.Generator().manual_seed(0)
     b, t, hq, hkv, d = 2, 2048, 8, 2, 128
-    lengths = [1, 300, 77, 1000, 129, 541]
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(b, -1).cuda()
     q, k, v = (torch.randn(b, t, h, d, generator=g).cuda().bfloat16().transpose(1, 2) for h in (hq, hkv, hkv))
     grad = torch.randn(b, hq, t, d, generator=g).cuda().bfloat16()
+    # the shape's first pack (its plan read at once), fewer documents than the capacity learned
+    # (FA4 launched at it before the numbers are read), more (launched again exactly)
+    for lengths in ([1, 300, 77, 1000, 129, 541], [2000, 40, 8], [51] * 40 + [8]):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(b, -1).cuda()
 
-    def ours(q, k, v):
-        cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
-        return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, d ** -0.5, causal, provider, *extra)[0]
+        def ours(q, k, v):
+            cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
+            return torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, d ** -0.5, causal, provider,
+                                                            *extra)[0]
 
-    def dense(q, k, v):
-        return document_attention._dense(q, k, v, doc, None, d ** -0.5, causal, window)
+        def dense(q, k, v):
+            return document_attention._dense(q, k, v, doc, None, d ** -0.5, causal, window)
 
-    def run(fn, dtype):
-        ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        out = fn(*ins)
-        return [out, *torch.autograd.grad(out, ins, grad.to(dtype))]
+        def run(fn, dtype):
+            ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+            out = fn(*ins)
+            return [out, *torch.autograd.grad(out, ins, grad.to(dtype))]
 
-    want = run(dense, torch.float32)
-    program = run(dense, torch.bfloat16)
-    for name, got, ref, bf16 in zip(("out", "dq", "dk", "dv"), run(ours, torch.bfloat16), want, program):
-        err = float((got.float() - ref).norm() / ref.norm())
-        err_program = float((bf16.float() - ref).norm() / ref.norm())
-        assert err < max(2 * err_program, 5e-3), (name, err, err_program)
+        want = run(dense, torch.float32)
+        program = run(dense, torch.bfloat16)
+        for name, got, ref, bf16 in zip(("out", "dq", "dk", "dv"), run(ours, torch.bfloat16), want, program):
+            err = float((got.float() - ref).norm() / ref.norm())
+            err_program = float((bf16.float() - ref).norm() / ref.norm())
+            assert err < max(2 * err_program, 5e-3), (len(lengths), name, err, err_program)
 
 
 @pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")

@@ -180,6 +180,41 @@ def test_shard_op_output_and_gradients_match_dense_attention(layout, causal):
         torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)  # FA4's log-sum-exp is fp32
 
 
+def test_shard_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
+    """A shape's first shard plan reads its numbers at once; later ones launch at the segments
+    and rounds learned before reading them, and keep that only where the numbers prove it exact."""
+    monkeypatch.setattr(document_attention, "_LEARNED", {})
+    launches = []
+    packed = document_attention._shard_packed
+    monkeypatch.setattr(document_attention, "_shard_packed", lambda *a: launches.append(a[4][:2]) or packed(*a))
+    layouts = _layouts()
+    doc = torch.cat([_doc(), torch.repeat_interleave(torch.arange(3), torch.tensor([10, 400, 102]))[None]])
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(2, HKV, T, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+
+    def step(layout):
+        query_positions, key_positions = layouts[layout]
+        q = torch.randn(2, HQ, query_positions.shape[-1], D, dtype=torch.float64, generator=g).requires_grad_()
+        launches.clear()
+        with reference_kernels():
+            plan, meta = torch.ops.cp_inductor.document_shard_plan(doc, query_positions, key_positions, True, True, 2,
+                                                                   q.shape[2], T)
+            out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, doc, query_positions,
+                                                                 key_positions, 0.25, True)[0]
+        want = document_attention._shard_dense(q, k, v, doc, query_positions, key_positions, 0.25, True)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+        for got_t, want_t in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
+        return (int(meta[0]), int(meta[1])), list(launches)
+
+    exact, seen = step("no balancer, rank 1")
+    assert seen == [exact] and exact[1] == 1  # the shape's first plan: its own numbers
+    assert step("no balancer, rank 1")[1] == [(16, 1)]  # launched at the room learned, kept
+    many, seen = step("blocks out of order")
+    assert many[0] > 16 and seen == [(16, 1), many]  # more segments than that: launched again exactly
+    assert step("blocks out of order")[1] == [(document_attention._room(many[0], 16, 2 * T), many[1])]
+
+
 def _gloo_rank(rank, cp, balance):
     """torchtitan's flex CP on a real group: torch shards the BlockMask (``_context_parallel_shard``),
     the attention all-gathers K/V through ``cplib::flex_cp_allgather``."""

@@ -10,23 +10,36 @@
 contiguous). ``q`` is ``[B, H_q, T, D]``, ``k`` and ``v`` ``[B, H_kv, T, D]`` as SDPA takes them
 (``H_q % H_kv == 0``: GQA as is), ``out`` ``[B, H_q, T, D]`` over a ``[B, T, H_q, D]`` buffer.
 
-The plan finds the runs on device without a host sync (a cumulative sum and a scatter into a
-``B*T + 1`` buffer padded with ``B*T``) and reads three numbers to the host once per graph, not
-per layer: the document count, the longest document, and whether the ids are contiguous (checked
-on device when ``check``: runs per row against distinct ids per row; skipped where the graph
-proves it; with ``positions``, also that they rise within each document, where the mask is
-causal over positions rather than tokens). The attention then runs the packed kernel ``provider`` names (``"fa4"``: FA4 varlen,
-``"cudnn"``: cuDNN's ragged SDPA) over ``cu_seqlens[:count + 1]``, the ``[B*T, H, D]`` views of
-q, k, v (no copy where they are ``[B, T, H, D]`` underneath, as HF's are). Where the ids turn out
-not to be contiguous, or a CUDA graph is being captured (the host cannot read the count then),
-both ops compute the masked attention densely instead: slower, never a different answer.
+The plan finds the runs on device (a cumulative sum and a scatter into a ``B*T + 1`` buffer
+padded with ``B*T``) and brings three numbers to the host once per graph, not per layer: the
+document count, the longest document, and whether the ids are contiguous (checked on device when
+``check``: runs per row against distinct ids per row; skipped where the graph proves it; with
+``positions``, also that they rise within each document, where the mask is causal over positions
+rather than tokens). The attention then runs the packed kernel ``provider`` names (``"fa4"``: FA4
+varlen, ``"cudnn"``: cuDNN's ragged SDPA) over ``cu_seqlens[:count + 1]``, the ``[B*T, H, D]``
+views of q, k, v (no copy where they are ``[B, T, H, D]`` underneath, as HF's are). Where the ids
+turn out not to be contiguous, or a CUDA graph is being captured (the host cannot read the count
+then), both ops compute the masked attention densely instead: slower, never a different answer.
 ``lse`` is ``[H_q, B*T]`` fp32 (zeros on the dense path, whose backward recomputes).
+
+Reading the numbers must not stall the GPU: a host read waits for everything queued before it,
+and the GPU then idles while the host prepares FA4's launch (measured on an H200: 1.3-2.2 ms a
+step, ``docs/passes/document_mask.md``). So only the first plan of a shape reads them at once;
+later plans copy them to pinned memory without waiting (``_Guess``), and the first FA4 forward
+that takes them launches at a capacity of documents learned from earlier calls
+(``cu_seqlens[:capacity + 1]``: trailing documents empty; ``max_seqlen`` the row length: FA4
+sizes its varlen grid from the tokens and the documents), then waits for the copy, the kernel
+already queued, and keeps its result only where the numbers prove it exact (contiguous, at most
+``capacity`` documents); otherwise it computes again from them: a wasted kernel, never a
+different answer. Later layers and the backward read the numbers, by then on the host.
 
 ``document_shard_plan`` / ``document_shard_attention`` (below): a shard of the queries over every
 key, at positions a CP BlockMask computes (torch's flex CP).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -102,8 +115,85 @@ def _plan(doc_ids, positions, check, batch, length):
     if positions is not None:  # causal over positions is causal over tokens where they rise within each document
         p = _rows(positions, batch, length)
         contiguous = contiguous & ((p[:, 1:] > p[:, :-1]) | starts[:, 1:]).all()
-    meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype)]).cpu()
-    return cu_seqlens, meta
+    meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype)])
+    return cu_seqlens, _to_host(meta, _documents_key(rows.device, rows.numel()), _learn_documents)
+
+
+def _documents_key(device, tokens: int) -> tuple:
+    return ("documents", str(device), tokens)
+
+
+# --- the plan's numbers on the host without a stall (the module docstring says why) -------------
+
+_LEARNED: dict[tuple, tuple] = {}  # a plan's key -> what a speculative launch covers (None: don't)
+
+
+@dataclasses.dataclass
+class _Guess:
+    """A plan whose numbers are on their way to the host, and what to launch meanwhile."""
+    key: tuple
+    covers: tuple | None  # (documents,) or (segments, rounds); None: read the numbers first
+    learn: object  # (key, meta, covers) -> covers, after the numbers are read
+    copied: torch.cuda.Event | None  # None on the CPU, where they are there already
+
+    def wait(self, meta: torch.Tensor) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        _LEARNED[self.key] = self.learn(self.key, meta, _LEARNED.get(self.key))
+
+
+_GUESSES: dict[int, _Guess] = {}  # by the host meta's address; taken by the first op that reads it
+
+
+def _room(count: int, before: int, most: int) -> int:
+    """Room for a quarter more than ``count``, in powers of two (a launch covers empty documents
+    at about one idle tile per head each), at least what was there, never more than ``most``."""
+    room = 16
+    while room < count + count // 4:
+        room *= 2
+    return min(max(room, before), most)
+
+
+def _to_host(meta: torch.Tensor, key: tuple, learn) -> torch.Tensor:
+    """``meta`` on the host: read at once for a key's first plan, else copied without waiting (a
+    ``_Guess`` the first reader settles)."""
+    if key not in _LEARNED:
+        host = meta.cpu()
+        _LEARNED[key] = learn(key, host, None)
+        return host
+    copied = None
+    if meta.is_cuda:
+        host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
+        host.copy_(meta, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host = meta
+    if len(_GUESSES) > 64:  # plans whose attention never ran (an exception in between): forget them
+        _GUESSES.clear()
+    _GUESSES[host.data_ptr()] = _Guess(key, _LEARNED[key], learn, copied)
+    return host
+
+
+def _guess(meta: torch.Tensor, key: tuple) -> tuple | None:
+    """What to launch before ``meta`` is read, if anything."""
+    guess = _GUESSES.get(meta.data_ptr())
+    return guess.covers if guess is not None and guess.key == key else None
+
+
+def _settle(meta: torch.Tensor) -> None:
+    """Make ``meta`` readable."""
+    guess = _GUESSES.pop(meta.data_ptr(), None)
+    if guess is not None:
+        guess.wait(meta)
+
+
+def _learn_documents(key: tuple, meta: torch.Tensor, covers: tuple | None) -> tuple | None:
+    """Documents to cover (at most the tokens, ``key[-1]``); none after ids that were not
+    contiguous (the next launch would likely be wasted)."""
+    if not _packed(meta):
+        return None
+    return (_room(int(meta[_COUNT]), covers[0] if covers else 0, key[-1]),)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -157,22 +247,33 @@ def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider,
     return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
 
 
+def _fa4_packed(q, k, v, cu, longest, scale, is_causal, window_left):
+    out, lse = torch.ops.cp_inductor.fa4_varlen_attention(_flat(q), _flat(k), _flat(v), cu, cu, None, longest, longest,
+                                                          scale, is_causal, window_left)
+    return _unflat(out, q.shape[0]), lse
+
+
 @torch.library.impl("cp_inductor::document_attention", "CompositeExplicitAutograd", lib=_lib)
 def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    covers = _guess(meta, _documents_key(q.device, batch * tokens))
+    if covers is not None and provider == "fa4":  # launch first, read the numbers after
+        speculative = _fa4_packed(q, k, v, cu_seqlens[: covers[0] + 1], tokens, scale, is_causal, window_left)
+        _settle(meta)
+        if _packed(meta) and int(meta[_COUNT]) <= covers[0]:
+            return speculative
+    _settle(meta)
     if not _packed(meta):
         out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal, window_left))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
     cu, longest = _lengths(cu_seqlens, meta)
-    qt, kt, vt = _flat(q), _flat(k), _flat(v)
     if provider == "fa4":
-        out, lse = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu, cu, None, longest, longest, scale, is_causal,
-                                                              window_left)
+        return _fa4_packed(q, k, v, cu, longest, scale, is_causal, window_left)
     else:
+        qt, kt, vt = _flat(q), _flat(k), _flat(v)
         assert window_left < 0, "cuDNN's ragged SDPA is not given a window (document_mask offers FA4 only)"
         out, lse = torch.ops.cp_inductor.varlen_attention(qt, kt, vt, cu, cu, longest, longest, scale, is_causal)
-        lse = lse.t()  # cuDNN's is [tokens, heads]
-    return _unflat(out, batch), lse
+        return _unflat(out, batch), lse.t()  # cuDNN's lse is [tokens, heads]
 
 
 @torch.library.register_fake("cp_inductor::document_attention_backward", lib=_lib)
@@ -184,6 +285,7 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, 
 def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider,
               window_left=-1):
     batch = q.shape[0]
+    _settle(meta)
     if not _packed(meta):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -324,8 +426,25 @@ def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch
     if _capturing(ids):
         return plan, torch.zeros(5, dtype=torch.int64)
     longest_q = (cu_q[1:] - cu_q[:-1]).max().long()
-    meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long()]).cpu()
-    return plan, meta
+    meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long()])
+    return plan, _to_host(meta, _shard_key(device, batch, queries, keys), _learn_shard)
+
+
+def _shard_key(device, rows: int, queries: int, keys: int) -> tuple:
+    return ("shard", str(device), rows, queries, keys, rows * queries)
+
+
+def _learn_shard(key: tuple, meta: torch.Tensor, covers: tuple | None) -> tuple | None:
+    """Segments (at most the queries, ``key[-1]``) and rounds to cover."""
+    if not bool(meta[_PACKABLE]):
+        return None
+    before = covers or (0, 0)
+    return _room(int(meta[_SEGMENTS]), before[0], key[-1]), max(int(meta[_ROUNDS]), before[1])
+
+
+def _shard_numbers(meta) -> tuple[int, int, int, int]:
+    """Segments, rounds, longest segment, longest document."""
+    return int(meta[_SEGMENTS]), int(meta[_ROUNDS]), int(meta[_LONGEST_Q]), int(meta[_LONGEST_K])
 
 
 def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal):
@@ -354,17 +473,30 @@ def _pack_keys(t: torch.Tensor, key_order: torch.Tensor, mapped: bool) -> torch.
     return flat.index_select(0, key_order) if mapped else flat
 
 
-def _rounds(plan, meta):
-    """Per round: (its segments' seqused_k, its rows) over the segments in use."""
+def _rounds(plan, numbers):
+    """Per round: (its segments' seqused_k, its rows) over the segments in use (segments past
+    the real ones read no key; a round past the real ones has no rows)."""
     used, seg_round, row_round = plan[2:5]
-    count = int(meta[_SEGMENTS])
-    for r in range(int(meta[_ROUNDS])):
+    count, rounds = numbers[:2]
+    for r in range(rounds):
         yield torch.where(seg_round[:count] == r, used[:count], 0), row_round == r
 
 
-def _segments(plan, meta):
-    count = int(meta[_SEGMENTS])
-    return plan[0][: count + 1], plan[1][: count + 1], int(meta[_LONGEST_Q]), int(meta[_LONGEST_K])
+def _segments(plan, numbers):
+    count, _, longest_q, longest_k = numbers
+    return plan[0][: count + 1], plan[1][: count + 1], longest_q, longest_k
+
+
+def _shard_packed(q, k, v, plan, numbers, key_positions, scale, is_causal):
+    cu_q, cu_k, longest_q, longest_k = _segments(plan, numbers)
+    mapped = key_positions is not None
+    qt, kt, vt = _flat(q), _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
+    out = lse = None
+    for used, mine in _rounds(plan, numbers):
+        o, l = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
+        out = o if out is None else torch.where(mine[:, None, None], o, out)
+        lse = l if lse is None else torch.where(mine[None, :], l, lse)
+    return _unflat(out, q.shape[0]), lse
 
 
 @torch.library.register_fake("cp_inductor::document_shard_attention", lib=_lib)
@@ -377,18 +509,18 @@ def _(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_ca
 @torch.library.impl("cp_inductor::document_shard_attention", "CompositeExplicitAutograd", lib=_lib)
 def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    covers = _guess(meta, _shard_key(q.device, batch, tokens, k.shape[2]))
+    if covers is not None:  # launch first, read the numbers after (module docstring)
+        segments, rounds = covers
+        speculative = _shard_packed(q, k, v, plan, (segments, rounds, tokens, k.shape[2]), key_positions, scale, is_causal)
+        _settle(meta)
+        if bool(meta[_PACKABLE]) and int(meta[_SEGMENTS]) <= segments and int(meta[_ROUNDS]) <= rounds:
+            return speculative
+    _settle(meta)
     if not bool(meta[_PACKABLE]):
         out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
-    cu_q, cu_k, longest_q, longest_k = _segments(plan, meta)
-    mapped = key_positions is not None
-    qt, kt, vt = _flat(q), _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
-    out = lse = None
-    for used, mine in _rounds(plan, meta):
-        o, l = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
-        out = o if out is None else torch.where(mine[:, None, None], o, out)
-        lse = l if lse is None else torch.where(mine[None, :], l, lse)
-    return _unflat(out, batch), lse
+    return _shard_packed(q, k, v, plan, _shard_numbers(meta), key_positions, scale, is_causal)
 
 
 @torch.library.register_fake("cp_inductor::document_shard_attention_backward", lib=_lib)
@@ -399,18 +531,20 @@ def _(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_pos
 @torch.library.impl("cp_inductor::document_shard_attention_backward", "CompositeExplicitAutograd", lib=_lib)
 def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
     batch = q.shape[0]
+    _settle(meta)
     if not bool(meta[_PACKABLE]):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
             dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal)
             grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
-    cu_q, cu_k, longest_q, longest_k = _segments(plan, meta)
+    numbers = _shard_numbers(meta)
+    cu_q, cu_k, longest_q, longest_k = _segments(plan, numbers)
     mapped = key_positions is not None
     qt, ot, dot = _flat(q), _flat(out), _flat(grad_out)
     kt, vt = _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
     dq = dk = dv = None
-    for used, mine in _rounds(plan, meta):
+    for used, mine in _rounds(plan, numbers):
         gq, gk, gv = torch.ops.cp_inductor.fa4_varlen_attention_backward(
             dot, None, qt, kt, vt, ot, lse, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
         dq = gq if dq is None else torch.where(mine[:, None, None], gq, dq)
