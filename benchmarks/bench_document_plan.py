@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=int, nargs="+", default=[64, 256, 1024, 4096])
     add_attention_args(p)
     args = p.parse_args(argv)
-    import cp_inductor  # noqa: F401 - our ops
+    from cp_inductor.lowerings import document_attention  # noqa: F401 - our ops
 
     ops = torch.ops.cp_inductor
     doc, cu, longest = pack(args.tokens, args.docs)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One H200, second call of two (docs/testing.md: the first copies .whl/p1 to /root/parts): FA4's
+# wheels joined and installed under /tmp/site (once per machine), then, logs and JSON under $OUT:
+#   tests:    the document-mask and flex CP GPU tests, then `bench` (SKIP_TESTS=1: bench only)
+#   bench:    the plan's host costs, flex document attention alone, torch's flex CP (T64K cp 2)
+#   hf-flex:  HF Llama with flex_attention, T16K packed and plain
+#   hf-sdpa:  HF Llama with sdpa, T16K packed and plain
+#   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
+source benchmarks/gpu_fa4_install.sh
+filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If you want\|This will allow\|_FLEX_ATTENTION\|^ *$"; }
+hf() {  # impl, seconds
+  timeout "$2" python3 bench_hf_masks.py --impl "$1" --tokens 16384 --docs 8 1 --iters 5 --arms inductor,cp_inductor,floor \
+    --json "$out/hf_$1_t16k.json" 2>&1 | filter | tee "$out/hf_$1_t16k.log" | tail -16
+}
+bench() {
+  timeout 90 python3 bench_document_plan.py --tokens 32768 --docs 8 --capacity 16 64 256 1024 --json "$out/document_plan.json" 2>&1 \
+    | filter | tee "$out/document_plan.log" | tail -14
+  timeout 150 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
+    | filter | tee "$out/flex_documents.log" | tail -8
+  timeout 170 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
+    | filter | tee "$out/flex_cp_t64k.log" | tail -14
+}
+mode=${1:-tests}
+if [ "$mode" = tests ] && [ -z "$SKIP_TESTS" ]; then
+  timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
+    | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
+fi
+cd benchmarks
+case "$mode" in
+tests|bench) bench ;;
+hf-flex) hf flex_attention 560 ;;
+hf-sdpa) hf sdpa 560 ;;
+profile)
+  timeout 200 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --arms cp_inductor,floor,floor_plan --profile \
+    --json "$out/flex_profile.json" 2>&1 | filter | tee "$out/flex_profile.log" | tail -80
+  timeout 380 python3 bench_hf_masks.py --impl flex_attention --tokens 16384 --docs 8 --iters 5 --arms cp_inductor,floor --profile \
+    --json "$out/hf_flex_profile.json" 2>&1 | filter | tee "$out/hf_flex_profile.log" | tail -60 ;;
+esac
