@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
+    from cp_inductor.lowerings import document_attention
     from cp_inductor.testing.documents import document_causal_block_mask
 
     rows = []
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
 
         def floor_plan(q, k, v, block_mask):
             found, meta = torch.ops.cp_inductor.document_plan(doc, None, False, 1, tokens)
+            document_attention._settle(meta)  # as the first op that reads it does
             count, most = int(meta[0]), int(meta[1])
             flat = [x[0].transpose(0, 1) for x in (q, k, v)]
             out, _ = torch.ops.cp_inductor.fa4_varlen_attention(*flat, found[:count + 1], found[:count + 1], None, most,

@@ -10,12 +10,13 @@
 contiguous). ``q`` is ``[B, H_q, T, D]``, ``k`` and ``v`` ``[B, H_kv, T, D]`` as SDPA takes them
 (``H_q % H_kv == 0``: GQA as is), ``out`` ``[B, H_q, T, D]`` over a ``[B, T, H_q, D]`` buffer.
 
-The plan finds the runs on device (a cumulative sum and a scatter into a ``B*T + 1`` buffer
-padded with ``B*T``) and brings three numbers to the host once per graph, not per layer: the
-document count, the longest document, and whether the ids are contiguous (checked on device when
-``check``: runs per row against distinct ids per row; skipped where the graph proves it; with
-``positions``, also that they rise within each document, where the mask is causal over positions
-rather than tokens). The attention then runs the packed kernel ``provider`` names (``"fa4"``: FA4
+The plan finds the runs on device (``cu_seqlens``: the run starts in a ``B*T + 1`` buffer
+padded with ``B*T``; one Triton launch on the GPU, ``document_plan_kernel.py``) and brings its
+numbers to the host once per graph, not per layer: the document count, the longest document, and
+whether the ids are contiguous (checked on device when ``check``: ids that never fall within a
+row are; otherwise runs per row against distinct ids per row, by a sort; skipped where the graph
+proves it; with ``positions``, also that they rise within each document, where the mask is causal
+over positions rather than tokens). The attention then runs the packed kernel ``provider`` names (``"fa4"``: FA4
 varlen, ``"cudnn"``: cuDNN's ragged SDPA) over ``cu_seqlens[:count + 1]``, the ``[B*T, H, D]``
 views of q, k, v (no copy where they are ``[B, T, H, D]`` underneath, as HF's are). Where the ids
 turn out not to be contiguous, or a CUDA graph is being captured (the host cannot read the count
@@ -31,7 +32,8 @@ that takes them launches at a capacity of documents learned from earlier calls
 sizes its varlen grid from the tokens and the documents), then waits for the copy, the kernel
 already queued, and keeps its result only where the numbers prove it exact (contiguous, at most
 ``capacity`` documents); otherwise it computes again from them: a wasted kernel, never a
-different answer. Later layers and the backward read the numbers, by then on the host.
+different answer. Later layers and the backward read the numbers, by then on the host. (Code
+that reads a plan's ``meta`` itself calls ``_settle(meta)`` first.)
 
 ``document_shard_plan`` / ``document_shard_attention`` (below): a shard of the queries over every
 key, at positions a CP BlockMask computes (torch's flex CP).
@@ -59,7 +61,7 @@ _lib.define(
     "int window_left=-1) -> (Tensor, Tensor, Tensor)"
 )
 
-_COUNT, _LONGEST, _CONTIGUOUS = range(3)
+_COUNT, _LONGEST, _CONTIGUOUS, _UNSURE = range(4)  # meta; unsure: ids checked that fall (the sort decides)
 
 
 def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
@@ -71,7 +73,7 @@ def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
 
 @torch.library.register_fake("cp_inductor::document_plan", lib=_lib)
 def _(doc_ids, positions, check, rows, tokens):
-    return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(3, dtype=torch.int64, device="cpu")
+    return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(4, dtype=torch.int64, device="cpu")
 
 
 def _runs(rows: torch.Tensor, check: bool):
@@ -109,14 +111,27 @@ def _capturing(t: torch.Tensor) -> bool:
 @torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
 def _plan(doc_ids, positions, check, batch, length):
     rows = _rows(doc_ids, batch, length)
-    starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
+    table = None if positions is None else _rows(positions, batch, length)
+    if rows.is_cuda:  # one launch (document_plan_kernel.py says why)
+        from .document_plan_kernel import document_plan as plan_kernel
+
+        cu_seqlens, meta = plan_kernel(rows, table, check)
+    else:
+        starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
+        if table is not None:  # causal over positions is causal over tokens where they rise within each document
+            contiguous = contiguous & ((table[:, 1:] > table[:, :-1]) | starts[:, 1:]).all()
+        meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype), torch.zeros_like(rank[-1])])
     if _capturing(rows):
-        return cu_seqlens, torch.zeros(3, dtype=torch.int64)  # not contiguous as far as we know: dense path
-    if positions is not None:  # causal over positions is causal over tokens where they rise within each document
-        p = _rows(positions, batch, length)
-        contiguous = contiguous & ((p[:, 1:] > p[:, :-1]) | starts[:, 1:]).all()
-    meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype)])
+        return cu_seqlens, torch.zeros(4, dtype=torch.int64)  # not contiguous as far as we know: dense path
     return cu_seqlens, _to_host(meta, _documents_key(rows.device, rows.numel()), _learn_documents)
+
+
+def _resolve(meta, doc_ids, batch: int, tokens: int) -> None:
+    """Decide contiguity with the sort where the plan's kernel could not (checked ids that fall
+    somewhere; its positions rise): rare, and a host read of its own."""
+    if int(meta[_UNSURE]):
+        meta[_CONTIGUOUS] = int(_runs(_rows(doc_ids, batch, tokens), True)[4])
+        meta[_UNSURE] = 0
 
 
 def _documents_key(device, tokens: int) -> tuple:
@@ -263,6 +278,7 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
         if _packed(meta) and int(meta[_COUNT]) <= covers[0]:
             return speculative
     _settle(meta)
+    _resolve(meta, doc_ids, batch, tokens)
     if not _packed(meta):
         out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal, window_left))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
@@ -286,6 +302,7 @@ def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions,
               window_left=-1):
     batch = q.shape[0]
     _settle(meta)
+    _resolve(meta, doc_ids, batch, q.shape[2])
     if not _packed(meta):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
