@@ -6,6 +6,7 @@
 #   hf-flex:  HF Llama with flex_attention, T16K packed and plain
 #   hf-sdpa:  HF Llama with sdpa, T16K packed and plain
 #   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
+#   quick:    the tests, the plan, flex alone, flex CP with the plan read first, HF flex packed
 source benchmarks/gpu_fa4_install.sh
 filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If you want\|This will allow\|_FLEX_ATTENTION\|^ *$"; }
 hf() {  # impl, seconds
@@ -20,14 +21,25 @@ bench() {
   timeout 170 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
     | filter | tee "$out/flex_cp_t64k.log" | tail -14
 }
+quick() {  # what the plan changes, then HF flex packed in what time is left
+  timeout 60 python3 bench_document_plan.py --tokens 32768 --docs 8 --capacity 16 64 --json "$out/document_plan.json" 2>&1 \
+    | filter | tee "$out/document_plan.log" | tail -12
+  timeout 100 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
+    | filter | tee "$out/flex_documents.log" | tail -8
+  CP_INDUCTOR_DOCUMENT_SPECULATE=0 timeout 100 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none \
+    --json "$out/flex_cp_t64k_read_first.json" 2>&1 | filter | tee "$out/flex_cp_t64k_read_first.log" | tail -8
+  timeout "${HF_S:-280}" python3 bench_hf_masks.py --impl flex_attention --tokens 16384 --docs 8 --iters 5 \
+    --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
+}
 mode=${1:-tests}
-if [ "$mode" = tests ] && [ -z "$SKIP_TESTS" ]; then
+if { [ "$mode" = tests ] || [ "$mode" = quick ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
 cd benchmarks
 case "$mode" in
 tests|bench) bench ;;
+quick) quick ;;
 hf-flex) hf flex_attention 560 ;;
 hf-sdpa) hf sdpa 560 ;;
 profile)

@@ -52,6 +52,9 @@ document_mask: bool = True
 # ... document ids the graph does not prove contiguous: "check" on device each step (a
 # non-contiguous table runs the masked attention densely), or "promised" (no check).
 document_mask_ids: str = "check"
+# ... a plan's numbers read after FA4 is launched at a capacity learned from earlier steps, not
+# before (lowerings/document_attention.py): off, every step waits for them with the GPU idle.
+document_mask_speculate: bool = os.environ.get("CP_INDUCTOR_DOCUMENT_SPECULATE", "1") != "0"
 # Packed sequences of equal length to dense SDPA; docs/passes/uniform_thd.md. "proven": where
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"

@@ -379,6 +379,8 @@ def test_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
     assert step(torch.arange(t) % 2) == [64]  # not contiguous: the launch wasted, dense, no more guessing
     assert step(runs(7)) == [7]
     assert step(runs(7)) == [16]
+    with cp_inductor.config.patch(document_mask_speculate=False):
+        assert step(runs(7)) == [7]
 
 
 # --- HF transformers' Llama, compiled end to end ---------------------------------------------

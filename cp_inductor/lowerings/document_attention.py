@@ -172,7 +172,9 @@ def _room(count: int, before: int, most: int) -> int:
 def _to_host(meta: torch.Tensor, key: tuple, learn) -> torch.Tensor:
     """``meta`` on the host: read at once for a key's first plan, else copied without waiting (a
     ``_Guess`` the first reader settles)."""
-    if key not in _LEARNED:
+    from .. import config
+
+    if key not in _LEARNED or not config.document_mask_speculate:
         host = meta.cpu()
         _LEARNED[key] = learn(key, host, None)
         return host
