@@ -1,30 +1,9 @@
-import importlib
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-
-
-@pytest.fixture
-def triton_interpret(monkeypatch):
-    """Run Triton kernels on the CPU interpreter: returns a loader that (re)imports a module so
-    its ``@triton.jit`` kernels are built under TRITON_INTERPRET=1. Copies are exact in bf16
-    there; arithmetic in bf16 is not (use fp16/fp32 for kernels that compute)."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    loaded = []
-
-    def load(module_name: str):
-        module = importlib.import_module(module_name)
-        loaded.append(module)
-        return importlib.reload(module)
-
-    yield load
-    monkeypatch.delenv("TRITON_INTERPRET")
-    for module in loaded:
-        importlib.reload(module)
 
 
 @pytest.fixture(autouse=True)

@@ -310,45 +310,6 @@ def test_plan_counts_runs_and_checks_contiguity():
     assert meta.tolist()[2] == 0
 
 
-_KERNEL_AGAINST_ATEN = """
-import torch
-from cp_inductor.lowerings import document_attention as da, document_plan_kernel as kernel
-kernel.BLOCK = 16  # several blocks: the carries between them
-g = torch.Generator().manual_seed(0)
-for trial in range(24):
-    batch, tokens = [(1, 50), (2, 37), (3, 64), (1, 1)][trial % 4]
-    ids = torch.repeat_interleave(torch.arange(40), torch.randint(1, 9, (40,), generator=g))[:tokens]
-    ids = ids.flip(0) if trial % 3 == 1 else ids % 3 if trial % 5 == 2 else ids  # falling; not contiguous
-    rows = ids[None].expand(batch, tokens)
-    positions = None if trial % 2 == 0 else torch.arange(tokens)[None].expand(batch, tokens)
-    if positions is not None and trial % 7 == 3:
-        positions = positions.flip(1)
-    for check in (True, False):
-        cu, meta = kernel.document_plan(rows, positions, check)
-        starts, rank, want_cu, longest, contiguous = da._runs(rows, check)
-        rising = positions is None or bool(((positions[:, 1:] > positions[:, :-1]) | starts[:, 1:]).all())
-        count, most, sure, unsure = meta.tolist()
-        assert (count, most) == (int(rank[-1]) + 1, int(longest)) and torch.equal(cu, want_cu), (trial, meta)
-        if unsure:  # only checked ids that fall somewhere, with positions that rise
-            assert check and rising and not sure and not bool((ids[1:] >= ids[:-1]).all()), (trial, meta)
-        else:
-            assert sure == (rising and bool(contiguous)), (trial, meta)
-print("kernel plans match")
-"""
-
-
-def test_plan_kernel_matches_the_aten_plan():
-    """The one-launch Triton plan (under Triton's interpreter on the CPU) against the aten one."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _KERNEL_AGAINST_ATEN], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "kernel plans match" in done.stdout, done.stderr[-3000:]
-
-
 def test_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
     """A shape's first plan reads its numbers at once; later ones launch FA4 at the capacity
     learned before reading them, and keep that result only where the numbers prove it exact."""
