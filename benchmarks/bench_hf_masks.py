@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                                                                    top=16)
             if arm == "cp_inductor":
                 row["report"] = str(cp_inductor.report()).splitlines()
-            del model, run
+            model = run = None  # free both before the next arm builds its model
             torch.cuda.empty_cache()
             print(f"{args.impl} T{args.tokens} docs {docs} {arm}: {row['ms'][arm]:.2f} ms", file=sys.stderr, flush=True)
         ms = row["ms"]

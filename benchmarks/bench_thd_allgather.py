@@ -55,7 +55,7 @@ def balance_of(lengths, cp: int, balance: str) -> float:
 def arms_for(lengths, head_dim: int, cp: int, rank: int) -> dict:
     import cp_inductor  # noqa: F401 - registers the backend
 
-    tokens, chunk = sum(lengths), sum(lengths) // (2 * cp)
+    chunk = sum(lengths) // (2 * cp)
     q, k, v, _, _ = vp.pack(lengths, HQ, HKV, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
     rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)]).cuda()
     plan = vp.chunk_plan(lengths, rank, cp)

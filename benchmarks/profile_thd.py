@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from bench_thd import add_pack_options, arms_for, random_pack
 from common import device_ms, gpu_clocks, kernel_trace, write_rows
 

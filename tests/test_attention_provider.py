@@ -5,7 +5,6 @@ FA4 itself runs in tests/test_gpu_fa4.py."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest

@@ -5,6 +5,7 @@ from expecttest import TestCase
 
 import variants
 from cp_inductor.parallel import ulysses_attention
+from helpers import aot_graphs, describe_regions, fake_pg, report_text
 
 
 def ulysses(**kw):
@@ -15,7 +16,6 @@ def regions(cp, fn, *inputs):
     """What detection finds in ``fn``'s graphs on a fake process group of size ``cp``."""
     with fake_pg(cp):
         return describe_regions(aot_graphs(fn, *inputs))
-from helpers import aot_graphs, describe_regions, fake_pg, report_text
 
 
 def qkv(shape_q, shape_kv, grad=True):

@@ -347,7 +347,7 @@ def _unbuildable(position, axis: int, rank: int) -> str | None:
 def _built_position(gm: torch.fx.GraphModule, call: MaskedCall, position, axis: int, size, before) -> torch.fx.Node:
     """A position expression of an SDPA mask as a ``[B or 1, n]`` table over the real index
     range: aranges for the indices, the tables it reads copied from the traced mask."""
-    g, rank = gm.graph, call.facts.traced.output.meta["val"].dim()
+    g = gm.graph
     device = value(call.args["query"]).device
 
     def built(x):

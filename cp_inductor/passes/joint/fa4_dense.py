@@ -121,9 +121,9 @@ def apply_backward(graph: torch.fx.Graph, backward: torch.fx.Node) -> None:
 def _copy_meta(old: torch.fx.Node, created: list) -> None:
     """What the partitioner and Inductor read besides the value (stack trace, seq_nr, tags)."""
     for new in created:
-        for key, value in old.meta.items():
+        for key, item in old.meta.items():
             if key not in ("val", "tensor_meta"):
-                new.meta.setdefault(key, value)
+                new.meta.setdefault(key, item)
 
 
 def fa4_dense_pass(graph: torch.fx.Graph, cfg) -> int:

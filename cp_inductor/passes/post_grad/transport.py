@@ -108,6 +108,6 @@ class Sender:
 
 
 def _ce_op(name: str):
-    from ...lowerings import ce_transport
+    from ...lowerings import ce_transport  # noqa: F401 - defines the ops
 
     return getattr(torch.ops.cp_inductor, name).default
