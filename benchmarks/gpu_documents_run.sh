@@ -5,6 +5,7 @@
 #   bench:    the plan's host costs, flex document attention alone, torch's flex CP (T64K cp 2)
 #   hf-flex:  HF Llama with flex_attention, T16K packed and plain
 #   hf-sdpa:  HF Llama with sdpa, T16K packed and plain
+#   titan:    a torchtitan-style decoder with a flex document mask, T16K
 #   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
 #   quick:    the tests, the plan, flex alone, flex CP with the plan read first, HF flex packed
 source benchmarks/gpu_fa4_install.sh
@@ -42,6 +43,9 @@ tests|bench) bench ;;
 quick) quick ;;
 hf-flex) hf flex_attention 560 ;;
 hf-sdpa) hf sdpa 560 ;;
+titan)
+  timeout 560 python3 bench_titan_block.py --tokens 16384 --docs 8 --json "$out/titan_block_t16k.json" 2>&1 | filter \
+    | tee "$out/titan_block_t16k.log" | tail -10 ;;
 profile)
   timeout 200 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --arms cp_inductor,floor,floor_plan --profile \
     --json "$out/flex_profile.json" 2>&1 | filter | tee "$out/flex_profile.log" | tail -80

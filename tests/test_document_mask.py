@@ -611,3 +611,37 @@ def test_gpu_flex_document_training_matches_fp32():
     for name, got, ref, base in zip(("out", "dq", "dk", "dv"), ours, want, flex):
         err, err_flex = (float((x.float() - ref).norm() / ref.norm()) for x in (got, base))
         assert err < max(2 * err_flex, 5e-3), (name, err, err_flex)
+
+
+def test_torchtitan_style_decoder_lowered_per_block(monkeypatch):
+    """Documents from EOS tokens, a compiled create_block_mask outside the model, flex behind a
+    nested compile, each block compiled on its own (``cp_inductor.testing.titan``): the blocks'
+    one graph is lowered, each block's attention runs packed, and the logits are default
+    Inductor's."""
+    from cp_inductor.lowerings.varlen_attention import reference_kernels
+    from cp_inductor.testing import titan
+
+    packed_calls = []
+    packed = document_attention._fa4_packed
+    monkeypatch.setattr(document_attention, "_fa4_packed", lambda *a: packed_calls.append(len(a[3]) - 1) or packed(*a))
+
+    torch.manual_seed(0)
+    tokens = torch.randint(1, 50, (2, 64))
+    tokens[0, [9, 30, 31]] = tokens[1, [40]] = 0  # EOS: documents of 10, 21, 1, 33 tokens; 41, 23
+    block_mask = titan.document_causal_mask(tokens, eos_id=0)
+    results = {}
+    for backend in ("inductor", "cp_inductor"):
+        torch.manual_seed(1)
+        model = titan.Decoder(vocab=50, dim=64, layers=2, heads=4, kv_heads=2)
+        titan.compile_blocks(model, backend=backend)
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        with torch.no_grad(), reference_kernels(), cp_inductor.config.patch(strict=True):
+            results[backend] = model(tokens, block_mask)
+    lowered = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    self_check = TestCase()
+    self_check.assertExpectedInline("\n".join(lowered), """masked attention flex_attention: documents from arg4_1 (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T128 Hq4 Hkv2 D16 causal float32""")
+    # a plan per block (a graph each): the first reads its numbers (FA4 over the 6 documents),
+    # the second launches at the capacity the first learned before reading them
+    assert packed_calls == [6, 16], packed_calls
+    torch.testing.assert_close(results["cp_inductor"], results["inductor"], atol=2e-4, rtol=2e-4)
