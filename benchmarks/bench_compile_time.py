@@ -1,7 +1,10 @@
 """Compile time: the first call (forward and backward) of an L-layer stack, default Inductor
-against cp_inductor, each in a fresh process with every cache off.
+against cp_inductor, each in a fresh process with every cache off; with ``--restart``, a
+restarted job's first call instead: a fresh process fills a fresh cache dir, a second fresh
+process on that dir is timed (Inductor's and AOTAutograd's caches on, as by default).
 
     python benchmarks/bench_compile_time.py --layers 4 8 16 32 --styles a2a allgather ring none --repeats 3
+    python benchmarks/bench_compile_time.py --restart --layers 4 --styles none a2a --repeats 3
 
 The stack: ``cp_inductor.testing.train_step.TransformerBlock`` layers (RMSNorm, QKV projection, CP
 attention through our helpers on PyTorch's fake group of 2 ranks, output projection, MLP), dim
@@ -20,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 CHILD = r"""
 import json, logging, re, sys, time
@@ -65,13 +69,20 @@ start = time.perf_counter()
 fn(x).sum().backward()
 if device == "cuda":
     torch.cuda.synchronize()
-print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass}))
+print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
+                  "regions": len(cp_inductor.report()),
+                  "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]}))
 """
 
 
-def first_call(style: str, layers: int, backend: str, device: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None) -> dict:
+    """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir."""
+    if cache_dir is None:
+        env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,6 +94,7 @@ def main() -> int:
     ap.add_argument("--styles", nargs="+", default=["a2a", "allgather", "ring", "none"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--restart", action="store_true", help="time a restarted job's first call (warm caches)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
@@ -94,7 +106,12 @@ def main() -> int:
             runs = {"inductor": [], "cp_inductor": []}
             for _ in range(a.repeats):
                 for b in runs:
-                    runs[b].append(first_call(style, layers, b, a.device))
+                    if a.restart:
+                        with tempfile.TemporaryDirectory() as cache:
+                            first_call(style, layers, b, a.device, cache)  # the job before the restart
+                            runs[b].append(first_call(style, layers, b, a.device, cache))
+                    else:
+                        runs[b].append(first_call(style, layers, b, a.device))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
             paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))

@@ -8,6 +8,7 @@ to Inductor's config.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -16,14 +17,15 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import config
+from . import config, report_cache
 from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
 from .passes.observe import timed
 from .passes.record import JOINT, JOINT_POST
-from .reporting import Rejected, clear_report, record, record_backward_route, record_rejected, record_varlen
+from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected, record_varlen,
+                        replay, since)
 
 OPTION_PREFIX = "cp_inductor."
 
@@ -52,7 +54,29 @@ def _graph_kind(kwargs) -> str:
     return "inference" if kwargs.get("is_inference") else "forward"
 
 
-def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0, **kwargs):
+@dataclasses.dataclass
+class _Journal:
+    """One compile's report as it is recorded, for ``report_cache`` (its docstring)."""
+    key: str
+    start: tuple  # the report's mark when AOTAutograd started
+    forward_ran: bool = False
+
+    def compiled(self, kind: str, where: tuple) -> None:
+        if kind == "backward":  # lazily, at the first backward: its own entries
+            report_cache.store(self.key, "backward", since(where))
+        else:
+            self.forward_ran = True
+
+
+def _caches_on() -> bool:
+    from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
+
+    return should_use_local_autograd_cache() and inductor_config.fx_graph_cache
+
+
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0,
+                   journal: _Journal | None = None, **kwargs):
+    where = mark()
     rejected = []
     if cfg.detect and engine.canonicalize(gm.graph, cfg):
         gm.recompile()
@@ -69,7 +93,10 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
     for r in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
         record_backward_route(r)
     with inductor_config.patch(engine.inductor_patches(rows)):
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    if journal is not None:
+        journal.compiled(_graph_kind(kwargs), where)
+    return compiled
 
 
 DECOMPOSED = ("decomposed into matmul and softmax before our passes (SDPA's math backend was "
@@ -129,18 +156,30 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         outcome["did"] = f"{len(routes)} packed calls"
     for route in routes:
         record_varlen(route)
-    # AOTAutograd's cache would skip _inner_compile and leave the report empty on a warm start;
-    # the FX graph cache below it still serves the compiled code.
-    functorch_patches = {"enable_autograd_cache": False}
-    if JOINT in hooks:  # ring_cse's pass instead of AOTAutograd's CSE
-        functorch_patches["cse"] = False
+    # A warm AOTAutograd cache serves the compile without running our passes: the report of the
+    # cold compile is stored beside it and replayed (report_cache.py).
+    journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, options), mark()) if _caches_on() else None
+    functorch_patches = {"cse": False} if JOINT in hooks else {}  # ring_cse's pass instead of AOTAutograd's CSE
     with torch._functorch.config.patch(functorch_patches):
-        return compile_fx(
+        compiled = compile_fx(
             gm,
             example_inputs,
-            inner_compile=functools.partial(_inner_compile, cfg=cfg, dynamo_sdpa=_sdpa_calls(gm)),
+            inner_compile=functools.partial(_inner_compile, cfg=cfg, dynamo_sdpa=_sdpa_calls(gm), journal=journal),
             config_patches=inductor_patches,
         )
+    if journal is not None and journal.forward_ran:
+        report_cache.store(journal.key, "forward", since(journal.start))
+    elif journal is not None:
+        stored = report_cache.load(journal.key)
+        if stored is not None:
+            replay(stored)
+        else:
+            record_rejected(Rejected("forward", "(cache)", NOT_STORED))
+    return compiled
+
+
+NOT_STORED = ("served from AOTAutograd's cache, with no report stored for it (a cache dir filled without "
+              "cp_inductor_reports/): the rewrites it holds are not listed")
 
 
 def reset() -> None:

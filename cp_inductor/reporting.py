@@ -198,6 +198,28 @@ def record(region: Region) -> None:
     )
 
 
+_LISTS = (_regions, _rejected, _undone, _backward_routes, _varlen, _dense)
+
+
+def mark() -> tuple[int, ...]:
+    """Where the report stands: ``since(mark())`` is what is recorded after this."""
+    with _lock:
+        return tuple(len(entries) for entries in _LISTS)
+
+
+def since(where: tuple[int, ...]) -> list[list]:
+    with _lock:
+        return [list(entries[n:]) for entries, n in zip(_LISTS, where)]
+
+
+def replay(recorded: list[list]) -> None:
+    """Record again what ``since`` returned (a compile the cache served: report_cache.py)."""
+    with _lock:
+        for entries, new in zip(_LISTS, recorded):
+            entries.extend(new)
+    log.info("cp_inductor: %d report entries replayed for a compile the cache served", sum(map(len, recorded)))
+
+
 def report() -> Report:
     with _lock:
         return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes), list(_varlen), list(_dense))

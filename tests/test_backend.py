@@ -324,3 +324,44 @@ def test_attention_decomposed_before_our_passes_is_reported():
         torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv())
         report = cp_inductor.report()
     assert not report.regions and [(r.graph_kind, r.reason) for r in report.rejected] == [("forward", DECOMPOSED)]
+
+
+def _attention_step(x, w):
+    q = (x @ w).view(1, 64, 4, 16).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+
+def _compile_twice(tmp_path, monkeypatch, between=lambda: None) -> list:
+    """The report and AOTAutograd's cache counters of a cold compile and of the same compile
+    after a reset (served from the on-disk cache, as a restarted job is)."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, w = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
+    runs = []
+    with inductor_config.patch(fx_graph_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.compile(_attention_step, backend="cp_inductor")(x, w).backward()
+            runs.append((str(cp_inductor.report()), dict(counters["aot_autograd"])))
+            if len(runs) == 1:
+                between()
+    return runs
+
+
+def test_a_warm_cache_serves_the_compile_and_its_report(tmp_path, monkeypatch):
+    (cold, cold_counts), (warm, warm_counts) = _compile_twice(tmp_path, monkeypatch)
+    assert cold_counts.get("autograd_cache_saved") == 1 and warm_counts.get("autograd_cache_hit") == 1, warm_counts
+    assert warm == cold and "not a CP region (backward)" in warm  # the backward's entries too
+
+
+def test_a_warm_cache_without_the_stored_report_says_so(tmp_path, monkeypatch):
+    import shutil
+
+    runs = _compile_twice(tmp_path, monkeypatch, lambda: shutil.rmtree(tmp_path / "cp_inductor_reports"))
+    (cold, _), (warm, warm_counts) = runs
+    assert warm_counts.get("autograd_cache_hit") == 1
+    assert "not a CP region (forward)" in cold and "not a CP region (forward): _scaled" not in warm
+    assert "served from AOTAutograd's cache, with no report stored for it" in warm, warm

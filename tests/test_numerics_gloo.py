@@ -75,19 +75,19 @@ def _cold_then_warm(rank, cp, case):
         counters.clear()
         compiled = torch.compile(ulysses_fn(case), backend="cp_inductor", fullgraph=True)
         got = run_cp(compiled, case, full, rank, cp)
-        runs.append((got, counters["inductor"]["fxgraph_cache_hit"], str(cp_inductor.report())))
+        runs.append((got, counters["aot_autograd"]["autograd_cache_hit"], str(cp_inductor.report())))
     return runs
 
 
-def test_warm_fx_graph_cache_hit_matches_cold(tmp_path, monkeypatch):
+def test_warm_cache_hit_matches_cold(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     case = AttentionCase(layout="bshd", causal=True, heads_q=8, heads_kv=4)
     for (cold, cold_hits, cold_report), (warm, warm_hits, warm_report) in run_on_ranks(_cold_then_warm, 2, case):
-        assert cold_hits == 0 and warm_hits == 2  # forward and backward served from the cache
+        assert cold_hits == 0 and warm_hits == 1  # forward and backward served from AOTAutograd's cache
         for name in cold:
             assert torch.equal(cold[name], warm[name]), name
-        assert warm_report == cold_report and "a2a" in warm_report
+        assert warm_report == cold_report and "a2a" in warm_report  # the cold compile's report, replayed
 
 
 def test_demo_main_job():
