@@ -59,13 +59,15 @@ class _Journal:
     """One compile's report as it is recorded, for ``report_cache`` (its docstring)."""
     key: str
     start: tuple  # the report's mark when AOTAutograd started
-    forward_ran: bool = False
+    forward_ran: bool = False  # False after compile_fx: the cache served it
+    caching: bool = False  # whether a later compile can be served (read under the compile's patches)
 
     def compiled(self, kind: str, where: tuple) -> None:
         if kind == "backward":  # lazily, at the first backward: its own entries
-            report_cache.store(self.key, "backward", since(where))
+            if _caches_on():
+                report_cache.store(self.key, "backward", since(where))
         else:
-            self.forward_ran = True
+            self.forward_ran, self.caching = True, _caches_on()
 
 
 def _caches_on() -> bool:
@@ -158,7 +160,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         record_varlen(route)
     # A warm AOTAutograd cache serves the compile without running our passes: the report of the
     # cold compile is stored beside it and replayed (report_cache.py).
-    journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, options), mark()) if _caches_on() else None
+    journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, options), mark())
     functorch_patches = {"cse": False} if JOINT in hooks else {}  # ring_cse's pass instead of AOTAutograd's CSE
     with torch._functorch.config.patch(functorch_patches):
         compiled = compile_fx(
@@ -167,9 +169,10 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
             inner_compile=functools.partial(_inner_compile, cfg=cfg, dynamo_sdpa=_sdpa_calls(gm), journal=journal),
             config_patches=inductor_patches,
         )
-    if journal is not None and journal.forward_ran:
-        report_cache.store(journal.key, "forward", since(journal.start))
-    elif journal is not None:
+    if journal.forward_ran:
+        if journal.caching:
+            report_cache.store(journal.key, "forward", since(journal.start))
+    else:
         stored = report_cache.load(journal.key)
         if stored is not None:
             replay(stored)

@@ -27,7 +27,7 @@ LAYERS = [
     {"passes/post_grad", "passes/dynamo", "passes/joint"},
     {"passes/experimental"},
     {"passes/pipeline"},
-    {"passes/engine", "passes/hook_pass"},
+    {"passes/engine", "passes/hook_pass", "report_cache"},
     {"backend"},
     {"testing", "demo"},
 ]
