@@ -2,7 +2,7 @@
 
     pip install -e ".[plot]"
     python benchmarks/plot.py --out docs/img/thd.png --title "..." docs/results/packed_attention_h200_d128.json
-    python benchmarks/plot.py --out docs/img/ulysses.png benchmarks/results/h200x2_table_*.json
+    python benchmarks/plot.py --out docs/img/ulysses.png docs/results/ulysses_h200x2_*.json
 
 Reads the two shapes of JSON the benchmark scripts write:
 - one shape per file, ``{"args": ..., "median_ms": {arm: ms}}`` (bench_ulysses.py, bench_allgather.py),
