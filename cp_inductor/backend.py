@@ -23,7 +23,6 @@ from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
 from .passes.observe import timed
-from .passes.record import JOINT, JOINT_POST
 from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected, record_varlen,
                         replay, since)
 
@@ -120,38 +119,12 @@ def graph_passes(cfg, inductor_patches: dict, hooks=engine.HOOKS) -> dict:
     return out
 
 
-def _hooks_with_work(gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot) -> tuple[str, ...]:
-    """The hook keys our passes may change something on for this program. Inductor sorts, lints
-    and recompiles the joint graph whenever a custom joint pass is set, even one that changes
-    nothing, so a joint key gets ours only where its pass can apply: ring_cse where the program
-    rotates K/V, fa4_dense where FA4 can run on an input's device and may be chosen."""
-    from .lowerings.fa4_attention import device_unavailable
-
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    skip = set()
-    if cfg.ring_cse == "aot" or not _rotates(gm):
-        skip.add(JOINT)
-    if cfg.attention_provider not in ("auto", "fa4") or all(device_unavailable(d) for d in devices):
-        skip.add(JOINT_POST)
-    return tuple(h for h in engine.hooks_with_passes() if h not in skip)
-
-
-def _rotates(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph, or an autograd.Function body in it, holds a ring rotation."""
-    from .passes.detect.ring import rotation
-
-    return any(
-        rotation(n) is not None
-        for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
-    )
-
-
 def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     ours, inductor_patches = _split_options(options)
     if mode is not None and mode != "default":
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
-    hooks = _hooks_with_work(gm, example_inputs, cfg)
+    hooks = engine.hooks_with_work(gm, example_inputs, cfg)
     inductor_patches.update(graph_passes(cfg, inductor_patches, hooks))
     with timed("dynamo_passes", "the Dynamo graph") as outcome:
         routes = engine.run_dynamo_passes(gm, cfg)
@@ -161,8 +134,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     # A warm AOTAutograd cache serves the compile without running our passes: the report of the
     # cold compile is stored beside it and replayed (report_cache.py).
     journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, options), mark())
-    functorch_patches = {"cse": False} if JOINT in hooks else {}  # ring_cse's pass instead of AOTAutograd's CSE
-    with torch._functorch.config.patch(functorch_patches):
+    with torch._functorch.config.patch(engine.functorch_patches(hooks)):
         compiled = compile_fx(
             gm,
             example_inputs,

@@ -55,6 +55,21 @@ def hooks_with_passes() -> tuple[str, ...]:
     return tuple(h for h in HOOKS if h in stages)
 
 
+def hooks_with_work(gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot) -> tuple[str, ...]:
+    """The hook keys where a pass of the table is wanted for this program (``Pass.wanted``)."""
+    return tuple(h for h in hooks_with_passes()
+                 if any(p.wanted is None or p.wanted(gm, example_inputs, cfg) for p in PASSES if p.stage == h))
+
+
+def functorch_patches(hooks) -> dict:
+    """The AOTAutograd config the passes on ``hooks`` need for the whole compile."""
+    patches = {}
+    for p in PASSES:
+        if p.stage in hooks:
+            patches.update(p.functorch_patches)
+    return patches
+
+
 def _stage(stage: str, unit: str) -> tuple[Pass, ...]:
     return tuple(p for p in PASSES if p.stage == stage and p.unit == unit)
 

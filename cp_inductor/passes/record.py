@@ -88,6 +88,13 @@ class Pass:
     # CALL: finds(gm) -> the calls of its own kind it lowers (each with ``route()`` for the
     # report); None: the packed-sequence calls ``varlen_calls.find`` reads, shared by such passes.
     finds: Callable | None = None
+    # wanted(gm, example_inputs, cfg) -> whether the program Dynamo hands the backend can give
+    # it work; a hook key is set only where one of its passes is wanted (Inductor sorts, lints
+    # and recompiles a joint graph for any custom joint pass, one that changes nothing too).
+    # None: always.
+    wanted: Callable | None = None
+    # AOTAutograd config the whole compile needs where this pass's hook is set.
+    functorch_patches: dict = field(default_factory=dict)
 
 
 def check_order(passes) -> None:

@@ -210,4 +210,15 @@ def apply(graph: torch.fx.Graph, cfg) -> int:
     return merged
 
 
-PASS = Pass(NAME, stage=JOINT, unit=GRAPH, why_not=why_not, apply=apply)
+def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
+    """Where the program rotates K/V (also in an autograd.Function's body), unless AOTAutograd's
+    CSE was chosen."""
+    return cfg.ring_cse != "aot" and any(
+        rotation(n) is not None
+        for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+    )
+
+
+# Its joint graph is compiled without AOTAutograd's CSE: the merges it makes instead are rank-safe.
+PASS = Pass(NAME, stage=JOINT, unit=GRAPH, why_not=why_not, apply=apply, wanted=wanted,
+            functorch_patches={"cse": False})

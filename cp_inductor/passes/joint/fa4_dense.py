@@ -154,4 +154,11 @@ def fa4_dense_pass(graph: torch.fx.Graph, cfg) -> int:
     return swapped + len(swapped_backward)
 
 
-PASS = Pass(NAME, stage=JOINT_POST, unit=GRAPH, switched=False, apply=fa4_dense_pass)  # attention_provider chooses
+def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
+    """Where FA4 may be chosen and can run on an input's device."""
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    return cfg.attention_provider in ("auto", "fa4") and any(not fa4_attention.device_unavailable(d) for d in devices)
+
+
+PASS = Pass(NAME, stage=JOINT_POST, unit=GRAPH, switched=False, apply=fa4_dense_pass,  # attention_provider chooses
+            wanted=wanted)
