@@ -39,14 +39,13 @@ from .editing.fx_emit import REPLACES, replaying_values
 from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
-from .post_grad import cudnn_frontend_backward
 from .record import CALL, CANONICAL, DISABLED, DYNAMO, GRAPH, HOOKS, POST_GRAD, REGION, Pass, Verdicts, check_order
 
 REWRITES: tuple[Pass, ...] = tuple(p for p in PASSES if p.unit == REGION)  # decision order
 check_order(REWRITES)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
-__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "hooks_with_passes", "inductor_patches",
-           "run_dynamo_passes", "run_hook"]
+__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "functorch_patches", "hooks_with_passes", "hooks_with_work",
+           "inductor_patches", "run_dynamo_passes", "run_hook"]
 
 
 def hooks_with_passes() -> tuple[str, ...]:
@@ -272,8 +271,9 @@ def _region_row(match, detector, graph_kind: str, cfg) -> Region:
     for rewrite in REWRITES:
         if rewrite.name in decision.applied and rewrite.detail is not None:
             detail += " " + rewrite.detail(match, cfg)
-    if cudnn_frontend_backward.is_cudnn_backward(match.attention):
-        detail += f" backward={cudnn_frontend_backward.route(match.attention, cfg).path}"
+    route = _backward_route(match.attention, cfg)
+    if route is not None:
+        detail += f" backward={route.path}"
     notes = [n for n in (accumulators.note(match), _proved_alone(match, detector)) if n]
     return Region(
         style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
@@ -291,14 +291,23 @@ def _proved_alone(match, detector) -> str | None:
     return "backward region proved on its own (no forward op paired with it)"
 
 
+def _backward_route(node: torch.fx.Node, cfg):
+    """Where a pass of the table sends this attention backward (``Pass.backward_route``), or None."""
+    for p in PASSES:
+        route = p.backward_route(node, cfg) if p.backward_route is not None else None
+        if route is not None:
+            return route
+    return None
+
+
 def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:
-    """Each cuDNN attention backward of ``graph`` and the op it will run on (the report's
-    lines; the post-grad pass asks the same :func:`cudnn_frontend_backward.route`)."""
+    """Each attention backward of ``graph`` a pass routes, and the op it will run on (the
+    report's lines; the pass decides by the same route)."""
     cfg = cfg if cfg is not None else snapshot()
     return [
         BackwardRoute(graph_kind, n.name, r.path, r.reason)
-        for n in graph.nodes if cudnn_frontend_backward.is_cudnn_backward(n)
-        for r in (cudnn_frontend_backward.route(n, cfg),)
+        for n in graph.nodes
+        for r in (_backward_route(n, cfg),) if r is not None
     ]
 
 

@@ -95,6 +95,9 @@ class Pass:
     wanted: Callable | None = None
     # AOTAutograd config the whole compile needs where this pass's hook is set.
     functorch_patches: dict = field(default_factory=dict)
+    # backward_route(node, cfg) -> the op it sends this attention backward to (``.path``,
+    # ``.reason``), or None where the node is not of its kind: the report's route lines.
+    backward_route: Callable | None = None
 
 
 def check_order(passes) -> None:

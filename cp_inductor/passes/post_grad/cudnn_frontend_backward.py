@@ -114,4 +114,9 @@ def _any_backward(graph: torch.fx.Graph, cfg) -> str | None:
     return None if any(is_cudnn_backward(n) for n in graph.nodes) else "no cuDNN attention backward"
 
 
-PASS = Pass(NAME, stage=POST_GRAD, unit=GRAPH, why_not=_any_backward, apply=cudnn_frontend_backward_pass)
+def backward_route(node: torch.fx.Node, cfg) -> Route | None:
+    return route(node, cfg) if is_cudnn_backward(node) else None
+
+
+PASS = Pass(NAME, stage=POST_GRAD, unit=GRAPH, why_not=_any_backward, apply=cudnn_frontend_backward_pass,
+            backward_route=backward_route)
