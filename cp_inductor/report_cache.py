@@ -41,7 +41,10 @@ def key(gm: torch.fx.GraphModule, example_inputs, cfg, mode, options) -> str:
                            t.requires_grad))
         else:
             inputs.append(repr(t))
-    parts = [gm.code, repr(inputs), cfg.digest(), source_hash(), torch.__version__, repr(mode),
+    # every subgraph's code too (autograd.Function bodies, a flex mask_mod's graphs): the top
+    # graph only names them
+    code = "\x01".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+    parts = [code, repr(inputs), cfg.digest(), source_hash(), torch.__version__, repr(mode),
              repr(sorted((k, repr(v)) for k, v in (options or {}).items())), repr(unavailable() is None),
              repr(fa4_installed())]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
