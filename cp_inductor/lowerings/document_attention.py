@@ -192,16 +192,23 @@ def _to_host(meta: torch.Tensor, key: tuple, learn) -> torch.Tensor:
     return host
 
 
+def _capture_underway() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _guess(meta: torch.Tensor, key: tuple) -> tuple | None:
-    """What to launch before ``meta`` is read, if anything."""
+    """What to launch before ``meta`` is read, if anything (never under CUDA-graph capture, whose
+    plan is read as dense and copied nothing: an entry at its address would be another's)."""
     guess = _GUESSES.get(meta.data_ptr())
-    return guess.covers if guess is not None and guess.key == key else None
+    if guess is None or guess.key != key or _capture_underway():
+        return None
+    return guess.covers
 
 
 def _settle(meta: torch.Tensor) -> None:
     """Make ``meta`` readable."""
     guess = _GUESSES.pop(meta.data_ptr(), None)
-    if guess is not None:
+    if guess is not None and not _capture_underway():
         guess.wait(meta)
 
 
