@@ -11,13 +11,12 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from common import add_attention_args, device_ms, print_kernels
+from common import add_attention_args, arm_ratios, device_ms, print_arm_table, print_kernels, write_device_rows
 
 
 def pack(tokens: int, docs: int, seed: int = 0):
@@ -90,26 +89,16 @@ def main(argv=None) -> int:
             if arm == "cp_inductor":
                 row["report"] = [line for line in str(cp_inductor.report()).splitlines() if "attention" in line]
             q.grad = k.grad = v.grad = None
-        ms = row["ms"]
-        nan = float("nan")
         row["max_abs_diff_vs_inductor"] = float((outs["cp_inductor"] - outs["inductor"]).abs().max()) \
-            if "cp_inductor" in outs and "inductor" in outs else nan
-        row["speedup_vs_inductor"] = ms.get("inductor", nan) / ms.get("cp_inductor", nan)
-        row["vs_floor"] = ms.get("cp_inductor", nan) / ms.get("floor", nan)
+            if "cp_inductor" in outs and "inductor" in outs else float("nan")
+        arm_ratios(row)
         rows.append(row)
-    names = args.arms.split(",")
-    print(f"| T | docs | {' | '.join(a + ' ms' for a in names)} | cp / inductor | cp vs floor | max |out diff| |")
-    print("|---|---|" + "---|" * (len(names) + 3))
-    for r in rows:
-        cells = " | ".join(f"{r['ms'][a]:.2f}" for a in names)
-        print(f"| {r['tokens']} | {r['docs']} | {cells} | {r['speedup_vs_inductor']:.2f}x | {r['vs_floor']:.3f} | "
-              f"{r['max_abs_diff_vs_inductor']:.2e} |")
+    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs"},
+                    {"max |out diff|": ("max_abs_diff_vs_inductor", ".2e")})
     for r in rows:
         for line in r.get("report", []):
             print(f"  T{r['tokens']}: {line}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_device_rows(args.json, rows)
     return 0
 
 

@@ -9,12 +9,11 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from common import device_ms, print_kernels
+from common import arm_ratios, device_ms, print_arm_table, print_kernels, write_device_rows
 
 ARMS = ("eager", "inductor", "cp_inductor", "floor")
 
@@ -106,25 +105,14 @@ def main(argv=None) -> int:
             model = run = None  # free both before the next arm builds its model
             torch.cuda.empty_cache()
             print(f"{args.impl} T{args.tokens} docs {docs} {arm}: {row['ms'][arm]:.2f} ms", file=sys.stderr, flush=True)
-        ms = row["ms"]
-        if "inductor" in ms and "cp_inductor" in ms:
-            row["speedup_vs_inductor"] = ms["inductor"] / ms["cp_inductor"]
-        if "floor" in ms and "cp_inductor" in ms:
-            row["vs_floor"] = ms["cp_inductor"] / ms["floor"]
+        arm_ratios(row)
         rows.append(row)
-    print(f"| impl | T | docs | {' | '.join(a + ' ms' for a in args.arms.split(','))} | cp / inductor | cp vs floor |")
-    print("|---|---|---|" + "---|" * (len(args.arms.split(',')) + 2))
-    for r in rows:
-        cells = " | ".join(f"{r['ms'].get(a, float('nan')):.2f}" for a in args.arms.split(","))
-        print(f"| {r['impl']} | {r['tokens']} | {r['docs']} | {cells} | {r.get('speedup_vs_inductor', float('nan')):.2f}x | "
-              f"{r.get('vs_floor', float('nan')):.3f} |")
+    print_arm_table(rows, args.arms.split(","), {"impl": "impl", "T": "tokens", "docs": "docs"})
     for r in rows:
         for line in r["report"]:
             if "attention" in line:
                 print(f"  docs {r['docs']}: {line}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    write_device_rows(args.json, rows)
     return 0
 
 

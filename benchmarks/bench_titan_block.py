@@ -11,14 +11,13 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from bench_flex_documents import pack
-from common import device_ms
+from common import arm_ratios, device_ms, print_arm_table, write_device_rows
 
 EOS = 0
 
@@ -79,21 +78,13 @@ def main(argv=None) -> int:
             model = None
             torch.cuda.empty_cache()
             print(f"T{args.tokens} docs {docs} {arm}: {row['ms'][arm]:.2f} ms", file=sys.stderr, flush=True)
-        ms, nan = row["ms"], float("nan")
-        row["speedup_vs_inductor"] = ms.get("inductor", nan) / ms.get("cp_inductor", nan)
-        row["vs_floor"] = ms.get("cp_inductor", nan) / ms.get("floor", nan)
+        arm_ratios(row)
         rows.append(row)
-    names = args.arms.split(",")
-    print(f"| T | docs | {' | '.join(a + ' ms' for a in names)} | cp / inductor | cp vs floor |")
-    print("|---|---|" + "---|" * (len(names) + 2))
+    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs"})
     for r in rows:
-        cells = " | ".join(f"{r['ms'][a]:.2f}" for a in names)
-        print(f"| {r['tokens']} | {r['docs']} | {cells} | {r['speedup_vs_inductor']:.2f}x | {r['vs_floor']:.3f} |")
         for line in r.get("report", []):
-            print(f"  {line}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            print(f"  docs {r['docs']}: {line}")
+    write_device_rows(args.json, rows)
     return 0
 
 

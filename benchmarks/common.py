@@ -232,3 +232,32 @@ def print_kernels(label: str, fn, steps: int = 3, top: int = 10) -> dict:
     for ms, n, name in rows[:top]:
         print(f"  {ms:8.3f} ms  x{n:<3} {name[:100]}")
     return {"kernels_ms": kernels_ms, "span_ms": span_ms, "kernels": [{"ms": ms, "launches": n, "name": k} for ms, n, k in rows]}
+
+
+def arm_ratios(row: dict) -> None:
+    """``row["ms"]`` per arm -> cp_inductor's speedup over default Inductor and its ratio to the
+    floor (NaN where an arm was not run)."""
+    ms, nan = row["ms"], float("nan")
+    row["speedup_vs_inductor"] = ms.get("inductor", nan) / ms.get("cp_inductor", nan)
+    row["vs_floor"] = ms.get("cp_inductor", nan) / ms.get("floor", nan)
+
+
+def print_arm_table(rows: list, arms: list, lead: dict, extra: dict | None = None) -> None:
+    """A markdown table: the ``lead`` columns (header -> row key), each arm's ms, the two
+    ratios, then ``extra`` columns (header -> (row key, format))."""
+    extra = extra or {}
+    heads = [*lead, *(a + " ms" for a in arms), "cp / inductor", "cp vs floor", *extra]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        cells = [str(r[k]) for k in lead.values()] + [f"{r['ms'].get(a, float('nan')):.2f}" for a in arms]
+        cells += [f"{r['speedup_vs_inductor']:.2f}x", f"{r['vs_floor']:.3f}"]
+        cells += [format(r[k], spec) for k, spec in extra.values()]
+        print("| " + " | ".join(cells) + " |")
+
+
+def write_device_rows(path: str | None, rows: list) -> None:
+    """A one-GPU script's JSON: the device, torch's version and the rows (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
