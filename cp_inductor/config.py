@@ -55,6 +55,12 @@ document_mask_ids: str = "check"
 # ... a plan's numbers read after FA4 is launched at a capacity learned from earlier steps, not
 # before (lowerings/document_attention.py): off, every step waits for them with the GPU idle.
 document_mask_speculate: bool = os.environ.get("CP_INDUCTOR_DOCUMENT_SPECULATE", "1") != "0"
+# ... at most this many documents in a step's pack, all rows together (0: no bound): FA4 runs over that many (trailing ones
+# empty) and the host reads nothing, so the step can be captured in a CUDA graph
+# (mode="reduce-overhead"); a pack with more documents, or ids that are not contiguous, is a
+# device error, never a different answer. Without it a plan's numbers are read on the host: its
+# graph is not CUDA-graphed, and under a capture of one's own the masked attention runs densely.
+document_mask_capacity: int = 0
 # Packed sequences of equal length to dense SDPA; docs/passes/uniform_thd.md. "proven": where
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"

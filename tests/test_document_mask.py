@@ -344,6 +344,52 @@ def test_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
         assert step(runs(7)) == [7]
 
 
+def test_capacity_runs_without_reading_the_plan(monkeypatch):
+    """``document_mask_capacity``: FA4 over that many documents (trailing ones empty), nothing
+    read on the host (what a CUDA-graph capture needs); the answer is the mask's for any pack that
+    fits, the capacity itself included."""
+    launches = []
+    packed = document_attention._fa4_packed
+    monkeypatch.setattr(document_attention, "_fa4_packed", lambda q, k, v, cu, *a: launches.append(len(cu) - 1) or
+                        packed(q, k, v, cu, *a))
+    for host_read in ("_to_host", "_settle", "_resolve", "_lengths"):
+        monkeypatch.setattr(document_attention, host_read, lambda *a: pytest.fail(f"{host_read} under a capacity"))
+    t, capacity = 64, 16
+    q, k, v = (torch.randn(1, h, t, D, requires_grad=True) for h in (HQ, HKV, HKV))
+    for count in (1, 5, capacity):
+        doc = (torch.arange(t) * count // t)[None]
+        launches.clear()
+        cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, 1, t, capacity)
+        out = torch.ops.cp_inductor.document_attention(q, k, v, cu, meta, doc, None, D ** -0.5, True, "fa4", -1,
+                                                       capacity)[0]
+        got = [out, *torch.autograd.grad(out.sum(), (q, k, v))]
+        ref = document_attention._dense(q, k, v, doc, None, D ** -0.5, True)
+        for a, b in zip(got, [ref, *torch.autograd.grad(ref.sum(), (q, k, v))]):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        assert launches == [capacity], launches
+
+
+@pytest.mark.parametrize("doc", [torch.arange(64) * 17 // 64, torch.arange(64) % 2], ids=["past_capacity", "not_contiguous"])
+def test_capacity_refuses_what_it_cannot_compute(doc):
+    """A pack past the capacity, or ids that are not contiguous runs: an error from the device
+    check (on CPU at once), never a different answer."""
+    with pytest.raises(RuntimeError, match="document_mask_capacity"):
+        torch.ops.cp_inductor.document_plan(doc[None], None, True, 1, 64, 16)
+
+
+def test_capacity_compiled_matches_the_program():
+    """The config reaches the ops through the pass: the report says so, and output and every
+    gradient are the program's."""
+    q, k, v = _qkv()
+    table = _positions([7, 1, 16])
+    with cp_inductor.config.patch(document_mask_capacity=8):
+        for got, want in zip(_grads(hf_packed, q, k, v, table, True), _grads(hf_packed, q, k, v, table, False)):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        _, lines = _routes(hf_packed, q, k, v, table)
+    self_check = TestCase()
+    self_check.assertExpectedInline(lines[0].split(": ", 1)[1], """documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: document_mask_capacity (cuDNN's ragged graphs are built per document count); at most 8 documents a pack (document_mask_capacity, asserted on device): no host read, CUDA-graph safe""")
+
+
 # --- HF transformers' Llama, compiled end to end ---------------------------------------------
 
 
@@ -457,6 +503,51 @@ def test_gpu_document_attention_matches_fp32(provider, causal, window=-1):
 def test_gpu_document_attention_sliding_window_matches_fp32(window):
     """FA4's window over the documents (Mistral's sliding window on a pack)."""
     test_gpu_document_attention_matches_fp32("fa4", True, window)
+
+
+@pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
+def test_gpu_capacity_step_is_cuda_graphed():
+    """``document_mask_capacity`` under ``mode="reduce-overhead"``: HF's packed mask compiled,
+    Inductor's CUDA graphs record the step (none skipped: nothing is read on the host), and every
+    replay, over packs of other document counts, gives the mask's output and gradients."""
+    from torch._dynamo.utils import counters
+
+    why = fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128)
+    if why:
+        pytest.skip(why)
+    b, t, hq, hkv, d = 2, 2048, 8, 2, 128
+
+    def program(q, k, v, positions):
+        ids = _resets(positions)
+        keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (positions[:, None, None, :] <= positions[:, None, :, None])
+        k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, t, h, d, generator=g).cuda().bfloat16().transpose(1, 2) for h in (hq, hkv, hkv))
+    grad = torch.randn(b, hq, t, d, generator=g).cuda().bfloat16()
+
+    def run(fn, dtype, positions):
+        ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*ins, positions)
+        return [x.detach().clone() for x in (out, *torch.autograd.grad(out, ins, grad.to(dtype)))]
+
+    torch._dynamo.reset()
+    counters.clear()
+    with cp_inductor.config.patch(document_mask_capacity=32):
+        compiled = torch.compile(program, backend="cp_inductor", mode="reduce-overhead")
+        packs = ([1000, 1048], [300, 77, 1000, 129, 541, 1], [128] * 16, [2048], [1000, 1048])  # 32 documents at most
+        for lengths in packs:  # warm-up, record, then replays
+            positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(b, -1).cuda()
+            got = run(compiled, torch.bfloat16, positions)
+            want = run(program, torch.float32, positions)
+            base = run(program, torch.bfloat16, positions)
+            for name, x, ref, bf16 in zip(("out", "dq", "dk", "dv"), got, want, base):
+                err, err_program = (float((y.float() - ref).norm() / ref.norm()) for y in (x, bf16))
+                assert err < max(2 * err_program, 5e-3), (len(lengths), name, err, err_program)
+    assert "at most 32 documents" in str(cp_inductor.report())
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
 
 # --- flex_attention ------------------------------------------------------------------------------

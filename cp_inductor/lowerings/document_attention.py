@@ -23,6 +23,11 @@ turn out not to be contiguous, or a CUDA graph is being captured (the host canno
 then), both ops compute the masked attention densely instead: slower, never a different answer.
 ``lse`` is ``[H_q, B*T]`` fp32 (zeros on the dense path, whose backward recomputes).
 
+With ``capacity=N`` (``config.document_mask_capacity``) nothing goes to the host: the plan asserts
+on device that the pack holds at most ``N`` documents in contiguous runs (a device error
+otherwise, never a different answer) and the attention runs FA4 over ``cu_seqlens[:N + 1]``, the
+trailing documents empty, forward and backward: a step CUDA graphs can capture.
+
 Reading the numbers must not stall the GPU: a host read waits for everything queued before it,
 and the GPU then idles while the host prepares FA4's launch (measured on an H200: 1.3-2.2 ms a
 step, ``docs/passes/document_mask.md``). So only the first plan of a shape reads them at once;
@@ -50,15 +55,16 @@ from . import fa4_attention, varlen_attention  # noqa: F401 - define the packed 
 PROVIDERS = ("fa4", "cudnn")
 
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")
-_lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens) -> (Tensor, Tensor)")
+_lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens, "
+            "int capacity=0) -> (Tensor, Tensor)")
 _lib.define(
     "document_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor meta, Tensor doc_ids, "
-    "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1) -> (Tensor, Tensor)"
+    "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1, int capacity=0) -> (Tensor, Tensor)"
 )
 _lib.define(
     "document_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor cu_seqlens, Tensor meta, Tensor doc_ids, Tensor? positions, float scale, bool is_causal, str provider, "
-    "int window_left=-1) -> (Tensor, Tensor, Tensor)"
+    "int window_left=-1, int capacity=0) -> (Tensor, Tensor, Tensor)"
 )
 
 _COUNT, _LONGEST, _CONTIGUOUS, _UNSURE = range(4)  # meta; unsure: ids checked that fall (the sort decides)
@@ -72,8 +78,9 @@ def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("cp_inductor::document_plan", lib=_lib)
-def _(doc_ids, positions, check, rows, tokens):
-    return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(4, dtype=torch.int64, device="cpu")
+def _(doc_ids, positions, check, rows, tokens, capacity=0):
+    meta_device = doc_ids.device if capacity else "cpu"  # a capacity: nothing for the host to read
+    return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(4, dtype=torch.int64, device=meta_device)
 
 
 def _runs(rows: torch.Tensor, check: bool):
@@ -87,12 +94,19 @@ def _runs(rows: torch.Tensor, check: bool):
     rank = torch.cumsum(starts.reshape(-1), 0) - 1
     cu_seqlens = _first_rows(starts.reshape(-1), rank, tokens)
     longest = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-    contiguous = torch.ones((), dtype=torch.bool, device=rows.device)
-    if check:
-        ordered = rows.sort(dim=1).values
-        distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
-        contiguous = (starts.sum(1) == distinct).all()
+    contiguous = _one_run_per_id(rows, starts) if check else torch.ones((), dtype=torch.bool, device=rows.device)
     return starts, rank, cu_seqlens, longest, contiguous
+
+
+def _one_run_per_id(rows: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether every id of each row of ``rows`` occurs in one run: runs per row against distinct
+    ids per row (a sort), on device."""
+    if starts is None:
+        starts = torch.ones_like(rows, dtype=torch.bool)
+        starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    ordered = rows.sort(dim=1).values
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
+    return (starts.sum(1) == distinct).all()
 
 
 def _first_rows(starts: torch.Tensor, rank: torch.Tensor, size: int) -> torch.Tensor:
@@ -109,7 +123,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 @torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
-def _plan(doc_ids, positions, check, batch, length):
+def _plan(doc_ids, positions, check, batch, length, capacity=0):
     rows = _rows(doc_ids, batch, length)
     table = None if positions is None else _rows(positions, batch, length)
     if rows.is_cuda:  # one launch (document_plan_kernel.py says why)
@@ -121,9 +135,25 @@ def _plan(doc_ids, positions, check, batch, length):
         if table is not None:  # causal over positions is causal over tokens where they rise within each document
             contiguous = contiguous & ((table[:, 1:] > table[:, :-1]) | starts[:, 1:]).all()
         meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype), torch.zeros_like(rank[-1])])
+    if capacity:
+        return cu_seqlens, _within_capacity(meta, rows, check, capacity)
     if _capturing(rows):
         return cu_seqlens, torch.zeros(4, dtype=torch.int64)  # not contiguous as far as we know: dense path
     return cu_seqlens, _to_host(meta, _documents_key(rows.device, rows.numel()), _learn_documents)
+
+
+def _within_capacity(meta: torch.Tensor, rows: torch.Tensor, check: bool, capacity: int) -> torch.Tensor:
+    """``meta`` on device, asserted there to describe contiguous documents, at most ``capacity``
+    of them: the attention then runs over ``capacity`` documents without reading a number on the
+    host (CUDA-graph safe; ``config.document_mask_capacity``). A pack past it is a device error,
+    never a different answer."""
+    contiguous = meta[_CONTIGUOUS] != 0
+    if check and rows.is_cuda:  # ids that fall somewhere (the kernel's "unsure"): the sort decides, on device
+        contiguous = contiguous | ((meta[_UNSURE] != 0) & _one_run_per_id(rows))
+    torch._assert_async(contiguous & (meta[_COUNT] <= capacity),
+                        "document_mask_capacity: this pack has more documents than the capacity, "
+                        "or its document ids are not contiguous runs")
+    return meta
 
 
 def _resolve(meta, doc_ids, batch: int, tokens: int) -> None:
@@ -265,7 +295,7 @@ def _lengths(cu_seqlens, meta):
 
 
 @torch.library.register_fake("cp_inductor::document_attention", lib=_lib)
-def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
+def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((batch, tokens, heads, v.shape[3])).transpose(1, 2)
     return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
@@ -278,8 +308,10 @@ def _fa4_packed(q, k, v, cu, longest, scale, is_causal, window_left):
 
 
 @torch.library.impl("cp_inductor::document_attention", "CompositeExplicitAutograd", lib=_lib)
-def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
+def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    if capacity:  # the plan asserted on device that the documents fit (trailing ones empty)
+        return _fa4_packed(q, k, v, cu_seqlens[: capacity + 1], tokens, scale, is_causal, window_left)
     covers = _guess(meta, _documents_key(q.device, batch * tokens))
     if covers is not None and provider == "fa4":  # launch first, read the numbers after
         speculative = _fa4_packed(q, k, v, cu_seqlens[: covers[0] + 1], tokens, scale, is_causal, window_left)
@@ -302,23 +334,27 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
 
 
 @torch.library.register_fake("cp_inductor::document_attention_backward", lib=_lib)
-def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1):
+def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1,
+      capacity=0):
     return tuple(t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2) for t in (q, k, v))
 
 
 @torch.library.impl("cp_inductor::document_attention_backward", "CompositeExplicitAutograd", lib=_lib)
 def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider,
-              window_left=-1):
+              window_left=-1, capacity=0):
     batch = q.shape[0]
-    _settle(meta)
-    _resolve(meta, doc_ids, batch, q.shape[2])
-    if not _packed(meta):
+    if capacity:
+        cu, longest = cu_seqlens[: capacity + 1], q.shape[2]
+    else:
+        _settle(meta)
+        _resolve(meta, doc_ids, batch, q.shape[2])
+        cu, longest = _lengths(cu_seqlens, meta) if _packed(meta) else (None, 0)
+    if cu is None:
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
             dense = _dense(*inputs, doc_ids, positions, scale, is_causal, window_left)
             grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
-    cu, longest = _lengths(cu_seqlens, meta)
     qt, kt, vt, ot, dot = (_flat(t) for t in (q, k, v, out, grad_out))
     if provider == "fa4":
         grads = torch.ops.cp_inductor.fa4_varlen_attention_backward(

@@ -74,6 +74,7 @@ class MaskedCall:
     provider_reason: str = ""
     shared: dict = field(default_factory=dict)  # per mask node: what its first lowered call emitted
     check: bool = True  # the plan checks on device that the document ids are contiguous
+    capacity: int = 0  # documents a pack may hold, asserted on device (0: the plan's numbers read on the host)
 
     @property
     def name(self) -> str:
@@ -185,6 +186,8 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     }
     if call.facts.window >= 0:
         candidates["cudnn"] = "a sliding window (cuDNN's ragged SDPA here takes none)"
+    if cfg.document_mask_capacity and candidates["cudnn"] is None:
+        candidates["cudnn"] = "document_mask_capacity (cuDNN's ragged graphs are built per document count)"
     dims = (q.shape[0] * q.shape[2], q.shape[1], k0.shape[1], q.shape[-1])
     shape = None if not all(isinstance(d, int) for d in dims) else attention_provider.Shape(
         "thd", *dims, call.facts.causal, str(q.dtype).removeprefix("torch."))
@@ -193,6 +196,10 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     if choice.provider == "program":
         return choice.reason
     call.provider, call.provider_reason = choice.provider, choice.reason
+    if cfg.document_mask_capacity:
+        call.capacity = cfg.document_mask_capacity
+        call.provider_reason += (f"; at most {call.capacity} documents a pack (document_mask_capacity, asserted on "
+                                 "device): no host read, CUDA-graph safe")
     return None
 
 
@@ -454,14 +461,16 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             ids, *positions = _copy_tables(gm, facts, tables, call.node)
             with g.inserting_before(call.node):
                 sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
-                plan = g.call_function(torch.ops.cp_inductor.document_plan.default, (ids, *(positions or [None]), call.check, *sizes))
+                plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
+                                       (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)))
                 cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
             call.shared["plan"] = (ids, positions[0] if positions else None, cu, meta)
         ids, positions, cu, meta = call.shared["plan"]
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
                                         (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
-                                         *([call.facts.window] if call.facts.window >= 0 else [])))
+                                         *([call.facts.window] if call.facts.window >= 0 or call.capacity else []),
+                                         *_capacity(call)))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
@@ -476,6 +485,11 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     g.erase_node(call.node)
     for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if not a.get("flex") else None):
         _erase_dead(g, dead)
+
+
+def _capacity(call: MaskedCall) -> list:
+    """The ops' trailing ``capacity`` argument, where there is one (goldens without it unchanged)."""
+    return [call.capacity] if call.capacity else []
 
 
 def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
