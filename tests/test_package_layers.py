@@ -55,9 +55,8 @@ def _exists(module: str) -> bool:
     return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
-def imports() -> collections.Counter:
-    """(importing group, imported group) -> how many import statements."""
-    edges: collections.Counter = collections.Counter()
+def module_imports():
+    """(importing module, imported module) for every import of the package's own modules."""
     for path in ROOT.rglob("*.py"):
         module = _module_name(path)
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -75,12 +74,28 @@ def imports() -> collections.Counter:
             else:
                 continue
             for target in targets:
-                if target.split(".")[0] != "cp_inductor":
-                    continue
-                a, b = group_of(module), group_of(target)
-                if a and b and a != b:
-                    edges[(a, b)] += 1
+                if target.split(".")[0] == "cp_inductor":
+                    yield module, target
+
+
+def imports() -> collections.Counter:
+    """(importing group, imported group) -> how many import statements."""
+    edges: collections.Counter = collections.Counter()
+    for module, target in module_imports():
+        a, b = group_of(module), group_of(target)
+        if a and b and a != b:
+            edges[(a, b)] += 1
     return edges
+
+
+def pass_modules() -> set:
+    """The modules that define a pass record (a top-level ``PASS``)."""
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PASS" for t in node.targets):
+                found.add(_module_name(path))
+    return found
 
 
 def test_every_folder_has_a_layer():
@@ -110,6 +125,15 @@ def test_no_import_circle_between_folders():
     for node in list(graph):
         if node not in state:
             visit(node, [])
+
+
+def test_only_the_pipeline_imports_a_pass():
+    """A pass is known by its record in ``passes/pipeline.py``: no other module imports one
+    (what passes share lives in ``analysis/`` or ``editing/``)."""
+    passes = pass_modules()
+    assert len(passes) > 10, passes
+    importers = sorted({(m, t) for m, t in module_imports() if t in passes and m != "cp_inductor.passes.pipeline"})
+    assert not importers, importers
 
 
 if __name__ == "__main__":

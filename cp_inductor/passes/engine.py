@@ -216,8 +216,9 @@ def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
     """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
     (the others are left out, not skipped)."""
     decision, verdicts = Decision(), Verdicts()
+    needed = _with_prerequisites(only)
     for rewrite in REWRITES:
-        if match.style not in rewrite.styles or (only is not None and rewrite.name not in only):
+        if match.style not in rewrite.styles or (needed is not None and rewrite.name not in needed):
             continue
         reason = switch_reason(rewrite, cfg) or _excluded(rewrite, verdicts)
         if reason is None and match.layout == "thd" and not rewrite.packed:
@@ -225,11 +226,28 @@ def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
         if reason is None:
             reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
         verdicts.record(rewrite.name, reason)
+        if only is not None and rewrite.name not in only:  # decided for the verdict a later one reads
+            continue
         if reason is None:
             decision.applied.append(rewrite.name)
         else:
             decision.skipped[rewrite.name] = reason
     return decision
+
+
+def _with_prerequisites(only):
+    """``only`` and the passes their records say are decided before them (``after``), whose
+    verdicts they read; None for every pass."""
+    if only is None:
+        return None
+    needed, by_name = set(only), {r.name: r for r in REWRITES}
+    stack = list(only)
+    while stack:
+        for name in getattr(by_name.get(stack.pop()), "after", ()):
+            if name not in needed:
+                needed.add(name)
+                stack.append(name)
+    return needed
 
 
 def _detector(match):

@@ -77,6 +77,8 @@ class Pass:
     # runs (canonical forms) or is chosen by other config (fa4_dense: attention_provider).
     switched: bool = True
     styles: tuple[str, ...] = ()  # REGION: the CP styles whose regions it concerns
+    # Passes decided before it whose verdicts its why_not reads (decided for it even where a
+    # caller asks for this pass alone).
     after: tuple[str, ...] = ()
     replaces: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()

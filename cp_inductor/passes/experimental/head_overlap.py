@@ -40,19 +40,19 @@ import torch
 import torch.fx
 
 from ..editing.fx_emit import Emitter
+from ..editing.head_groups import Partition, cat_like, common_groups, group_call
 from ..analysis.graph_walk import node_order
 from ..analysis.layout_algebra import Factor, Layout, plan_relayout
 from ..analysis.sdpa_ops import bound_args, tuple_outputs
 from ..detect.a2a import A2AMatch
 from ..record import POST_GRAD, Pass
-from ..post_grad import fused_a2a
-from ..post_grad.head_split import Partition, cat_like, common_groups, group_call
 from ..post_grad.transport import Sender, transport_choice
 from ..post_grad.ulysses_buffers import (
     as_delivered,
     crossing_groups,
     heads_view,
     pack_layout,
+    packed_source,
     reads_as_view,
     unpack_choice,
 )
@@ -60,6 +60,7 @@ from ..post_grad.ulysses_buffers import (
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "head_overlap"
+NEEDS = "fused_a2a"  # the pass whose buffers it builds on, decided before it
 
 # Most groups the automatic choice takes. Each split costs attention time (one more tail wave
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
@@ -80,7 +81,7 @@ def why_not(region, cfg, verdicts) -> str | None:
         return "needs fused_a2a (disabled by config)"
     if region.direction == "forward" and not cfg.head_overlap_forward:
         return "forward region (head_overlap_forward=False)"
-    reason = verdicts.reason(fused_a2a.NAME) if verdicts.decided(fused_a2a.NAME) else fused_a2a.why_not(region, cfg)
+    reason = verdicts.reason(NEEDS)
     if reason is not None:
         return f"needs fused_a2a: {reason}"
     if region.has_mask:
@@ -129,7 +130,7 @@ def _send_incoming(graph: torch.fx.Graph, region: A2AMatch, inc: list, p: Partit
     last_send = max((c.a2a.args[0] for c in inc), key=order.__getitem__)
     emit = Emitter(graph, last_send.next)
     layouts = [_grouped(pack_layout(c, region.cp), p.groups) for c in inc]
-    packs = [emit.relayout(fused_a2a.packed_source(emit, c), plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
+    packs = [emit.relayout(packed_source(emit, c), plan_relayout(c.source_layout, lay)) for c, lay in zip(inc, layouts)]
     buf = packs[0] if len(packs) == 1 else emit(aten.cat.default, packs, 4)
     sends = [sender.start(emit, emit(aten.select.int, buf, 0, g)) for g in range(p.groups)]
     return sends, layouts
@@ -227,6 +228,6 @@ def detail(region, cfg) -> str:
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 PASS = Pass(
-    NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, after=(fused_a2a.NAME,), replaces=(fused_a2a.NAME,),
+    NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, after=(NEEDS,), replaces=(NEEDS,),
     inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )

@@ -41,12 +41,12 @@ import torch
 import torch.fx
 
 from ..editing.fx_emit import Emitter, stride_order
+from ..analysis import cudnn_backward_route
 from ..analysis.graph_walk import node_order
 from ..analysis.layout_algebra import LayoutError, plan_relayout
 from ..analysis.sdpa_ops import bound_args
 from ..analysis.sym_sizes import equal, may_guard
 from ..detect.a2a import A2AMatch
-from . import cudnn_frontend_backward
 from ..record import POST_GRAD, Pass
 from .transport import all_to_all
 from .ulysses_buffers import (
@@ -54,6 +54,7 @@ from .ulysses_buffers import (
     crossing_groups,
     heads_view,
     pack_layout,
+    packed_source,
     reads_as_view,
     unpack_choice,
 )
@@ -120,15 +121,6 @@ def _cast_chain(c) -> torch.dtype | None:
     casts = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
     changed = [n for n in c.before if n.meta["val"].dtype != n.args[0].meta["val"].dtype]
     return sent if all(n.target in casts for n in changed) else None
-
-
-def packed_source(emit: Emitter, c) -> torch.fx.Node:
-    """The crossing's source cast to the dtype it travels in (a cast in its chain, which the
-    pack copy then does)."""
-    dtype = c.a2a.args[0].meta["val"].dtype
-    if c.source.meta["val"].dtype == dtype:
-        return c.source
-    return emit(torch.ops.prims.convert_element_type.default, c.source, dtype)
 
 
 def _refresh_meta(node: torch.fx.Node, emit: Emitter) -> None:
@@ -215,13 +207,13 @@ def _copy_heads(emit: Emitter, part, like: torch.Tensor) -> torch.fx.Node:
 def _layout_required(region: A2AMatch, attn_arg, cfg) -> torch.Tensor | None:
     """The layout an attention input must keep whatever we hand it, or None. dO: laid out like
     O, which every backward kernel reads without a copy of its own; but where cuDNN's backward
-    stays on aten's op (``cudnn_frontend_backward.route``), whose plan cache ignores dO's layout,
+    stays on aten's op (``analysis/cudnn_backward_route``), whose plan cache ignores dO's layout,
     dO keeps the layout the program gave it, as eager and default Inductor pass it."""
     args = bound_args(region.attention)
     if "grad_out" not in args or args["grad_out"] is not attn_arg or not isinstance(args.get("out"), torch.fx.Node):
         return None
     node = region.attention
-    if cudnn_frontend_backward.is_cudnn_backward(node) and cudnn_frontend_backward.route(node, cfg).path == cudnn_frontend_backward.ATEN:
+    if cudnn_backward_route.is_cudnn_backward(node) and cudnn_backward_route.route(node, cfg).path == cudnn_backward_route.ATEN:
         return attn_arg.meta["val"]
     return args["out"].meta["val"]
 

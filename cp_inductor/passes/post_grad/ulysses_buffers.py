@@ -117,3 +117,12 @@ def as_delivered(emit: Emitter, part, lay: Layout, c: A2ACrossing, cp: int) -> t
     unpack copy that follows."""
     part = emit.relayout(part, plan_relayout(lay.all_to_all(cp), c.send.all_to_all(cp)))
     return emit(aten.clone.default, part, memory_format=torch.contiguous_format)
+
+
+def packed_source(emit: Emitter, c) -> torch.fx.Node:
+    """The crossing's source cast to the dtype it travels in (a cast in its chain, which the
+    pack copy then does)."""
+    dtype = c.a2a.args[0].meta["val"].dtype
+    if c.source.meta["val"].dtype == dtype:
+        return c.source
+    return emit(torch.ops.prims.convert_element_type.default, c.source, dtype)
