@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from common import alternating_rounds, device_ms, fill_free_memory, write_rows
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
-import varlen_programs as vp  # noqa: E402
-from bench_thd import lengths_for  # noqa: E402
+from cp_inductor.testing import varlen_programs as vp
+from bench_thd import lengths_for
 
 HQ = 32
 

@@ -20,8 +20,7 @@ import torch
 from bench_thd import HKV, HQ, lengths_for
 from common import device_ms, fill_free_memory, write_rows
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
-import varlen_programs as vp  # noqa: E402
+from cp_inductor.testing import varlen_programs as vp
 
 CASES = [("random", 32768, 128), ("random", 65536, 128), ("one_long", 32768, 128), ("random", 32768, 256)]
 

@@ -23,8 +23,7 @@ import torch
 from bench_thd import HQ, lengths_for
 from common import device_ms, fill_free_memory, write_rows
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
-import varlen_programs as vp  # noqa: E402
+from cp_inductor.testing import varlen_programs as vp
 
 CASES = [(32768, 128, True), (32768, 128, False), (65536, 128, True), (65536, 128, False), (32768, 256, True),
          (32768, 256, False), (32768, 64, True)]

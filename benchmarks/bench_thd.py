@@ -31,7 +31,7 @@ attention's share of the block's time and what the rewrite saves of the step.
 
 ``--ulysses`` (under ``torchrun``, NCCL) or ``--fake-rank R/CP`` (one rank's compute on
 PyTorch's fake group, whose collectives move nothing): Ulysses over the pack (DeepSpeed ALST's
-form, ``tests/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
+form, ``cp_inductor/testing/varlen_programs.py::ulysses_thd``: T/CP tokens per rank, all-to-alls around varlen
 attention over all T tokens), per iteration the slowest rank's time, peak memory the largest
 rank's; arms
 ``eager``, ``inductor``, cp_inductor with fused_a2a / varlen_cudnn off and on (``cp_off``,
@@ -49,14 +49,12 @@ import argparse
 import random
 import statistics
 import time
-import sys
 
 import torch
 import torch.nn.functional as F
 from common import device_ms, fill_free_memory, gpu_clocks, write_rows
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
-import varlen_programs as vp  # noqa: E402
+from cp_inductor.testing import varlen_programs as vp
 
 HQ, HKV, DOCS = 32, 8, 8
 
@@ -146,7 +144,7 @@ def arms_for(lengths, head_dim, causal=True, program="torchtitan", kv_heads=HKV)
 
 # How the program reaches attention: torchtitan's varlen_attn with K/V repeated, or flash-attn's
 # flash_attn_varlen_func with GQA as is (its ops under flash-attn's schemas on aten's flash-2
-# kernels, the ones flash-attn ships: tests/varlen_programs.py; flash-attn is not installed).
+# kernels, the ones flash-attn ships: cp_inductor/testing/varlen_programs.py; flash-attn is not installed).
 PROGRAMS = {"torchtitan": vp.torchtitan_style, "flash_attn": vp.flash_attn_style}
 DIM, FFN = 4096, 14336  # Llama-3-8B's widths: Hq32 x D128 = 4096
 

@@ -7,7 +7,7 @@ collectives move nothing (memory is filled with random values first, so what the
 random, not zeros): the time is that rank's compute. Per pack (T tokens, Hq32 Hkv8, bf16, causal,
 lengths random / one long among 64 short / equal), fwd+bwd medians, arms alternating over rounds:
 
-- ``eager``: Llama 3's form by hand (``tests/varlen_programs.py::allgather_thd``): K/V
+- ``eager``: Llama 3's form by hand (``cp_inductor/testing/varlen_programs.py::allgather_thd``): K/V
   all-gathered, put in pack order, one ``varlen_attn`` (flash-2) per local chunk over a slice of
   the gathered K/V, K/V heads repeated (copies) as torchtitan feeds varlen_attn; ``pack`` balance
   (the pack cut in 2*CP chunks, rank r holding r and 2CP-1-r);
@@ -32,17 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 from common import device_ms, fill_free_memory, peak_composition, write_rows
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
-import varlen_programs as vp  # noqa: E402
-from bench_thd import HKV, HQ, lengths_for, measure_arms  # noqa: E402
+from cp_inductor.testing import varlen_programs as vp
+from bench_thd import HKV, HQ, lengths_for, measure_arms
 
-from cp_inductor.parallel import thd_allgather as tag  # noqa: E402
+from cp_inductor.parallel import thd_allgather as tag
 
 ARMS = ("eager", "inductor", "cp_off", "cp_on", "cp_cudnn", "cp_fa4", "helper_pack", "helper_doc", "helper_doc_g4", "floor_pack", "floor_doc")
 

@@ -135,7 +135,7 @@ class TestGeneratedRingBackwardCode(TestCase):
 def _thd_backward_code(form: str) -> str:
     """cp_inductor's backward code for rank 0 of cp = 2 over a pack (fake group): Llama 3's form by
     hand, or the helper (FA4 rounds on the CPU reference)."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from cp_inductor.lowerings import varlen_attention
     from cp_inductor.parallel import thd_allgather as tag
 

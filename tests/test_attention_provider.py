@@ -206,7 +206,7 @@ dense attention _scaled_dot_product_flash_attention_for_cpu: program: an attenti
     def test_packed_attention_on_fa4_keeps_gqa_as_is(self):
         """torchtitan's varlen call (K/V repeated for GQA) lowered to FA4's packed op on the
         unrepeated K/V; the report line says which provider and why."""
-        import varlen_programs as vp
+        from cp_inductor.testing import varlen_programs as vp
 
         vp.register_cpu_kernels()
         q, k, v, cu, m = vp.pack([3, 5, 4], 4, 2, 16, seed=0)
@@ -253,7 +253,7 @@ def _fa4_stand_in_module():
     that Dynamo cannot trace (as FA4's cannot), computing what FA4 computes."""
     import types
 
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     @torch._dynamo.disable
     def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -279,7 +279,7 @@ def test_a_program_calling_fa4_compiles_in_one_graph_onto_our_ops():
     """fullgraph=True over FA4's functions (which Dynamo cannot trace): each call whose arguments
     our ops cover is traced as our op, same answer; one with softcap runs FA4's function (here:
     a graph break, so fullgraph fails as it did before)."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.lowerings import fa4_functions
 

@@ -166,7 +166,7 @@ def test_dynamic_true_guards_head_counts_and_rewrites():
 def test_packed_ulysses_at_token_counts_that_change():
     # Packs of 32, 48 and 64 tokens through one compiled program: the second recompiles with
     # the token count dynamic (automatic dynamic), the third reuses it.
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     packs, regions, lines = run_on_ranks(vp.check_ulysses_thd, 2, [5, 11, 8, 8], 8, 4, True, True, "cpu",
                                          torch.float32, [[16, 2, 17, 13], [30, 2, 20, 12]])[0]

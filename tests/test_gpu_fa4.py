@@ -39,7 +39,7 @@ LENGTHS = [1, 300, 1, 77, 1000, 129, 1, 540]
 @pytest.mark.parametrize("heads_kv", [2, 8])
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_matches_fp32_and_flash2(head_dim, heads_kv, causal):
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     q, k, v, cu, m = vp.pack(LENGTHS, 8, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=head_dim)
     grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +57,7 @@ def test_varlen_matches_fp32_and_flash2(head_dim, heads_kv, causal):
 def test_varlen_reads_keys_in_place_with_seqused_k(causal):
     """All-gather's form: queries are pieces of documents, K/V one buffer with cu_seqlens_k at the
     document starts and seqused_k = each piece's key prefix (bottom-right causal)."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.lowerings import varlen_attention
 
@@ -129,7 +129,7 @@ class _CountJit:
 def test_compiled_varlen_new_lengths_no_recompile_no_jit():
     """A torchtitan-style program compiled fullgraph with attention_provider="fa4": the call
     runs on FA4; packs with other lengths (same count) cost no recompile and no new FA4 kernel."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from torch._dynamo.utils import counters
 
     from cp_inductor.passes.dynamo.varlen_cudnn import FA4_VARLEN
@@ -158,7 +158,7 @@ def test_compiled_varlen_new_lengths_no_recompile_no_jit():
 def test_cuda_graph_replays_with_new_lengths():
     """mode="reduce-overhead": FA4's packed attention captured by cudagraph trees (its JIT ran in
     the warm-up) and replayed with new cu_seqlens values; right against fp32 every step."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from torch._dynamo.utils import counters
 
     from cp_inductor.testing.train_step import _cudagraphs_recorded
@@ -204,7 +204,7 @@ def test_compiled_dense_sdpa_on_fa4_matches_eager(causal):
 def test_a_program_calling_fa4_compiles_fullgraph_on_our_ops():
     """flash_attn.cute's own functions inside torch.compile(fullgraph=True) (which fails on
     them without cp_inductor): traced as our ops, the same answer as FA4 in eager."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     cp_inductor.trace_fa4_functions()
@@ -273,7 +273,7 @@ def test_thd_allgather_handwritten_compiled_matches_eager_and_fp32():
     gathered K/V, K/V heads repeated), rank 0 of cp = 2 mirrored: compiled with cp_inductor, each
     call on the chosen provider reading the slice in place, K/V repeat dropped, against eager
     flash-2 and fp32, for the output and every gradient."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     vp.register_cpu_kernels()
     lengths = [300, 1000, 77, 671, 1, 1999]  # 4048 tokens: chunks of 1012, documents across chunks

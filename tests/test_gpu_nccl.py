@@ -382,7 +382,7 @@ def test_thd_ulysses_nccl_bf16(mode):
     whose lengths change every step through one compiled program. Regions in both graphs, whose
     all-to-alls stay the program's (fused_a2a's measured skip for packs on GPUs). With a mode
     (torch.compile takes no options then) the cost model keeps these small packs on flash-2."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     packs = [[1000, 3000, 96], [1, 2047, 2048], [512] * 8]
     results = run_on_ranks(vp.check_ulysses_thd, 2, packs[0], 16, 4, True, False, "cuda", torch.bfloat16, packs[1:],

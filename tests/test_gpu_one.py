@@ -386,7 +386,7 @@ def _varlen_missing():
 def _errors_against_fp32(q, k, v, cu, causal, grad):
     """``errors(fn)``: the relative errors of ``fn(q, k, v)``'s output and of every gradient
     (output gradient ``grad``) against the fp32 per-sequence reference of the pack."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     ref_in = [t.float().requires_grad_() for t in (q, k, v)]
     want = vp.sequence_reference(*ref_in, cu, causal)
@@ -426,7 +426,7 @@ def test_varlen_on_cudnn_matches_flash_and_fp32(causal, head_dim, heads_kv):
     """torchtitan-style varlen_attn compiled with cp_inductor runs cuDNN's ragged attention (K/V
     repeat dropped where GQA): output and every gradient against an fp32 per-sequence reference,
     no worse than flash-2 varlen (eager) is against it. Lengths of 1 token and off 128."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
@@ -446,7 +446,7 @@ def test_aten_flash_varlen_on_cudnn_matches_eager_and_fp32(causal):
     """aten's flash forward called on a pack (cum_seq_q given), compiled with cp_inductor, runs
     cuDNN's ragged attention: output and every gradient against fp32, no worse than the same
     program in eager (aten's flash kernels)."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
@@ -469,7 +469,7 @@ def test_flash_attn_function_on_cudnn_matches_eager_and_fp32(causal, form, heads
     (q, k, v as views of one tensor: qkv-packed with MHA, kv-packed with GQA), compiled with
     cp_inductor: the autograd.Function moves onto cuDNN's ragged attention; output and every
     gradient against fp32, no worse than the Function in eager."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
@@ -497,7 +497,7 @@ def test_a_pack_on_a_covering_graph_then_on_its_own(monkeypatch):
     bounds (empty sequences appended, rows masked), then on its own once it has come often
     enough: right against fp32 for the output and every gradient each time, with graphs built
     only where the rule says."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.lowerings import cudnn_ragged
     from cp_inductor.lowerings import varlen_attention as va
@@ -530,7 +530,7 @@ def test_pack_from_position_ids_on_cudnn_matches_eager_and_fp32():
     ``.item()``), captured whole (``capture_scalar_outputs``: the document count and the bound are
     unbacked ints): cuDNN's ragged attention, output and every gradient against fp32, no worse
     than eager."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
 
@@ -551,7 +551,7 @@ def test_nested_jagged_sdpa_same_answer_as_eager():
     aten's flash kernels over the offsets; the shortest and longest lengths given, as compiling
     it needs) compiled whole with cp_inductor: the output and every gradient are as right
     against fp32 as eager's."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     lengths = [1, 300, 77, 1024, 129]
     q, k, v, cu, _ = vp.pack(lengths, 8, 8, 128, dtype=torch.bfloat16, device="cuda", seed=7)
@@ -572,7 +572,7 @@ def test_varlen_cuda_graph_replays_with_new_lengths():
     """mode="reduce-overhead": cuDNN's ragged attention captured by cudagraph trees and replayed
     with other lengths (same document count and bound, new cu_seqlens values), then a pack with
     one more document; each step right against fp32 for the output and every gradient."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from torch._dynamo.utils import counters
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
@@ -608,7 +608,7 @@ def test_thd_ulysses_on_a_mirrored_world_matches_eager_and_fp32():
     world (every rank holds rank 0's tokens, so each all-to-all has one answer): compiled with
     cp_inductor (fused_a2a forced, cuDNN ragged attention, K/V repeat dropped) against the same program
     in eager (flash-2 varlen) and in fp32 on the CPU, for the output and every gradient."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     from cp_inductor.passes.dynamo.varlen_cudnn import CUDNN_RAGGED
     from cp_inductor.testing.mirror_group import mirrored_world
@@ -653,7 +653,7 @@ def test_thd_ulysses_on_a_mirrored_world_matches_eager_and_fp32():
 _BROKEN_PROMISE = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-import varlen_programs as vp
+from cp_inductor.testing import varlen_programs as vp
 import cp_inductor
 q, k, v, cu, m = vp.pack([512, 512], 8, 8, 128, dtype=torch.bfloat16, device="cuda")
 fn = torch.compile(lambda q, k, v, cu: vp.torchtitan_style(q, k, v, cu, 1024), backend="cp_inductor",

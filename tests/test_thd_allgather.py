@@ -81,7 +81,7 @@ short cp=8: document 1.002, pack 1.011""")
 
 def _reference(q, k, v, lengths, causal):
     """Every document alone in fp64: out and its gradients for output gradient ``dout``."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
 
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return vp.sequence_reference(q, k, v, cu, causal)
@@ -189,7 +189,7 @@ def _check_handwritten(rank, cp, heads_kv, causal, gather, keys="slice", attenti
     import contextlib
 
     import cp_inductor
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from cp_inductor.lowerings import varlen_attention
 
     vp.register_cpu_kernels()
@@ -234,7 +234,7 @@ def test_handwritten_form_compiled_on_gloo(cp, heads_kv, causal, gather, keys, a
 def _golden(cp: int, form: str, heads_kv: int = 2, balance: str = "document", **variant) -> str:
     """What detection finds in rank 0's graphs (fake group, 96-token pack, Hq 4), each region's
     accumulator note once per graph kind."""
-    import varlen_programs as vp
+    from cp_inductor.testing import varlen_programs as vp
     from cp_inductor.lowerings import varlen_attention
     from cp_inductor.passes import engine
 
@@ -319,7 +319,7 @@ dK/dV accumulators: Inductor inlines the zero fill and reads each contribution o
         """Each chunk's call moves to our op on the slice of the gathered K/V (a view: no copy),
         the K/V repeat dropped; a chunk whose keys outnumber its queries is a prefix call, which
         the self-attention cost map does not cover (FA4 unless measured otherwise)."""
-        import varlen_programs as vp
+        from cp_inductor.testing import varlen_programs as vp
         from test_varlen_cudnn import calls, rewritten
 
         q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
@@ -338,7 +338,7 @@ varlen attention _varlen_attn_1: allgather, thd, lengths unknown, causal, K/V he
     def test_handwritten_on_aten_flash_op_is_lowered_too(self):
         """The same chunks through aten's flash forward (its varlen form, GQA as is): each call
         moves to our op on the slice, named an all-gather call."""
-        import varlen_programs as vp
+        from cp_inductor.testing import varlen_programs as vp
         from test_varlen_cudnn import rewritten_while_compiling
 
         q, k, v, _, _ = vp.pack(HAND_LENGTHS, 4, 2, 16)
@@ -354,7 +354,7 @@ varlen attention _flash_attention_forward_1: allgather, thd, lengths unknown, ca
     def test_dense_only_rewrites_step_aside_with_their_reason(self):
         """Every switch on, strict (an internal error would raise): the all-gather rewrites built
         for dense attention say why they leave a packed region alone."""
-        import varlen_programs as vp
+        from cp_inductor.testing import varlen_programs as vp
         from cp_inductor.config_snapshot import snapshot
         from cp_inductor.passes import engine
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-import varlen_programs as vp
+from cp_inductor.testing import varlen_programs as vp
 from cp_inductor.testing.launch import run_on_ranks
 from helpers import aot_graphs, describe_regions, fake_pg, fused_a2a_pass, rewrite_summary
 

@@ -12,7 +12,7 @@ import torch
 from expecttest import TestCase
 
 import cp_inductor
-import varlen_programs as vp
+from cp_inductor.testing import varlen_programs as vp
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.lowerings.varlen_attention import reference_kernels
 from cp_inductor.passes import engine
