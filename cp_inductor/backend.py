@@ -93,7 +93,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record_rejected(r)
     for r in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
         record_backward_route(r)
-    with inductor_config.patch(engine.inductor_patches(rows)):
+    with inductor_config.patch(engine.inductor_patch_keys()):  # the rewrites kept set theirs for this graph
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     if journal is not None:
         journal.compiled(_graph_kind(kwargs), where)

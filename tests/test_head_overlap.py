@@ -266,3 +266,28 @@ def test_numerics_gloo_hand_written_and_backward_only():
     for r in run_on_ranks(check_cp_attention, 2, [case], None, "cp_inductor", "cpu", options)[0]:
         assert max(r["compiled_vs_ref"].values()) < 1e-5
         assert region_rewrites(r) == {"fused_a2a": 2, "head_overlap": 1}, r
+
+
+def test_inductor_config_follows_what_was_kept():
+    """head_overlap needs Inductor's reorder_for_peak_memory off: set when the rewrite is kept on
+    a graph, for that graph's compile only (the backend's patch restores it), and not where the
+    check undid the rewrite."""
+    from torch._inductor import config as inductor_config
+
+    from helpers import pass_replaced
+
+    def broken(graph, region, cfg):
+        replaced = head_overlap.apply(graph, region, cfg)
+        old, new, strides = replaced[0]
+        return [(old, graph.call_function(torch.ops.aten.slice.Tensor, (new, 0, 0, 1)), strides)] + replaced[1:]
+
+    seen = {}
+    for name, fields in (("kept", {}), ("undone", {"apply": broken})):
+        with fake_pg(2), cp_inductor.config.patch(head_overlap=True, fused_a2a_unpack="views", strict=False), \
+                inductor_config.patch(reorder_for_peak_memory=True):
+            graphs = aot_graphs(ulysses(is_causal=True), *qkv((2, 8, 8, 16), (2, 8, 4, 16)))
+            with inductor_config.patch(engine.inductor_patch_keys()), pass_replaced(head_overlap.PASS, **fields):
+                run_passes(graphs["backward"].graph)
+                seen[name] = inductor_config.reorder_for_peak_memory
+            assert inductor_config.reorder_for_peak_memory, "the graph's patch outlived its compile"
+    assert seen == {"kept": False, "undone": True}, seen

@@ -45,7 +45,7 @@ REWRITES: tuple[Pass, ...] = tuple(p for p in PASSES if p.unit == REGION)  # dec
 check_order(REWRITES)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 __all__ = ["HOOKS", "analyze", "backward_routes", "decide", "functorch_patches", "hooks_with_passes", "hooks_with_work",
-           "inductor_patches", "run_dynamo_passes", "run_hook"]
+           "inductor_patch_keys", "run_dynamo_passes", "run_hook"]
 
 
 def hooks_with_passes() -> tuple[str, ...]:
@@ -354,14 +354,22 @@ def _why_no_region(by_style: dict, node) -> str:
     return P2P if ring.received_point_to_point(node) else NO_COLLECTIVE
 
 
-def inductor_patches(rows: list[Region]) -> dict:
-    """Inductor config for a graph with these report rows (what its applied rewrites need)."""
-    by_name = {r.name: r for r in REWRITES}
-    patches = {}
-    for row in rows:
-        for name in row.applied:
-            patches.update(by_name[name].inductor_patches)
-    return patches
+def inductor_patch_keys() -> dict:
+    """The Inductor config keys a rewrite may set, with their values now: the compile of a graph
+    runs under a patch of them (``backend._inner_compile``), so that what a kept rewrite sets
+    (:func:`_set_inductor_patches`) lasts for that graph's compile only."""
+    from torch._inductor import config as inductor_config
+
+    return {key: getattr(inductor_config, key) for r in REWRITES for key in r.inductor_patches}
+
+
+def _set_inductor_patches(rewrite: Pass) -> None:
+    """The Inductor config ``rewrite`` needs, set once it is kept on a graph: Inductor reads it
+    after the post-grad hooks (its scheduler), so a rewrite the trial undid sets nothing."""
+    from torch._inductor import config as inductor_config
+
+    for key, value in rewrite.inductor_patches.items():
+        setattr(inductor_config, key, value)
 
 
 # --- Inductor's hooks -----------------------------------------------------------------------
@@ -445,6 +453,8 @@ def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only
                 kept_now = outcome["kept"] = apply(graph, match, rewrite, detector.match_at, cfg, performs)
         if not kept_now:
             continue
+        if apply is not checked_rewrite.apply_unchecked:
+            _set_inductor_patches(rewrite)
         kept = True
         attention = match.attention
         if attention._erased:  # split into several calls: the region is found again by the first
