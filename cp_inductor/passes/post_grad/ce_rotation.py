@@ -16,9 +16,8 @@ neighbours, read from the split sizes the program traced. The forward's rotation
 carry K and V (both, where they rotate separately), the backward's those that carry dK/dV.
 
 Needs the copy-engine transport (the report says why not where it cannot run) and rotations of
-at least ``ce_rotation_min_bytes``. On by default: on 2xH200 it took native CP fwd+bwd (cp=2,
-causal, H32 D128) from 36.44 to 31.99 ms at S32K with the all-to-all rotation, from 36.64 to
-34.60 with the all-gather rotation (the backward's dK/dV rotations), 131.57 to 122.62 at S64K.
+at least ``ce_rotation_min_bytes``. On by default: what it was measured to give is in
+``docs/passes/ce_rotation.md``.
 """
 
 from __future__ import annotations
