@@ -4,6 +4,13 @@ FA4's varlen op over the documents, no mask built, under default Inductor). Prin
 writes JSON.
 
     python benchmarks/bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 --json out.json
+
+CUDA-graph arms (``mode="reduce-overhead"``): ``inductor_graphs`` (default Inductor) and
+``cp_graphs`` (cp_inductor with ``document_mask_capacity=--capacity``: its step has nothing for the
+host to read, so Inductor's cudagraph trees record it; without a capacity they skip the graphs
+holding the document plan):
+
+    python benchmarks/bench_hf_masks.py --arms inductor,cp_inductor,inductor_graphs,cp_graphs --capacity 32
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from common import arm_ratios, device_ms, print_arm_table, print_kernels, write_device_rows
 
 ARMS = ("eager", "inductor", "cp_inductor", "floor")
+GRAPH_ARMS = {"inductor_graphs": "inductor", "cp_graphs": "cp_inductor"}  # mode="reduce-overhead"
 
 
 def _floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -70,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--capacity", type=int, default=32, help="cp_graphs: document_mask_capacity")
     p.add_argument("--profile", action="store_true", help="print each arm's kernels and idle time")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -86,9 +95,15 @@ def main(argv=None) -> int:
             extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest} if arm == "floor" else {}
             torch._dynamo.reset()
             cp_inductor.clear_report()
-            run = model if arm == "eager" else torch.compile(model, backend="cp_inductor" if arm == "cp_inductor" else "inductor")
+            backend = GRAPH_ARMS.get(arm, "cp_inductor" if arm == "cp_inductor" else "inductor")
+            graphs = arm in GRAPH_ARMS
+            options = {"cp_inductor.document_mask_capacity": args.capacity} if arm == "cp_graphs" else None
+            run = model if arm == "eager" else torch.compile(model, backend=backend, options=options,
+                                                             mode="reduce-overhead" if graphs else None)
 
             def step():
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 loss = run(**inputs, **extra, use_cache=False).loss
                 loss.backward()
                 for q in model.parameters():
@@ -100,15 +115,26 @@ def main(argv=None) -> int:
             if args.profile:
                 row.setdefault("profile", {})[arm] = print_kernels(f"{args.impl} T{args.tokens} docs {docs} {arm}", step,
                                                                    top=16)
-            if arm == "cp_inductor":
-                row["report"] = str(cp_inductor.report()).splitlines()
+            if arm in ("cp_inductor", "cp_graphs"):
+                row["report" if arm == "cp_inductor" else "report_graphs"] = str(cp_inductor.report()).splitlines()
+            if graphs:
+                from torch._dynamo.utils import counters
+
+                row.setdefault("cudagraph_skips", {})[arm] = counters["inductor"]["cudagraph_skips"]
+                counters["inductor"].clear()
+                torch._inductor.cudagraph_trees.reset_cudagraph_trees()
             model = run = None  # free both before the next arm builds its model
             torch.cuda.empty_cache()
             print(f"{args.impl} T{args.tokens} docs {docs} {arm}: {row['ms'][arm]:.2f} ms", file=sys.stderr, flush=True)
         arm_ratios(row)
+        ms, nan = row["ms"], float("nan")
+        row["graphs_speedup"] = ms.get("inductor_graphs", nan) / ms.get("cp_graphs", nan)
         rows.append(row)
-    print_arm_table(rows, args.arms.split(","), {"impl": "impl", "T": "tokens", "docs": "docs"})
+    print_arm_table(rows, args.arms.split(","), {"impl": "impl", "T": "tokens", "docs": "docs"},
+                    {"cp_graphs / inductor_graphs": ("graphs_speedup", ".2f")})
     for r in rows:
+        if r.get("cudagraph_skips"):
+            print(f"  docs {r['docs']}: graphs Inductor skipped: {r['cudagraph_skips']}")
         for line in r["report"]:
             if "attention" in line:
                 print(f"  docs {r['docs']}: {line}")

@@ -8,6 +8,8 @@
 #   titan:    a torchtitan-style decoder with a flex document mask, T16K
 #   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
 #   quick:    the tests, the plan, flex alone, flex CP with the plan read first, HF flex packed
+#   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
+#             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
 filter() { grep -v "Warning\|warnings.warn\|exe_args\|_warn_once\|SOLUTION\|If you want\|This will allow\|_FLEX_ATTENTION\|^ *$"; }
 hf() {  # impl, seconds
@@ -33,7 +35,7 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
     --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
 }
 mode=${1:-tests}
-if { [ "$mode" = tests ] || [ "$mode" = quick ]; } && [ -z "$SKIP_TESTS" ]; then
+if { [ "$mode" = tests ] || [ "$mode" = quick ] || [ "$mode" = graphs ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
@@ -43,6 +45,10 @@ tests|bench) bench ;;
 quick) quick ;;
 hf-flex) hf flex_attention 560 ;;
 hf-sdpa) hf sdpa 560 ;;
+graphs)
+  timeout 330 python3 bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 1 --iters 10 --capacity 32 \
+    --arms inductor,cp_inductor,inductor_graphs,cp_graphs --json "$out/hf_sdpa_graphs_t16k.json" 2>&1 | filter \
+    | tee "$out/hf_sdpa_graphs_t16k.log" | tail -12 ;;
 titan)
   timeout 560 python3 bench_titan_block.py --tokens 16384 --docs 8 --json "$out/titan_block_t16k.json" 2>&1 | filter \
     | tee "$out/titan_block_t16k.log" | tail -10 ;;
