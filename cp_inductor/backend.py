@@ -35,7 +35,7 @@ fa4_functions.register_if_imported()
 
 def _split_options(options: dict | None) -> tuple[dict, dict]:
     ours, inductor = {}, {}
-    known = config.get_config_copy()
+    known = config.get_config_copy()  # type: ignore[attr-defined]  # install_config_module adds it at import
     for key, value in (options or {}).items():
         if key.startswith(OPTION_PREFIX):
             name = key[len(OPTION_PREFIX):]
@@ -78,7 +78,7 @@ def _caches_on() -> bool:
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnapshot, dynamo_sdpa: int = 0,
                    journal: _Journal | None = None, **kwargs):
     where = mark()
-    rejected = []
+    rejected: list[Rejected] = []
     if cfg.detect and engine.canonicalize(gm.graph, cfg):
         gm.recompile()
     with timed("analyze", f"the {_graph_kind(kwargs)} graph") as outcome:
@@ -91,8 +91,8 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record(row)
     for r in rejected:
         record_rejected(r)
-    for r in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
-        record_backward_route(r)
+    for route in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
+        record_backward_route(route)
     with inductor_config.patch(engine.inductor_patch_keys()):  # the rewrites kept set theirs for this graph
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     if journal is not None:
@@ -165,4 +165,4 @@ def reset() -> None:
     clear_report()
 
 
-cp_inductor_backend.reset = reset
+cp_inductor_backend.reset = reset  # type: ignore[attr-defined]  # the attribute torch._dynamo.reset() calls

@@ -46,4 +46,5 @@ def snapshot(overrides: Mapping | None = None) -> ConfigSnapshot:
     """The global config as it is now, with ``overrides`` (config names, no prefix) on top."""
     from . import config
 
-    return ConfigSnapshot({**config.get_config_copy(), **dict(overrides or {})})
+    # (install_config_module adds get_config_copy at import)
+    return ConfigSnapshot({**config.get_config_copy(), **dict(overrides or {})})  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ def key(gm: torch.fx.GraphModule, example_inputs, cfg, mode, options) -> str:
     from .lowerings.fa4_attention import installed as fa4_installed
     from .passes.hook_pass import source_hash
 
-    inputs = []
+    inputs: list[tuple | str] = []  # a tensor's shape, strides, dtype, device and grad flag, else its repr
     for t in example_inputs:
         if isinstance(t, torch.Tensor):
             inputs.append((tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.dtype), str(t.device),

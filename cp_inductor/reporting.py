@@ -198,7 +198,7 @@ def record(region: Region) -> None:
     )
 
 
-_LISTS = (_regions, _rejected, _undone, _backward_routes, _varlen, _dense)
+_LISTS: tuple[list, ...] = (_regions, _rejected, _undone, _backward_routes, _varlen, _dense)
 
 
 def mark() -> tuple[int, ...]:

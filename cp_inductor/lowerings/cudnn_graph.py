@@ -10,6 +10,8 @@ captures see them as any other kernel.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,13 +38,13 @@ def handle(device_index: int):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    graph: object  # the frontend's built pygraph
+    graph: Any  # the frontend's built pygraph
     workspace_bytes: int
     uids: tuple  # the order ``run`` takes its buffers in
     # The built graph's C++ executor, called with raw device pointers: it skips the frontend's
     # per-call buffer inspection (about 5 us), safe because the plan key fixes every shape and
     # stride. None where this frontend release lacks it: the public ``execute`` then runs.
-    raw_execute: object | None
+    raw_execute: Callable | None
     backend_handle: object | None
 
     def run(self, buffers, device: torch.device, h) -> None:

@@ -47,6 +47,7 @@ key, at positions a CP BlockMask computes (torch's flex CP).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -178,7 +179,7 @@ class _Guess:
     """A plan whose numbers are on their way to the host, and what to launch meanwhile."""
     key: tuple
     covers: tuple | None  # (documents,) or (segments, rounds); None: read the numbers first
-    learn: object  # (key, meta, covers) -> covers, after the numbers are read
+    learn: Callable  # (key, meta, covers) -> covers, after the numbers are read
     copied: torch.cuda.Event | None  # None on the CPU, where they are there already
 
     def wait(self, meta: torch.Tensor) -> None:

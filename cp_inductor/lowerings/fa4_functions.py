@@ -106,7 +106,9 @@ def register(module=None) -> list[str]:
     """Give Dynamo our stand-ins for FA4's functions (``module``: ``flash_attn.cute.interface``
     or a module with the same functions); returns the names registered now."""
     if module is None:
-        from flash_attn.cute import interface as module
+        from flash_attn.cute import interface
+
+        module = interface
     done = []
     for name, stand_in in (("flash_attn_varlen_func", _varlen_stand_in), ("flash_attn_func", _dense_stand_in)):
         original = getattr(module, name, None)

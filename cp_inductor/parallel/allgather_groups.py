@@ -30,6 +30,8 @@ the gradients exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -65,7 +67,7 @@ def _gathered_order(dfull: torch.Tensor, cp: int, load_balanced: bool) -> torch.
     return halves.permute(3, 0, 1, 2, 4, 5, 6).reshape(cp * 2, b, h, s // cp, d)
 
 
-def _stretches(chunks: tuple, length: int) -> list[tuple[int | None, slice]]:
+def _stretches(chunks: tuple, length: int) -> Sequence[tuple[int | None, slice]]:
     """(first sequence position, local rows) of each stretch of consecutive local chunks
     (``chunk_runs``); chunks ``(None,)``: not causal, one stretch over every row."""
     return [(None, slice(None))] if chunks == (None,) else chunk_runs(chunks, length)

@@ -79,6 +79,7 @@ class _Ring(torch.autograd.Function):
             if out is None:  # step 0 covers every row (causal: the local block)
                 out, lse = o.float(), step_lse
                 continue
+            assert lse is not None  # set with out at step 0
             new = torch.logaddexp(lse[:, :, rows], step_lse)
             merged = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + o.float() * (step_lse - new).exp().unsqueeze(-1)
             if rows == slice(None):
@@ -86,6 +87,7 @@ class _Ring(torch.autograd.Function):
             else:
                 out = torch.cat([out[:, :, :rows.start], merged], dim=2)
                 lse = torch.cat([lse[:, :, :rows.start], new], dim=2)
+        assert out is not None  # step 0 ran (cp >= 1)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.extras = (causal, rank, cp, group_name, scale, kernel), extras

@@ -201,6 +201,7 @@ def _round(pieces: list[Piece], row_start: int, total: int, device, capacity: in
     if capacity is None:  # the call takes the round's rows alone
         rows, offset, unused, max_q, max_k = (row_start, row_start + sum(sizes)), 0, 0, max(sizes), max(documents)
     else:
+        assert max_docs is not None  # make_shard passes capacity and max_docs together
         if len(pieces) > max_docs:
             raise ValueError(f"a round holds {len(pieces)} documents, more than max_docs={max_docs}")
         rows, offset, unused, max_q, max_k = (0, capacity), row_start, max_docs - len(pieces), capacity, max(total, 1)
@@ -232,9 +233,9 @@ def make_shard(lengths, rank: int, cp: int, balance: str = "document", device=No
     if max(counts) > padded:
         raise ValueError(f"a rank holds {max(counts)} tokens of this pack, more than capacity={capacity}")
     pack_index = torch.empty(total, dtype=torch.int64)
-    for r, rounds in enumerate(by_rank):  # rank r's local rows sit at r * T_pad in the gather
+    for r, rank_rounds in enumerate(by_rank):  # rank r's local rows sit at r * T_pad in the gather
         row = r * padded
-        for p in (p for rnd in rounds for p in rnd):
+        for p in (p for rnd in rank_rounds for p in rnd):
             pack_index[p.start:p.end] = torch.arange(row, row + p.end - p.start)
             row += p.end - p.start
     gather_index = torch.full((cp * padded,), -1, dtype=torch.int64)

@@ -26,7 +26,8 @@ class RewriteCheckError(Exception):
 
 
 def _copy(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
-    copy, val_map = torch.fx.Graph(), {}
+    copy = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     copy.output(copy.graph_copy(graph, val_map))
     return copy, val_map
 

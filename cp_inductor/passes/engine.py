@@ -123,8 +123,8 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     """The call passes on the graph Dynamo hands the backend: those that find their own calls
     (masked SDPA), then each packed call to the first that applies, else it stays with every
     reason; returns the report's lines."""
-    own = [_lower_own_calls(gm, p, cfg) for p in _stage(DYNAMO, CALL) if p.finds is not None]
-    own = [c for found in own for c in found]
+    found_per_pass = [_lower_own_calls(gm, p, cfg) for p in _stage(DYNAMO, CALL) if p.finds is not None]
+    own = [c for found in found_per_pass for c in found]
     try:
         calls = varlen_calls.find(gm)
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
@@ -148,6 +148,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
 def _lower_own_calls(gm: torch.fx.GraphModule, p: Pass, cfg: ConfigSnapshot) -> list:
     """The calls a call pass finds itself, each lowered by it or kept with the reason."""
     try:
+        assert p.finds is not None  # run_dynamo_passes takes only the passes that find their own calls
         calls = p.finds(gm)
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
         internal_error(e, cfg)
@@ -271,7 +272,8 @@ def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None
         canonicalize(graph, cfg)
 
     order = node_order(graph)
-    rows, reasons = [], {}  # reasons: attention node -> {style: why it is not that style's region}
+    rows = []
+    reasons: dict[torch.fx.Node, dict[str, str]] = {}  # attention node -> {style: why it is not that style's region}
     for detector in DETECTORS:
         for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
             rows.append((order[match.attention], _region_row(match, detector, graph_kind, cfg)))

@@ -48,7 +48,7 @@ def _applies(*_) -> None:
 class Verdicts:
     """The verdicts of the passes decided so far on one region or call: ``why_not`` reads them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._reasons: dict = {}
 
     def record(self, name: str, reason: str | None) -> None:

@@ -242,8 +242,10 @@ def flash_attn_like(namespace: str = "flash_attn"):
         return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                                  softmax_scale, causal)
 
-    flash_attn_varlen_func.lib = lib  # the registrations live as long as the function
-    flash_attn_varlen_func.qkvpacked, flash_attn_varlen_func.kvpacked = qkvpacked, kvpacked
+    # Deliberate function attributes (flash_attn_style reaches the packed forms through the function):
+    flash_attn_varlen_func.lib = lib  # type: ignore[attr-defined]  # the registrations live as long as the function
+    flash_attn_varlen_func.qkvpacked = qkvpacked  # type: ignore[attr-defined]
+    flash_attn_varlen_func.kvpacked = kvpacked  # type: ignore[attr-defined]
     _flash_attn_made[namespace] = flash_attn_varlen_func
     return flash_attn_varlen_func
 

@@ -35,7 +35,8 @@ class KnownAllToAll:
 KNOWN_ALL_TO_ALLS = (
     KnownAllToAll("deepspeed::dim_zero_all_to_all", input_arg=0, group_arg=1),
 )
-_BY_NAME = {k.qualname: k for k in KNOWN_ALL_TO_ALLS}
+# keyed by str | None: looked up with qualname(target), which is None for a target that is no op
+_BY_NAME: dict[str | None, KnownAllToAll] = {k.qualname: k for k in KNOWN_ALL_TO_ALLS}
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def route(node: torch.fx.Node, cfg, frontend_unavailable=None) -> Route:
     vals = {n: args.get(n) for n in ("grad_out", "query", "key", "value", "out", "logsumexp")}
     if not all(isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) for v in vals.values()):
         return Route(ATEN, "an input without a tensor value")
-    q = vals["query"].meta["val"]
+    q = args["query"].meta["val"]  # a node with a tensor value (checked above)
     why = None
     if args.get("dropout_p") != 0.0:
         why = "dropout"

@@ -25,10 +25,10 @@ def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
 class Walk:
     """The nodes reached from ``starts``, each once, depth first: iterating yields a node, then
     goes on to what ``expand(node)`` returns (an empty result ends that branch; entries that are
-    not nodes, such as constant arguments, are skipped). It stops after ``limit`` nodes;
-    ``complete`` then says False. Every walk of the passes is one of these."""
+    not nodes, such as constant arguments, are skipped). It stops after ``limit`` nodes (``float("inf")``:
+    never); ``complete`` then says False. Every walk of the passes is one of these."""
 
-    def __init__(self, starts: Iterable, expand: Callable[[torch.fx.Node], Iterable], limit: int = MAX_NODES):
+    def __init__(self, starts: Iterable, expand: Callable[[torch.fx.Node], Iterable], limit: float = MAX_NODES):
         self._stack, self._expand, self._limit = list(starts), expand, limit
         self.seen: set = set()
         self.complete = True

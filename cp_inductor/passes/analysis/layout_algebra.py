@@ -290,10 +290,10 @@ class Layout:
         ``("replicated", axis, k)``: rank r holds index ``r // k`` of the outer factor."""
         head = dim0[0]
         k = cp // head.size if isinstance(head.size, int) and head.size and cp % head.size == 0 else 0
-        if not k or len(dim0) < 2 or not is_broadcast(dim0[1]) or exact_div(dim0[1].size, k) is None:
+        if not k or len(dim0) < 2 or not is_broadcast(dim0[1]) or (copies := exact_div(dim0[1].size, k)) is None:
             raise LayoutError("the cp-chunks of dim 0 cut across a factor")
         outer = Factor(("replicated", head.axis, k), head.stride, cp)
-        rest = (Factor(dim0[1].axis, 0, exact_div(dim0[1].size, k)),) + dim0[2:]
+        rest = (Factor(dim0[1].axis, 0, copies),) + dim0[2:]
         return Layout(((self.pinned,) + canonical(rest),) + self.dims[1:], outer, self.fixed)
 
 
@@ -477,8 +477,9 @@ def _atoms_of(axis_factors: list) -> dict:
     atoms = {}
     for axis, bs in bounds.items():
         bs = sorted(bs, key=hint)  # bounds that nest are ordered alike at every size
-        ratios = [exact_div(hi, lo) for lo, hi in zip(bs, bs[1:])]
-        if any(r is None for r in ratios):
+        found = [exact_div(hi, lo) for lo, hi in zip(bs, bs[1:])]
+        ratios = [r for r in found if r is not None]
+        if len(ratios) < len(found):
             raise LayoutError(f"factors of {axis} do not nest")
         atoms[axis] = [Factor(axis, lo, r) for lo, r in zip(bs, ratios)]
     return atoms

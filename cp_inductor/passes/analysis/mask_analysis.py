@@ -40,7 +40,7 @@ class Lin:
     """An integer affine function of the mask's indices: sum(coef * index[axis]) + const."""
 
     coefs: tuple = ()  # ((axis, coef), ...), sorted, no zero coefs
-    const: object = 0
+    const: int | torch.SymInt = 0
 
     @staticmethod
     def of(terms: dict, const=0) -> Lin:
@@ -55,7 +55,7 @@ class Lin:
     def scaled(self, k) -> Lin:
         return Lin.of({a: c * k for a, c in self.coefs}, self.const * k)
 
-    def map_axes(self, fn) -> Lin:
+    def map_axes(self, fn) -> Lin | Pos | Gather:
         """Substitute index ``a`` by ``fn(a)`` (an int axis, or a Lin)."""
         out = Lin((), self.const)
         for a, c in self.coefs:
@@ -99,8 +99,8 @@ class Pos:
 @dataclass(frozen=True)
 class Cmp:
     op: str  # "eq" "ne" "le" "lt" "ge" "gt"
-    lhs: object  # Lin | Gather
-    rhs: object
+    lhs: Lin | Gather | Pos | Shifted
+    rhs: Lin | Gather | Pos | Shifted
 
     def map_axes(self, fn) -> Cmp:
         return Cmp(self.op, self.lhs.map_axes(fn), self.rhs.map_axes(fn))
@@ -386,7 +386,7 @@ class _Reader:
 class Additive:
     """A float mask added to the scores: 0 where ``kept`` holds, -inf (or the dtype's lowest) where not."""
 
-    kept: object
+    kept: Cmp | Logic | Truth
 
     def map_axes(self, fn) -> Additive:
         return Additive(self.kept.map_axes(fn))
@@ -620,6 +620,7 @@ class _Classifier:
         raise NotAMask("a table read in the mask at positions other than (batch, query) and (batch, key)")
 
     def _band(self, c: Cmp) -> None:
+        assert isinstance(c.lhs, Lin) and isinstance(c.rhs, Lin)  # a band compares index expressions only
         d = c.lhs + c.rhs.scaled(-1)  # d op 0
         coefs = _axes(d)
         if set(coefs) - {self.q, self.kv}:

@@ -55,7 +55,8 @@ def trace(node: torch.fx.Node) -> Traced | str:
     if len(nodes) >= MAX_NODES:
         return f"the mask is built by more than {MAX_NODES} ops"
     sub = torch.fx.Graph()
-    env, leaves = {}, []
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    leaves: list[torch.fx.Node] = []
     for n in graph.nodes:
         if n not in nodes:
             continue

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.fx
@@ -45,7 +45,7 @@ from ..analysis.layout_algebra import (
     node_val,
 )
 from ..analysis.match import CPMatch, attention_facts
-from ..analysis.sym_sizes import exact_div, hint, may_guard, size_of, sizes_of, specialize
+from ..analysis.sym_sizes import Size, exact_div, hint, may_guard, size_of, sizes_of, specialize
 from ..analysis.sdpa_ops import BACKWARD, FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
 
@@ -114,7 +114,7 @@ def _walk_up(node, pieces: bool = True):
     side of a send) a select, slice or split piece starts the chain (a pack copies that piece,
     not the tensor it was cut from), and so does a tensor the program uses elsewhere too (the
     previous layer's output, in the shape the program gave it)."""
-    chain = []
+    chain: list[torch.fx.Node] = []
     while is_layout_op(node) and (pieces or (node.target not in _PIECE_OPS and (not chain or len(node.users) == 1))):
         chain.append(node)
         node = node.args[0]
@@ -150,6 +150,7 @@ def _axes(factors) -> set:
 def _roles_at_attention(lay: Layout, allow_broadcast: bool) -> dict:
     """Check the Ulysses layout at an attention input ([B, H, S, D], or a pack's [T, H, D]);
     return factor -> role (a pack's tokens take the sequence role)."""
+    b: tuple[Factor, ...]  # the batch dim's factors (none in a pack)
     if len(lay.dims) == 3:
         b, (s, h, d) = (), (canonical(x) for x in lay.dims)
     elif len(lay.dims) == 4:
@@ -271,12 +272,12 @@ def _split_by_roles(f: Factor, roles: dict) -> list:
 
 
 def _layout_name(lay: Layout, roles: dict) -> str | None:
-    names = []
+    names: list[str] = []
     for dim in lay.dims:
         rs = {_role_of(f, roles) for f in canonical(dim)}
         if len(rs) > 1 or None in rs:
             return None
-        names.append(rs.pop() if rs else "?")
+        names.append(cast(str, rs.pop()) if rs else "?")  # (None is not in rs)
     if len(names) == 3 and sorted(names) == sorted("hsd"):
         return "".join(names).replace("s", "t")  # a pack: tokens, heads, head_dim
     missing = set(ROLE_NAMES) - set(names)
@@ -602,9 +603,10 @@ def _pointwise_on(user: torch.fx.Node, n: torch.fx.Node) -> bool:
     return n in user.args and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and sizes_of(out.shape) == sizes_of(val.shape)
 
 
-def _with_head_dim(lay: Layout, like: torch.fx.Node, name: str) -> Layout:
-    """An attention-side layout with the head_dim of ``like`` (the output takes v's head_dim)."""
-    head_dim = (Factor(name, 1, size_of(node_val(like).shape[-1])),)
+def _with_head_dim(lay: Layout, like: torch.fx.Node, axis: tuple) -> Layout:
+    """An attention-side layout with the head_dim of ``like`` (the output takes v's head_dim), on
+    source axis ``axis``."""
+    head_dim = (Factor(axis, 1, size_of(node_val(like).shape[-1])),)
     return Layout(lay.dims[:-1] + (head_dim,), lay.pinned)
 
 
@@ -618,7 +620,7 @@ def _fresh_heads_layouts(like: Layout, heads: int, head_dim: int, name: str, cp:
     # (a symbolic head count: only the block)
     splits = range(heads - 1, 0, -1) if isinstance(heads, int) else ()
     for inner in [heads] + [n for n in splits if heads % n == 0]:
-        outer = exact_div(heads, inner)
+        outer = cast(Size, exact_div(heads, inner))  # inner divides heads
         h = canonical((Factor(axis, inner * cp, outer), Factor(axis, 1, inner)))
         dims = (like.dims[0], h, d) if len(like.dims) == 3 else (like.dims[0], h, like.dims[2], d)
         out.append(Layout(dims, Factor(axis, inner, cp)))

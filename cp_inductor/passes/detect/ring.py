@@ -139,7 +139,9 @@ def _one_group(rotations, what: str) -> tuple[int, str]:
     groups = {rotation(r) for r in rotations}
     if len(groups) != 1:
         raise LayoutError(f"{what} rotate over different groups")
-    return next(iter(groups))
+    group = next(iter(groups))
+    assert group is not None  # the rotations are nodes rotation() read
+    return group
 
 
 def _forward_match(node, graph_kind) -> RingMatch | None:

@@ -119,7 +119,11 @@ def _read_mask(args):
 def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     """The SDPA calls of ``gm`` given an ``attn_mask`` and its flex_attention calls, their
     masks read once per mask."""
-    calls, facts, shared = [], {}, {}
+    calls: list[MaskedCall] = []
+    # per mask (SDPA's mask node, flex's (mask_mod node, buffers)): what it computes or why it is kept,
+    # and what its first lowered call emitted (MaskedCall.shared)
+    facts: dict[object, mask_analysis.DocumentMask | str] = {}
+    shared: dict[object, dict] = {}
     for node in gm.graph.nodes:
         args = _flex_args(gm, node)
         if args is None and node.op == "call_function" and node.target in _SDPA:
@@ -146,6 +150,7 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     a = call.args
     if call.analysis_reason is not None:
         return call.analysis_reason
+    assert call.facts is not None  # find() sets the facts where it sets no analysis_reason
     for name in ("dropout_p", "scale"):
         if isinstance(a.get(name), torch.fx.Node):
             return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
@@ -215,6 +220,8 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
     the shard's document segments, the keys read in place."""
     facts, a = call.facts, call.args
+    # (why_not read the mask; the analysis keeps its trace; _classified maps positions only with document ids)
+    assert facts is not None and facts.traced is not None and facts.doc_ids is not None
     rank = facts.traced.output.meta["val"].dim()
     for node, axis in ((facts.query_positions, rank - 2), (facts.key_positions, rank - 1)):
         if node is None:
@@ -253,6 +260,7 @@ def _flex_reason(call: MaskedCall) -> str | None:
     if any(u.target is not operator.getitem or (u.args[1] != 0 and not _unread(u)) for u in call.node.users):
         return "the program reads the log-sum-exp"
     facts = call.facts
+    assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
     indices = [n for n in facts.traced.graph.nodes if n.op == "placeholder"][:4]  # b, h, q_idx, kv_idx
     if facts.doc_ids is not None and set(indices) & _above(facts.doc_ids):
         return "document ids computed from the mask_mod's indices"
@@ -325,6 +333,7 @@ def _copy_tables(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, ta
     """The traced ops computing ``tables`` (document ids, positions), copied into ``gm`` before
     ``before``."""
     traced = facts.traced
+    assert traced is not None  # the analysis keeps its trace
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders, traced.leaves))
     needed = {n for table in tables for n in _above(table) if n.op != "placeholder"}
@@ -356,10 +365,12 @@ def _built_position(gm: torch.fx.GraphModule, call: MaskedCall, position, axis: 
     range: aranges for the indices, the tables it reads copied from the traced mask."""
     g = gm.graph
     device = value(call.args["query"]).device
+    facts = call.facts
+    assert facts is not None  # (why_not read the mask)
 
     def built(x):
         if isinstance(x, torch.fx.Node):
-            return _copy_tables(gm, call.facts, [x], before)[0]
+            return _copy_tables(gm, facts, [x], before)[0]
         if isinstance(x, mask_analysis.Lin):
             if not x.coefs:
                 return x.const
@@ -379,11 +390,12 @@ def _copy_positions(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx
     tables (None where the index is its own position): a flex mask_mod's traced ops with aranges
     in place of its index arguments, or an SDPA mask's position expression built."""
     facts, a, g = call.facts, call.args, gm.graph
+    assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
     traced = facts.traced
     q, k = a["query"], a["key"]
     rank = traced.output.meta["val"].dim()
     env = None
-    out = []
+    out: list[torch.fx.Node | None] = []
     with g.inserting_before(before):
         for node, axis, (tensor, dim) in ((facts.query_positions, rank - 2, (q, 2)), (facts.key_positions, rank - 1, (k, 2))):
             if node is None:
@@ -406,6 +418,7 @@ def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     """The traced mask_mod's inputs in ``gm``: aranges over the real index ranges for its index
     arguments (b, h, q_idx, kv_idx, each along its own dim as flex's vmap broadcasts them), the
     Dynamo graph's nodes for its buffers."""
+    assert call.facts is not None and call.facts.traced is not None  # (a read mask_mod's trace)
     traced, g, q, k = call.facts.traced, gm.graph, call.args["query"], call.args["key"]
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders[4:], traced.leaves[4:]))
@@ -418,6 +431,7 @@ def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
 
 def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float) -> torch.fx.Node:
     a, g = call.args, gm.graph
+    assert call.facts is not None  # (why_not read the mask)
     if "plan" not in call.shared:
         (ids,) = _copy_tables(gm, call.facts, [call.facts.doc_ids], call.node)
         query_positions, key_positions = _copy_positions(gm, call, call.node)
@@ -439,6 +453,7 @@ def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float)
 
 def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     a, g = call.args, gm.graph
+    assert call.facts is not None  # (why_not read the mask)
     q_heads = value(a["query"]).shape[1]
     k, v = (_unrepeated(a[name], q_heads) for name in ("key", "value"))
     if k is None or v is None:

@@ -48,7 +48,8 @@ FLASH_ATTN_VARLEN = tuple(
     FlashAttnOps(f"{ns}::_flash_attn_varlen_forward", f"{ns}::_flash_attn_varlen_backward")
     for ns in ("flash_attn", "flashattn")
 )
-_BY_FORWARD = {ops.forward: ops for ops in FLASH_ATTN_VARLEN}
+# keyed by str | None: looked up with qualname(target), which is None for a target that is no op
+_BY_FORWARD: dict[str | None, FlashAttnOps] = {ops.forward: ops for ops in FLASH_ATTN_VARLEN}
 _FUNCTION = torch.ops.higher_order.autograd_function_apply
 
 

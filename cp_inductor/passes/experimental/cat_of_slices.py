@@ -134,13 +134,15 @@ def _whole(cat: torch.fx.Node) -> tuple | None:
     if out is None or len(tensors) < 2:
         return None
     dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % len(out)
-    pieces = [_piece(t, dim) for t in tensors]
-    if any(p is None for p in pieces):
+    found = [_piece(t, dim) for t in tensors]
+    pieces = [p for p in found if p is not None]
+    if len(pieces) < len(found):
         return None
     base = pieces[-1][0]
     if any(not _same_there(base, p, dim) for p in pieces) or any(a[2] != b[1] for a, b in zip(pieces, pieces[1:])):
         return None
     base_shape = _shape(base)
+    assert base_shape is not None  # _slice_of cuts pieces only from a base of static shape
     if base_shape[:dim] + base_shape[dim + 1:] != out[:dim] + out[dim + 1:]:
         return None
     return base, dim, pieces[0][1], pieces[-1][2]
@@ -182,7 +184,9 @@ def cat_of_slices_pass(graph: torch.fx.Graph, cfg=None) -> int:
         if found is None or _returned(cat) or not _sent(cat):
             continue
         base, dim, start, end = found
-        if (start, end) == (0, _shape(base)[dim]):
+        base_shape = _shape(base)
+        assert base_shape is not None  # _whole found a base of static shape
+        if (start, end) == (0, base_shape[dim]):
             cat.replace_all_uses_with(base)
         else:
             with graph.inserting_before(cat):

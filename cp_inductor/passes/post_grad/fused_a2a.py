@@ -167,7 +167,9 @@ def _rewrite(graph: torch.fx.Graph, region: A2AMatch, crossings: list, attn_args
         if reads_as_view(lay, c, cp, attn_arg):
             like = _layout_required(region, attn_arg, cfg)
             view = None if grouped else heads_view(emit, part, packed=attn_arg.meta["val"].dim() == 3)
-            if unpack == "views" and (like is None or stride_order(view.meta["val"]) == stride_order(like)):
+            # (view is None only where grouped, and grouped unpacks by "copy")
+            if (unpack == "views" and view is not None
+                    and (like is None or stride_order(view.meta["val"]) == stride_order(like))):
                 emit.replace(attn_arg, view, strides=False)
                 strided = True
             else:

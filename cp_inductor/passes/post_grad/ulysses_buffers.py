@@ -73,7 +73,7 @@ def pack_layout(c: A2ACrossing, cp: int) -> Layout:
     """[chunk destination, local seq, batch, heads, head_dim] of this crossing's send."""
     # (refreshed: a forward graph may have guarded symbolic head counts since detection)
     swapped = c.send.all_to_all(cp).pinned.refreshed()  # the factor that chooses the destination rank
-    by_role = {"b": [], "h": [], "s": [], "d": []}
+    by_role: dict[str, list] = {"b": [], "h": [], "s": [], "d": []}
     for f, role in c.roles.items():
         if f.refreshed() not in (swapped, c.send.pinned.refreshed()):
             by_role[role].append(f.refreshed())
