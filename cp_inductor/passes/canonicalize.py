@@ -41,7 +41,7 @@ import contextlib
 import torch
 import torch.fx
 
-from .record import CANONICAL, GRAPH, POST_GRAD, Pass
+from .record import CANONICAL, POST_GRAD, GraphPass
 
 aten = torch.ops.aten
 GENERATOR = "cp_inductor_rng_generator"  # meta of an unwrapped call: the generator input it read
@@ -247,7 +247,7 @@ def canonicalize(graph: torch.fx.Graph, strict: bool = False) -> int:
 
 
 # Not switched: detection reads these forms, and Inductor needs its RNG wrapper back.
-PASS = Pass("canonicalize", stage=CANONICAL, unit=GRAPH, switched=False,
+PASS = GraphPass("canonicalize", stage=CANONICAL, switched=False,
             apply=lambda graph, cfg: canonicalize(graph, cfg.strict))
-REWRAP_RNG = Pass("rewrap_rng", stage=POST_GRAD, unit=GRAPH, switched=False,
+REWRAP_RNG = GraphPass("rewrap_rng", stage=POST_GRAD, switched=False,
                   apply=lambda graph, cfg: rewrap_rng_attention(graph))

@@ -39,9 +39,9 @@ from .editing.fx_emit import REPLACES, replaying_values
 from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
-from .record import CALL, CANONICAL, DISABLED, DYNAMO, GRAPH, HOOKS, POST_GRAD, REGION, Pass, Verdicts, check_order
+from .record import CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, Pass, RegionPass, Verdicts, check_order
 
-REWRITES: tuple[Pass, ...] = tuple(p for p in PASSES if p.unit == REGION)  # decision order
+REWRITES: tuple[RegionPass, ...] = tuple(p for p in PASSES if isinstance(p, RegionPass))  # decision order
 check_order(REWRITES)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 __all__ = ["HOOKS", "analyze", "backward_routes", "decide", "functorch_patches", "hooks_with_passes", "hooks_with_work",
@@ -69,8 +69,12 @@ def functorch_patches(hooks) -> dict:
     return patches
 
 
-def _stage(stage: str, unit: str) -> tuple[Pass, ...]:
-    return tuple(p for p in PASSES if p.stage == stage and p.unit == unit)
+def _graph_passes(stage: str) -> tuple[GraphPass, ...]:
+    return tuple(p for p in PASSES if p.stage == stage and isinstance(p, GraphPass))
+
+
+def _call_passes() -> tuple[CallPass, ...]:
+    return tuple(p for p in PASSES if isinstance(p, CallPass))
 
 
 def switch_reason(p: Pass, cfg: ConfigSnapshot) -> str | None:
@@ -78,7 +82,7 @@ def switch_reason(p: Pass, cfg: ConfigSnapshot) -> str | None:
     return DISABLED if p.switched and cfg[p.name] in (False, "off") else None
 
 
-def _excluded(p: Pass, verdicts: Verdicts) -> str | None:
+def _excluded(p: RegionPass, verdicts: Verdicts) -> str | None:
     for other in p.excludes:
         if verdicts.applies(other):
             return f"{other} applies to this region (the two exclude each other)"
@@ -88,7 +92,7 @@ def _excluded(p: Pass, verdicts: Verdicts) -> str | None:
 # --- graph passes ---------------------------------------------------------------------------
 
 
-def _run_graph_pass(p: Pass, graph: torch.fx.Graph, cfg: ConfigSnapshot, where: str) -> int:
+def _run_graph_pass(p: GraphPass, graph: torch.fx.Graph, cfg: ConfigSnapshot, where: str) -> int:
     """``p`` on the whole ``graph``: how many changes it made (0 where it did not run or failed)."""
     with timed(p.name, where) as outcome:
         reason = switch_reason(p, cfg) or reason_or_error(p.why_not, graph, cfg, cfg=cfg)
@@ -113,7 +117,7 @@ def _run_graph_pass(p: Pass, graph: torch.fx.Graph, cfg: ConfigSnapshot, where: 
 
 def canonicalize(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> int:
     """The forms detection relies on (the table's CANONICAL passes); how many nodes changed."""
-    return sum(_run_graph_pass(p, graph, cfg, "the graph detection reads") for p in _stage(CANONICAL, GRAPH))
+    return sum(_run_graph_pass(p, graph, cfg, "the graph detection reads") for p in _graph_passes(CANONICAL))
 
 
 # --- the Dynamo graph: packed-sequence calls ------------------------------------------------
@@ -123,7 +127,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     """The call passes on the graph Dynamo hands the backend: those that find their own calls
     (masked SDPA), then each packed call to the first that applies, else it stays with every
     reason; returns the report's lines."""
-    found_per_pass = [_lower_own_calls(gm, p, cfg) for p in _stage(DYNAMO, CALL) if p.finds is not None]
+    found_per_pass = [_lower_own_calls(gm, p, cfg) for p in _call_passes() if p.finds is not None]
     own = [c for found in found_per_pass for c in found]
     try:
         calls = varlen_calls.find(gm)
@@ -145,7 +149,7 @@ def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
     return programs_fa4 + [c.route() for c in (*own, *calls)]
 
 
-def _lower_own_calls(gm: torch.fx.GraphModule, p: Pass, cfg: ConfigSnapshot) -> list:
+def _lower_own_calls(gm: torch.fx.GraphModule, p: CallPass, cfg: ConfigSnapshot) -> list:
     """The calls a call pass finds itself, each lowered by it or kept with the reason."""
     try:
         assert p.finds is not None  # run_dynamo_passes takes only the passes that find their own calls
@@ -163,12 +167,12 @@ def _lower_call(gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
     if reason is not None:
         call.reasons["varlen"] = reason
         return
-    for p in (p for p in _stage(DYNAMO, CALL) if p.finds is None):
+    for p in (p for p in _call_passes() if p.finds is None):
         if _try_call(gm, p, call, cfg):
             return
 
 
-def _try_call(gm: torch.fx.GraphModule, p: Pass, call, cfg: ConfigSnapshot) -> bool:
+def _try_call(gm: torch.fx.GraphModule, p: CallPass, call, cfg: ConfigSnapshot) -> bool:
     """``p`` on one call: applied (True), or the reason recorded on the call."""
     reason = switch_reason(p, cfg) or reason_or_error(p.why_not, call, cfg, cfg=cfg)
     if reason is None:
@@ -183,7 +187,7 @@ def _try_call(gm: torch.fx.GraphModule, p: Pass, call, cfg: ConfigSnapshot) -> b
     return False
 
 
-def _apply_or_undo(gm: torch.fx.GraphModule, p: Pass, call, cfg) -> str | None:
+def _apply_or_undo(gm: torch.fx.GraphModule, p: CallPass, call, cfg) -> str | None:
     """Apply ``p`` to ``call``; where it raises before rewiring, erase what it inserted."""
     before = set(gm.graph.nodes)
     try:
@@ -206,7 +210,7 @@ class Decision:
     applied: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
 
-    def to_run(self, hook: str) -> list[Pass]:
+    def to_run(self, hook: str) -> list[RegionPass]:
         """The applied rewrites that run on ``hook``, minus those another applied one performs."""
         chosen = [r for r in REWRITES if r.name in self.applied]
         replaced = {name for r in chosen for name in r.replaces}
@@ -365,7 +369,7 @@ def inductor_patch_keys() -> dict:
     return {key: getattr(inductor_config, key) for r in REWRITES for key in r.inductor_patches}
 
 
-def _set_inductor_patches(rewrite: Pass) -> None:
+def _set_inductor_patches(rewrite: RegionPass) -> None:
     """The Inductor config ``rewrite`` needs, set once it is kept on a graph: Inductor reads it
     after the post-grad hooks (its scheduler), so a rewrite the trial undid sets nothing."""
     from torch._inductor import config as inductor_config
@@ -384,7 +388,7 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     if any(r.stage == hook for r in REWRITES):
         _rewrite_regions(hook, graph, cfg, only)
     if only is None:
-        for p in _stage(hook, GRAPH):
+        for p in _graph_passes(hook):
             _run_graph_pass(p, graph, cfg, hook)
 
 

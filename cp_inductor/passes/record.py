@@ -1,8 +1,9 @@
 """The pass record: everything the engine needs to know about one pass.
 
 Each pass is one module that defines ``PASS``; ``passes/pipeline.py`` lists them, and
-``passes/engine.py`` runs them. What a pass works on (``unit``) fixes the signatures of its two
-functions:
+``passes/engine.py`` runs them. What a pass works on (``unit``) fixes its record (``RegionPass``,
+``CallPass``, ``GraphPass``) and the signatures of its two functions (typed by the Protocols
+below, which mypy checks every pass against):
 
 ============  ===========================================  ===================================
 unit          ``why_not`` (a reason, or None: it applies)  ``apply``
@@ -25,7 +26,10 @@ Call passes are tried in order on each call until one applies; a call pass with 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch.fx
 
 # Stages: where in torch.compile a pass runs.
 DYNAMO = "dynamo"  # the graph Dynamo hands the backend, before AOTAutograd
@@ -66,30 +70,41 @@ class Verdicts:
         return self._reasons[name]
 
 
+class RegionWhyNot(Protocol):
+    def __call__(self, match: Any, cfg: Any, verdicts: Verdicts, /) -> str | None: ...
+
+
+class RegionApply(Protocol):  # -> the tensors it handed on: [(old value, new node, strides kept?)]
+    def __call__(self, graph: torch.fx.Graph, match: Any, cfg: Any, /) -> list: ...
+
+
+class CallWhyNot(Protocol):
+    def __call__(self, call: Any, cfg: Any, /) -> str | None: ...
+
+
+class CallApply(Protocol):
+    def __call__(self, gm: torch.fx.GraphModule, call: Any, /) -> None: ...
+
+
+class GraphWhyNot(Protocol):
+    def __call__(self, graph: torch.fx.Graph, cfg: Any, /) -> str | None: ...
+
+
+class GraphApply(Protocol):  # -> how many changes
+    def __call__(self, graph: torch.fx.Graph, cfg: Any, /) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class Pass:
+    """What every pass says about itself; its unit's record (below) adds its functions."""
+
     name: str  # its name in the report and the logs, and its config switch (see ``switched``)
     stage: str  # DYNAMO, CANONICAL, or the Inductor hook key it runs on
-    apply: Callable
-    why_not: Callable = _applies
-    unit: str = REGION
+    _: KW_ONLY
+    unit: ClassVar[str]
     # Whether ``cfg[name]`` turns it off (False or "off"); a pass that is not switched always
     # runs (canonical forms) or is chosen by other config (fa4_dense: attention_provider).
     switched: bool = True
-    styles: tuple[str, ...] = ()  # REGION: the CP styles whose regions it concerns
-    # Passes decided before it whose verdicts its why_not reads (decided for it even where a
-    # caller asks for this pass alone).
-    after: tuple[str, ...] = ()
-    replaces: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    # REGION: Inductor config a graph is compiled with when this pass applies to one of its regions.
-    inductor_patches: dict = field(default_factory=dict)
-    # REGION: detail(match, cfg) -> what the report adds to the region's detail when it applies.
-    detail: Callable | None = None
-    packed: bool = False  # REGION: takes packed-sequence (THD) regions too, not only dense ones
-    # CALL: finds(gm) -> the calls of its own kind it lowers (each with ``route()`` for the
-    # report); None: the packed-sequence calls ``varlen_calls.find`` reads, shared by such passes.
-    finds: Callable | None = None
     # wanted(gm, example_inputs, cfg) -> whether the program Dynamo hands the backend can give
     # it work; a hook key is set only where one of its passes is wanted (Inductor sorts, lints
     # and recompiles a joint graph for any custom joint pass, one that changes nothing too).
@@ -102,9 +117,50 @@ class Pass:
     backward_route: Callable | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RegionPass(Pass):
+    """A rewrite of the CP regions the detectors find, decided per region in table order."""
+
+    unit: ClassVar[str] = REGION
+    apply: RegionApply
+    why_not: RegionWhyNot = _applies
+    styles: tuple[str, ...] = ()  # the CP styles whose regions it concerns
+    # Passes decided before it whose verdicts its why_not reads (decided for it even where a
+    # caller asks for this pass alone).
+    after: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    # Inductor config a graph is compiled with when this pass is kept on one of its regions.
+    inductor_patches: dict = field(default_factory=dict)
+    # detail(match, cfg) -> what the report adds to the region's detail when it applies.
+    detail: Callable | None = None
+    packed: bool = False  # takes packed-sequence (THD) regions too, not only dense ones
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallPass(Pass):
+    """A lowering of attention calls on the graph Dynamo hands the backend."""
+
+    unit: ClassVar[str] = CALL
+    apply: CallApply
+    why_not: CallWhyNot = _applies
+    # finds(gm) -> the calls of its own kind it lowers (each with ``route()`` for the report);
+    # None: the packed-sequence calls ``varlen_calls.find`` reads, shared by such passes.
+    finds: Callable | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphPass(Pass):
+    """A pass over a whole graph."""
+
+    unit: ClassVar[str] = GRAPH
+    apply: GraphApply
+    why_not: GraphWhyNot = _applies
+
+
 def check_order(passes) -> None:
     """Every name a record declares is a pass decided before it (raises otherwise)."""
-    seen = set()
+    seen: set[str] = set()
     for p in passes:
         for relation in ("after", "replaces", "excludes"):
             for name in getattr(p, relation):

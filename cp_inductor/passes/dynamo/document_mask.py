@@ -45,7 +45,7 @@ from ...reporting import VarlenRoute
 from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
-from ..record import CALL, DYNAMO, Pass
+from ..record import DYNAMO, CallPass
 from . import varlen_calls
 
 aten = torch.ops.aten
@@ -526,5 +526,5 @@ def _erase_dead(graph: torch.fx.Graph, node) -> None:
         stack.extend(inputs)
 
 
-PASS = Pass(NAME, stage=DYNAMO, unit=CALL, why_not=why_not, apply=apply, finds=find)
+PASS = CallPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, finds=find)
 assert document_attention.PROVIDERS == tuple(PACKED)

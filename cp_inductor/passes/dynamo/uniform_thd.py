@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ...lowerings import fa4_attention
 from ..analysis import attention_provider
-from ..record import CALL, DYNAMO, Pass
+from ..record import DYNAMO, CallPass
 from . import varlen_calls
 
 NAME = "uniform_thd"
@@ -141,6 +141,6 @@ def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
     varlen_calls.replace(gm, call, build, FA4_DENSE if call.provider == "fa4" else DENSE)
 
 
-PASS = Pass(NAME, stage=DYNAMO, unit=CALL, why_not=why_not, apply=apply)
+PASS = CallPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from ...lowerings import fa4_attention, varlen_attention
 from ..analysis import attention_provider
-from ..record import CALL, DYNAMO, Pass
+from ..record import DYNAMO, CallPass
 from . import varlen_calls
 
 NAME = "varlen_cudnn"
@@ -97,4 +97,4 @@ def apply(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall) -> None:
     varlen_calls.replace(gm, call, build, FA4_VARLEN if fa4 else CUDNN_RAGGED)
 
 
-PASS = Pass(NAME, stage=DYNAMO, unit=CALL, why_not=why_not, apply=apply)
+PASS = CallPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply)

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from ..analysis.graph_walk import Walk
-from ..record import GRAPH, POST_GRAD, Pass
+from ..record import POST_GRAD, GraphPass
 
 aten = torch.ops.aten
 NAME = "cat_of_slices"
@@ -198,4 +198,4 @@ def cat_of_slices_pass(graph: torch.fx.Graph, cfg=None) -> int:
     return count
 
 
-PASS = Pass(NAME, stage=POST_GRAD, unit=GRAPH, apply=cat_of_slices_pass)
+PASS = GraphPass(NAME, stage=POST_GRAD, apply=cat_of_slices_pass)

@@ -45,7 +45,7 @@ from ..editing.schedule import resort
 from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
 from ..detect import moved_from
 from ..detect.allgather import AllGatherMatch
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 
 c10d = torch.ops._c10d_functional
 NAME = "gather_overlap"
@@ -118,7 +118,7 @@ def detail(region: AllGatherMatch, cfg) -> str:
     return f"local attention moved under the {where}"
 
 
-PASS = Pass(
+PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("allgather",), why_not=why_not, apply=apply, detail=detail, excludes=("head_split",),
     inductor_patches={"reorder_for_peak_memory": False},
 )

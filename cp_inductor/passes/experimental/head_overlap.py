@@ -45,7 +45,7 @@ from ..analysis.graph_walk import node_order
 from ..analysis.layout_algebra import Factor, Layout, plan_relayout
 from ..analysis.sdpa_ops import bound_args, tuple_outputs
 from ..detect.a2a import A2AMatch
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 from ..post_grad.transport import Sender, transport_choice
 from ..post_grad.ulysses_buffers import (
     as_delivered,
@@ -227,7 +227,7 @@ def detail(region, cfg) -> str:
 
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
-PASS = Pass(
+PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, after=(NEEDS,), replaces=(NEEDS,),
     inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )

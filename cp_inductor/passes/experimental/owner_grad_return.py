@@ -33,7 +33,7 @@ from ..editing.fx_emit import Emitter
 from ..analysis.graph_walk import node_order
 from ..analysis.sdpa_ops import SDPA_BACKWARD
 from ..detect.allgather import AllGatherMatch
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 from ..post_grad.transport import Sender, copy_engine_unavailable, only_wait, retire
 
 aten = torch.ops.aten
@@ -94,7 +94,7 @@ def detail(region: AllGatherMatch, cfg) -> str:
 
 
 # Inductor's peak-memory reordering would sink each start back next to its wait.
-PASS = Pass(
+PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
     # excludes head_split: the backward's regions are found through the reduce-scatters this
     # rewrite replaces; the graph's other regions, found again after it, would lose their split.

@@ -45,7 +45,7 @@ from ..analysis.graph_walk import Walk, node_order
 from ..analysis.layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from ..analysis.graph_walk import ancestors, descendants
 from ..detect.ring import RingMatch, rotation, rotations_fed
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 from ..post_grad.transport import only_wait
 
 aten = torch.ops.aten
@@ -230,4 +230,4 @@ def detail(region: RingMatch, cfg) -> str:
     return "the step-1 contribution sent home once, the step-0 backward after it"
 
 
-PASS = Pass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail)
+PASS = RegionPass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail)

@@ -42,7 +42,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..detect.ring import rotation
-from ..record import GRAPH, JOINT, Pass
+from ..record import JOINT, GraphPass
 
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -220,5 +220,5 @@ def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
 
 
 # Its joint graph is compiled without AOTAutograd's CSE: the merges it makes instead are rank-safe.
-PASS = Pass(NAME, stage=JOINT, unit=GRAPH, why_not=why_not, apply=apply, wanted=wanted,
+PASS = GraphPass(NAME, stage=JOINT, why_not=why_not, apply=apply, wanted=wanted,
             functorch_patches={"cse": False})

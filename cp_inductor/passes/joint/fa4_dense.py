@@ -30,7 +30,7 @@ from ..analysis import attention_provider, sdpa_ops
 from ..editing.fx_emit import Emitter
 from ..analysis.op_schema import value
 from ..analysis.sym_sizes import equal
-from ..record import JOINT_POST, GRAPH, Pass
+from ..record import JOINT_POST, GraphPass
 
 NAME = "fa4_dense"
 aten = torch.ops.aten
@@ -160,5 +160,5 @@ def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
     return cfg.attention_provider in ("auto", "fa4") and any(not fa4_attention.device_unavailable(d) for d in devices)
 
 
-PASS = Pass(NAME, stage=JOINT_POST, unit=GRAPH, switched=False, apply=fa4_dense_pass,  # attention_provider chooses
+PASS = GraphPass(NAME, stage=JOINT_POST, switched=False, apply=fa4_dense_pass,  # attention_provider chooses
             wanted=wanted)

@@ -28,7 +28,7 @@ import torch.fx
 from ..editing.fx_emit import Emitter
 from ..analysis.graph_walk import node_order
 from ..detect.ring import RingMatch, chained_rotations
-from ..record import POST_GRAD, Pass, size_text
+from ..record import POST_GRAD, RegionPass, size_text
 from .transport import Sender, copy_engine_unavailable, only_wait, retire
 
 NAME = "ce_rotation"
@@ -88,7 +88,7 @@ def detail(region: RingMatch, cfg) -> str:
 
 
 # The emitted order is the overlap; Inductor's peak-memory reordering would move the ops.
-PASS = Pass(
+PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail,
     after=("narrow_rotation",),  # it moves the rotation narrow_rotation narrowed
     inductor_patches={"reorder_for_peak_memory": False},

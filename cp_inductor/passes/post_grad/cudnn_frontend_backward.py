@@ -27,7 +27,7 @@ import torch.fx
 from ..analysis.cudnn_backward_route import FRONTEND, Route, is_cudnn_backward, route, scale_of
 from ..analysis.sdpa_ops import bound_args
 from ..editing.fx_emit import Emitter
-from ..record import GRAPH, POST_GRAD, Pass
+from ..record import POST_GRAD, GraphPass
 
 NAME = "cudnn_frontend_backward"
 
@@ -59,5 +59,5 @@ def backward_route(node: torch.fx.Node, cfg) -> Route | None:
     return route(node, cfg) if is_cudnn_backward(node) else None
 
 
-PASS = Pass(NAME, stage=POST_GRAD, unit=GRAPH, why_not=_any_backward, apply=cudnn_frontend_backward_pass,
+PASS = GraphPass(NAME, stage=POST_GRAD, why_not=_any_backward, apply=cudnn_frontend_backward_pass,
             backward_route=backward_route)

@@ -47,7 +47,7 @@ from ..analysis.layout_algebra import LayoutError, plan_relayout
 from ..analysis.sdpa_ops import bound_args
 from ..analysis.sym_sizes import equal, may_guard
 from ..detect.a2a import A2AMatch
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 from .transport import all_to_all
 from .ulysses_buffers import (
     as_delivered,
@@ -233,4 +233,4 @@ def detail(region: A2AMatch, cfg) -> str:
     return f"unpack={unpack.choice} ({unpack.reason})"
 
 
-PASS = Pass(NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, detail=detail, packed=True)
+PASS = RegionPass(NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, detail=detail, packed=True)

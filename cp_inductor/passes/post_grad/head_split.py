@@ -33,7 +33,7 @@ from ..editing.head_groups import Partition, cat_like, common_groups, group_call
 from ..analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args, tuple_outputs
 from ..detect import moved_from
 from ..detect.allgather import REORDER_OPS
-from ..record import POST_GRAD, Pass, size_text
+from ..record import POST_GRAD, RegionPass, size_text
 
 aten = torch.ops.aten
 
@@ -167,4 +167,4 @@ def detail(region, cfg) -> str:
     return f"G={choose_groups(region, cfg)[0]}: attention call{also} split by head groups ({whole} whole)"
 
 
-PASS = Pass(NAME, stage=POST_GRAD, styles=("allgather", "ring"), why_not=why_not, apply=apply, detail=detail)
+PASS = RegionPass(NAME, stage=POST_GRAD, styles=("allgather", "ring"), why_not=why_not, apply=apply, detail=detail)

@@ -31,7 +31,7 @@ from ..editing.fx_emit import Emitter
 from ..analysis.graph_walk import Walk, node_order
 from ..analysis.layout_algebra import LAYOUT_OPS, SPLIT_OPS
 from ..detect.ring import RingMatch, chained_rotations
-from ..record import POST_GRAD, Pass
+from ..record import POST_GRAD, RegionPass
 from .transport import only_wait
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -112,4 +112,4 @@ def detail(region: RingMatch, cfg) -> str:
     return f"{len(_narrowable(region))} rotation(s) sent cast down"
 
 
-PASS = Pass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail, after=("ring_grad_return",))
+PASS = RegionPass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail, after=("ring_grad_return",))
