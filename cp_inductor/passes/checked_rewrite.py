@@ -10,6 +10,7 @@ that fails leaves the graph as it was and says why in the report (strict mode ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,16 @@ def count(rewrite, performs=()) -> None:
         counters["cp_inductor"][name] += 1
 
 
+@dataclass(frozen=True)
+class Applier:
+    """How the engine applies a region's rewrite: ``run(graph, match, rewrite, match_at, cfg,
+    performs) -> kept?``, and whether the graph is the trial's copy (nothing there is shown,
+    logged, counted or configured: the real graph's turn does that)."""
+
+    run: Callable[..., bool]
+    on_copy: bool = False
+
+
 @dataclass
 class Trial:
     """Every region's rewrites tried together on one copy, checked: the values the emitters
@@ -115,8 +126,12 @@ def apply_unchecked(graph, match, rewrite, match_at, cfg, performs) -> bool:
     return True
 
 
+ON_COPY = Applier(apply_unchecked, on_copy=True)
+CHECKED = Applier(apply_checked)  # each rewrite alone, undone where its check fails
+
+
 def trial_all(graph: torch.fx.Graph, matches: list, detector_of, each_region, cfg) -> Trial | None:
-    """``each_region(copy, matches on the copy, apply_unchecked)`` on one copy of ``graph``, then
+    """``each_region(copy, matches on the copy, ON_COPY)`` on one copy of ``graph``, then
     :func:`check`; None if anything raised or the check failed (the caller then tries each
     rewrite alone, which finds and reports the culprit). ``detector_of(match)``: the detector
     that finds ``match`` again on the copy."""
@@ -126,7 +141,7 @@ def trial_all(graph: torch.fx.Graph, matches: list, detector_of, each_region, cf
         if any(m is None for m in found):
             return None  # a region the copy does not show would go unchecked on the graph
         with recording_values() as values:
-            each_region(trial, found, apply_unchecked)
+            each_region(trial, found, ON_COPY)
         return Trial(values, check(trial, []))
     except Exception:  # noqa: BLE001 - the rewrites are then tried one by one
         return None

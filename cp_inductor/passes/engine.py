@@ -408,11 +408,11 @@ def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only
         outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
     if trial is not None:
         with replaying_values(trial.values):
-            _each_region(graph, matches, hook, cfg, only, _apply_tried)
+            _each_region(graph, matches, hook, cfg, only, _TRIED)
         if trial.sorted:
             stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
     else:
-        _each_region(graph, matches, hook, cfg, only, checked_rewrite.apply_checked)
+        _each_region(graph, matches, hook, cfg, only, checked_rewrite.CHECKED)
     graph.eliminate_dead_code()
     graph.lint()
 
@@ -424,9 +424,13 @@ def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
     return True
 
 
-def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, only, apply) -> bool:
+_TRIED = checked_rewrite.Applier(_apply_tried)
+
+
+def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, only,
+                 apply: checked_rewrite.Applier) -> bool:
     """Per region of ``matches`` (in graph order), the rewrites :func:`decide` chose for ``hook``,
-    each through ``apply(graph, match, rewrite, match_at, cfg, performs) -> kept?``; whether any
+    each through ``apply`` (:class:`checked_rewrite.Applier`); whether any
     was kept."""
     order = node_order(graph)
     changed = False
@@ -444,22 +448,23 @@ def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSna
     return changed
 
 
-def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only, apply) -> bool:
+def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only,
+                    apply: checked_rewrite.Applier) -> bool:
     """Apply what :func:`decide` chose for ``match`` on ``hook`` through ``apply``; whether any
     was kept."""
     kept = False
     decision = decide(match, cfg, only)
     for rewrite in decision.to_run(hook):
         performs = [name for name in rewrite.replaces if name in decision.applied]
-        if apply is checked_rewrite.apply_unchecked:  # the trial copy: nothing to show or log
-            kept_now = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+        if apply.on_copy:
+            kept_now = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
         else:
             where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
             with rewrite_observed(rewrite.name, where, graph) as outcome:
-                kept_now = outcome["kept"] = apply(graph, match, rewrite, detector.match_at, cfg, performs)
+                kept_now = outcome["kept"] = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
         if not kept_now:
             continue
-        if apply is not checked_rewrite.apply_unchecked:
+        if not apply.on_copy:
             _set_inductor_patches(rewrite)
         kept = True
         attention = match.attention
