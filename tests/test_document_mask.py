@@ -129,6 +129,11 @@ def padding(q, k, v, positions):
     return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril() & pad[:, None, None, :])
 
 
+def padding_table(q, k, v, keep):
+    """HF's form: a boolean ``[B, T]`` attention_mask read at the key (no comparison)."""
+    return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril() & keep[:, None, None, :])
+
+
 def window(q, k, v, positions):
     qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
     return _attend(q, k, v, (ki <= qi) & (ki > qi - 4))
@@ -187,10 +192,11 @@ hf_sliding: documents from cumsum (proven (cumulative sum of non-negatives)), ca
         pos, doc = _positions(), _doc_ids()
         outside = torch.ones(T, T, dtype=torch.bool).tril()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
-            (padding, pos), (window, pos), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
+            (padding, pos), (padding_table, pos > 0), (window, pos), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
             (shifted, doc), (window_at_other_positions, pos), (ids_through_a_stack, doc)))
         self.assertExpectedInline(got, """\
 padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
+padding_table: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
 window: causal, keys from q-3: kept: document_mask: a sliding window without document ids (not lowered yet)
 or_masks: mask not read: kept: document_mask: a disjunction of masks (or_masks, |): not a document mask
 mask_from_outside: mask not read: kept: document_mask: the mask comes in from outside the graph (its values are not known to the compiler)
@@ -238,6 +244,54 @@ getitem_5 = getitem(document_plan_default, 0)
 getitem_6 = getitem(document_plan_default, 1)
 document_attention_default = document_attention.default(l_q_, l_k_, l_v_, getitem_5, getitem_6, l_doc_, None, 0.25, True, 'fa4')
 getitem_7 = getitem(document_attention_default, 0)""")
+
+
+    def test_checkpointed_region_takes_the_plan(self):
+        """``torch.utils.checkpoint`` around the attention (HF's gradient checkpointing): the plan
+        is built outside the region, which takes its outputs instead of the T x T mask."""
+        graphs = []
+
+        def capture(gm, example_inputs):
+            from cp_inductor.config_snapshot import snapshot
+            from cp_inductor.passes import engine
+
+            engine.run_dynamo_passes(gm, snapshot({}))
+            graphs.append(gm)
+            return gm.forward
+
+        def checkpointed(q, k, v, doc):
+            mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+            return torch.utils.checkpoint.checkpoint(_attend, q, k, v, mask[:, None], use_reentrant=False)
+
+        torch._dynamo.reset()
+        q, k, v = _qkv()
+        with reference_kernels():
+            torch.compile(checkpointed, backend=capture, fullgraph=True)(q, k, v, _doc_ids())
+        gm = graphs[0]
+        lines = []
+        for graph, where in ((gm.graph, "outer"), (gm.wrap_body_0.graph, "body")):
+            for n in graph.nodes:
+                if n.op in ("placeholder", "call_function") and (where == "outer" or "attention" in str(n.target)
+                                                                  or n.op == "placeholder"):
+                    args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args)
+                    lines.append(f"{where}: {n.name} = {getattr(n.target, '__name__', n.target)}({args})")
+        self.assertExpectedInline("\n".join(lines), """\
+outer: l_doc_ = L_doc_()
+outer: l_q_ = L_q_()
+outer: l_k_ = L_k_()
+outer: l_v_ = L_v_()
+outer: document_plan_default = document_plan.default(l_doc_, None, True, 2, 24)
+outer: getitem_4 = getitem(document_plan_default, 0)
+outer: getitem_5 = getitem(document_plan_default, 1)
+outer: tag_activation_checkpoint = tag_activation_checkpoint(wrap_body_0, l_k_, l_v_, l_q_, l_doc_, getitem_4, getitem_5)
+outer: getitem_3 = getitem(tag_activation_checkpoint, 0)
+body: l_k_ = l_k_()
+body: l_v_ = l_v_()
+body: l_q_ = l_q_()
+body: cp_l_doc_ = cp_l_doc_()
+body: cp_getitem_4 = cp_getitem_4()
+body: cp_getitem_5 = cp_getitem_5()
+body: document_attention_default = document_attention.default(l_q_, l_k_, l_v_, cp_getitem_4, cp_getitem_5, cp_l_doc_, None, 0.25, True, 'fa4')""")
 
 
 def _grads(fn, q, k, v, table, compiled):
@@ -415,6 +469,18 @@ def _train_step(model, run, inputs):
 def test_hf_llama_sdpa_compiled(packed):
     pytest.importorskip("transformers")
     lines = _compiled_training_matches_eager(_llama("sdpa"), packed)
+    assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_hf_llama_sdpa_gradient_checkpointing_compiled(packed):
+    """HF's gradient checkpointing puts each layer's SDPA in an activation-checkpointed region
+    whose body takes the mask as an input: the plan is built once outside, the body takes it
+    instead of the mask (which is no longer built), and the step is eager HF's."""
+    pytest.importorskip("transformers")
+    model = _llama("sdpa")
+    model.gradient_checkpointing_enable()
+    lines = _compiled_training_matches_eager(model, packed)
     assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
 
 

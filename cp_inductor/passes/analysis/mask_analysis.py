@@ -588,6 +588,8 @@ class _Classifier:
             return
         if isinstance(atom, Logic):
             raise NotAMask("a disjunction of masks (or_masks, |): not a document mask")
+        if isinstance(atom, Gather) and self._row(atom, self.kv) and not self._row(atom, self.q):
+            raise NotAMask("keys masked by a per-token table (padding holes)")  # HF's 2-D attention_mask, bool
         if not isinstance(atom, Cmp):
             raise NotAMask(f"a term of the mask that is not a comparison ({type(atom).__name__})")
         if isinstance(atom.lhs, Lin) and isinstance(atom.rhs, Lin):

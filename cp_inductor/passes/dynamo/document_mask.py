@@ -61,6 +61,17 @@ _FLEX = torch.ops.higher_order.flex_attention
 
 
 @dataclass
+class CheckpointBody:
+    """An activation-checkpointed region (``torch.utils.checkpoint``: HF's gradient
+    checkpointing) holding attention calls: the outer graph's ``tag_activation_checkpoint`` call,
+    its body, and the values of the outer graph our rewrite handed the body as new inputs."""
+
+    hop: torch.fx.Node
+    gm: torch.fx.GraphModule
+    inputs: dict = field(default_factory=dict)  # outer node -> the body's placeholder for it
+
+
+@dataclass
 class MaskedCall:
     """One SDPA call given a mask, what its mask is and where the call went."""
 
@@ -75,6 +86,13 @@ class MaskedCall:
     shared: dict = field(default_factory=dict)  # per mask node: what its first lowered call emitted
     check: bool = True  # the plan checks on device that the document ids are contiguous
     capacity: int = 0  # documents a pack may hold, asserted on device (0: the plan's numbers read on the host)
+    # Inside an activation-checkpointed region, its mask an input of the body (``args["attn_mask"]``
+    # is then the outer graph's node, which the analysis reads): the plan is built outside, once.
+    body: CheckpointBody | None = None
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.node.graph
 
     @property
     def name(self) -> str:
@@ -124,8 +142,8 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     # and what its first lowered call emitted (MaskedCall.shared)
     facts: dict[object, mask_analysis.DocumentMask | str] = {}
     shared: dict[object, dict] = {}
-    for node in gm.graph.nodes:
-        args = _flex_args(gm, node)
+    for owner, node, body in _attention_nodes(gm):
+        args = _flex_args(owner, node)
         if args is None and node.op == "call_function" and node.target in _SDPA:
             args = dict(zip(_SDPA_ARGS, node.args))
             args.update(node.kwargs)
@@ -133,17 +151,90 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
                 continue
         if args is None:
             continue
+        reason = None if body is None else _body_reason(args, body)
+        if reason is not None:
+            calls.append(MaskedCall(node, args, analysis_reason=reason))
+            continue
+        if body is not None:  # the mask as the outer graph computes it
+            args["attn_mask"] = _outer(body, args["attn_mask"])
         mask = args["attn_mask"]
         if mask not in facts:
             facts[mask] = _read_mask(args)
         read = facts[mask]
-        call = MaskedCall(node, args, shared=shared.setdefault(mask, {}))
+        call = MaskedCall(node, args, shared=shared.setdefault(mask, {}), body=body)
         if isinstance(read, str):
             call.analysis_reason = read
         else:
             call.facts = read
         calls.append(call)
     return calls
+
+
+_CHECKPOINT = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+
+def _attention_nodes(gm: torch.fx.GraphModule):
+    """(the GraphModule holding it, node, its CheckpointBody or None) for every node of ``gm``
+    and of the bodies of its activation-checkpointed regions."""
+    for node in gm.graph.nodes:
+        yield gm, node, None
+    hops = [n for n in gm.graph.nodes if _CHECKPOINT is not None and n.op == "call_function" and n.target is _CHECKPOINT
+            and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "get_attr"]
+    readers: dict[str, int] = {}
+    for hop in hops:
+        readers[hop.args[0].target] = readers.get(hop.args[0].target, 0) + 1
+    for hop in hops:
+        body = getattr(gm, hop.args[0].target)
+        if readers[hop.args[0].target] != 1:  # a body two regions share: new inputs would be one region's
+            continue
+        record = CheckpointBody(hop, body)
+        for node in body.graph.nodes:
+            yield body, node, record
+
+
+def _body_reason(args: dict, body: CheckpointBody) -> str | None:
+    """Why an attention call inside an activation-checkpointed region is kept, or None."""
+    if args.get("flex"):
+        return "flex attention inside an activation-checkpointed region (not lowered yet)"
+    mask = args["attn_mask"]
+    if mask.op != "placeholder":
+        return "a mask built inside an activation-checkpointed region (not lowered yet)"
+    placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
+    if len(body.hop.args) != len(placeholders) + 1 or not isinstance(_outer(body, mask), torch.fx.Node):
+        return "an activation-checkpointed region whose inputs are not its call's arguments one to one"
+    q = value(args["query"])
+    if not isinstance(q, torch.Tensor) or not all(isinstance(d, int) for d in q.shape):
+        return "symbolic sizes inside an activation-checkpointed region (not lowered yet)"
+    return None
+
+
+def _outer(body: CheckpointBody, placeholder: torch.fx.Node):
+    """The outer graph's argument a placeholder of ``body`` receives."""
+    placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
+    return body.hop.args[1 + placeholders.index(placeholder)]
+
+
+def _body_input(body: CheckpointBody, outer: torch.fx.Node | None):
+    """``outer`` (a node of the outer graph) as an input of ``body``: a new placeholder, and the
+    checkpoint call's new last argument (None stays None)."""
+    if outer is None:
+        return None
+    if outer not in body.inputs:
+        graph = body.gm.graph
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            body.inputs[outer] = graph.placeholder(f"cp_{outer.name}")
+        body.hop.args = (*body.hop.args, outer)
+    return body.inputs[outer]
+
+
+def _drop_unread_input(body: CheckpointBody, placeholder: torch.fx.Node) -> None:
+    """A placeholder of ``body`` nothing reads any more, and its argument in the checkpoint call."""
+    if placeholder.users:
+        return
+    index = [n for n in body.gm.graph.nodes if n.op == "placeholder"].index(placeholder)
+    body.hop.args = body.hop.args[: 1 + index] + body.hop.args[2 + index:]
+    body.gm.graph.erase_node(placeholder)
 
 
 def why_not(call: MaskedCall, cfg) -> str | None:
@@ -166,6 +257,8 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not [batch, heads, tokens, head_dim]"
     if call.facts.mapped:
+        if call.body is not None:
+            return "a shard's mask inside an activation-checkpointed region (not lowered yet)"
         return _shard_reason(call, cfg, q, k, v)
     if not statically_known_true(q.shape[2] == k.shape[2]):
         return f"{q.shape[2]} queries over {k.shape[2]} keys (not self-attention over one pack)"
@@ -452,7 +545,7 @@ def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float)
 
 
 def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
-    a, g = call.args, gm.graph
+    a, g = call.args, call.graph  # the call's own graph: gm's, or a checkpointed body's
     assert call.facts is not None  # (why_not read the mask)
     q_heads = value(a["query"]).shape[1]
     k, v = (_unrepeated(a[name], q_heads) for name in ("key", "value"))
@@ -471,16 +564,10 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         call.path = DENSE_CAUSAL
     else:
         if "plan" not in call.shared:  # the first call reading this mask, in graph order: it dominates the rest
-            facts = call.facts
-            tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
-            ids, *positions = _copy_tables(gm, facts, tables, call.node)
-            with g.inserting_before(call.node):
-                sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
-                plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
-                                       (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)))
-                cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
-            call.shared["plan"] = (ids, positions[0] if positions else None, cu, meta)
+            call.shared["plan"] = _plan(gm, call)
         ids, positions, cu, meta = call.shared["plan"]
+        if call.body is not None:  # the plan is the outer graph's: handed to the body as inputs
+            ids, positions, cu, meta = (_body_input(call.body, x) for x in (ids, positions, cu, meta))
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
                                         (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
@@ -488,6 +575,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
                                          *_capacity(call)))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
+    body_mask = _sdpa_mask(call.node) if call.body is not None else None
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
         out.meta["example_value"] = value(call.node)[0]
         for user in list(call.node.users):
@@ -498,8 +586,37 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         out.meta["example_value"] = value(call.node)
         call.node.replace_all_uses_with(out)
     g.erase_node(call.node)
-    for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if not a.get("flex") else None):
+    for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if call.body is None and not a.get("flex") else None):
         _erase_dead(g, dead)
+    if call.body is not None:  # the body no longer takes the mask; the outer graph no longer builds it
+        _drop_unread_input(call.body, body_mask)
+        _erase_dead(gm.graph, a["attn_mask"])
+        call.body.gm.recompile()
+
+
+def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
+    """(ids, positions, cu_seqlens, meta): the plan of ``call``'s mask, in the graph that computes
+    the mask, before the call (or before the checkpointed region holding it)."""
+    a, facts, g = call.args, call.facts, gm.graph
+    assert facts is not None and facts.doc_ids is not None  # (a document mask)
+    tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
+    before = call.node if call.body is None else call.body.hop
+    ids, *positions = _copy_tables(gm, facts, tables, before)
+    with g.inserting_before(before):
+        if call.body is None:
+            sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
+        else:  # static (_body_reason): the body's nodes are not the outer graph's to read
+            sizes = [value(a["query"]).shape[d] for d in (0, 2)]
+        plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
+                               (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)))
+        cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
+    return ids, positions[0] if positions else None, cu, meta
+
+
+def _sdpa_mask(node: torch.fx.Node):
+    args = dict(zip(_SDPA_ARGS, node.args))
+    args.update(node.kwargs)
+    return args["attn_mask"]
 
 
 def _capacity(call: MaskedCall) -> list:
