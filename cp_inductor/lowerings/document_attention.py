@@ -152,8 +152,8 @@ def _within_capacity(meta: torch.Tensor, rows: torch.Tensor, check: bool, capaci
     if check and rows.is_cuda:  # ids that fall somewhere (the kernel's "unsure"): the sort decides, on device
         contiguous = contiguous | ((meta[_UNSURE] != 0) & _one_run_per_id(rows))
     torch._assert_async(contiguous & (meta[_COUNT] <= capacity),
-                        "document_mask_capacity: this pack has more documents than the capacity, "
-                        "or its document ids are not contiguous runs")
+                        "document_mask_capacity: this pack has more documents than the capacity, or documents "
+                        "the packed kernels cannot compute (ids not in contiguous runs, positions not rising in them)")
     return meta
 
 
