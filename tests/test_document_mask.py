@@ -294,6 +294,24 @@ body: cp_getitem_5 = cp_getitem_5()
 body: document_attention_default = document_attention.default(l_q_, l_k_, l_v_, cp_getitem_4, cp_getitem_5, cp_l_doc_, None, 0.25, True, 'fa4')""")
 
 
+def checkpointed_then_plain(q, k, v, doc):
+    """Some layers checkpointed, a later one not, one mask: the plan must come before the first
+    (checkpointed) one, though the plain call is found first."""
+    mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    h = torch.utils.checkpoint.checkpoint(_attend, q, k, v, mask, use_reentrant=False)
+    return _attend(h, k, v, mask)
+
+
+def test_checkpointed_and_plain_layers_share_one_plan():
+    q, k, v = _qkv()
+    doc = _doc_ids()
+    for got, want in zip(_grads(checkpointed_then_plain, q, k, v, doc, True),
+                         _grads(checkpointed_then_plain, q, k, v, doc, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    _, lines = _routes(checkpointed_then_plain, q, k, v, doc)
+    assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
+
+
 def _grads(fn, q, k, v, table, compiled):
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if compiled:

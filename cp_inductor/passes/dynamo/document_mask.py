@@ -153,7 +153,7 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
             continue
         reason = None if body is None else _body_reason(args, body)
         if reason is not None:
-            calls.append(MaskedCall(node, args, analysis_reason=reason))
+            calls.append(MaskedCall(node, args, analysis_reason=reason, body=body))
             continue
         if body is not None:  # the mask as the outer graph computes it
             args["attn_mask"] = _outer(body, args["attn_mask"])
@@ -167,7 +167,10 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
         else:
             call.facts = read
         calls.append(call)
-    return calls
+    # In the outer graph's order (a call in a checkpointed region at its region's place): the
+    # first call lowered for a mask builds the plan before itself, so it must come first.
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(calls, key=lambda c: order[c.body.hop] if c.body is not None else order[c.node])
 
 
 _CHECKPOINT = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
