@@ -33,6 +33,7 @@ is). The switch ``document_mask`` off, or any mask the analysis cannot prove, ke
 
 from __future__ import annotations
 
+import collections
 import operator
 from dataclasses import dataclass, field
 
@@ -145,8 +146,7 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     for owner, node, body in _attention_nodes(gm):
         args = _flex_args(owner, node)
         if args is None and node.op == "call_function" and node.target in _SDPA:
-            args = dict(zip(_SDPA_ARGS, node.args))
-            args.update(node.kwargs)
+            args = _sdpa_args(node)
             if not isinstance(args.get("attn_mask"), torch.fx.Node):
                 continue
         if args is None:
@@ -183,9 +183,7 @@ def _attention_nodes(gm: torch.fx.GraphModule):
         yield gm, node, None
     hops = [n for n in gm.graph.nodes if _CHECKPOINT is not None and n.op == "call_function" and n.target is _CHECKPOINT
             and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "get_attr"]
-    readers: dict[str, int] = {}
-    for hop in hops:
-        readers[hop.args[0].target] = readers.get(hop.args[0].target, 0) + 1
+    readers = collections.Counter(hop.args[0].target for hop in hops)
     for hop in hops:
         body = getattr(gm, hop.args[0].target)
         if readers[hop.args[0].target] != 1:  # a body two regions share: new inputs would be one region's
@@ -578,7 +576,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
                                          *_capacity(call)))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
-    body_mask = _sdpa_mask(call.node) if call.body is not None else None
+    body_mask = _sdpa_args(call.node)["attn_mask"] if call.body is not None else None
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
         out.meta["example_value"] = value(call.node)[0]
         for user in list(call.node.users):
@@ -616,10 +614,9 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     return ids, positions[0] if positions else None, cu, meta
 
 
-def _sdpa_mask(node: torch.fx.Node):
-    args = dict(zip(_SDPA_ARGS, node.args))
-    args.update(node.kwargs)
-    return args["attn_mask"]
+def _sdpa_args(node: torch.fx.Node) -> dict:
+    """An SDPA call's arguments by name."""
+    return {**dict(zip(_SDPA_ARGS, node.args)), **node.kwargs}
 
 
 def _capacity(call: MaskedCall) -> list:
