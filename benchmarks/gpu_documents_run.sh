@@ -8,6 +8,7 @@
 #   titan:    a torchtitan-style decoder with a flex document mask, T16K
 #   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
 #   quick:    the tests, the plan, flex alone, flex CP with the plan read first, HF flex packed
+#   cp:       the tests, then torch's flex CP alone (T64K cp 2, no balancer and head-tail)
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -35,13 +36,16 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
     --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
 }
 mode=${1:-tests}
-if { [ "$mode" = tests ] || [ "$mode" = quick ] || [ "$mode" = graphs ]; } && [ -z "$SKIP_TESTS" ]; then
+if { [ "$mode" = tests ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
 cd benchmarks
 case "$mode" in
 tests|bench) bench ;;
+cp)
+  timeout 200 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
+    | filter | tee "$out/flex_cp_t64k.log" | tail -14 ;;
 quick) quick ;;
 hf-flex) hf flex_attention 560 ;;
 hf-sdpa) hf sdpa 560 ;;

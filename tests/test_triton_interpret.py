@@ -50,3 +50,95 @@ def test_document_plan_kernel_matches_the_aten_plan():
                           cwd=os.path.dirname(__file__), env=dict(os.environ, TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "document plans match" in done.stdout, done.stderr[-3000:]
+
+
+def _shards(g):
+    """(ids, query positions, key positions, what the kernel must do) for shards as torch's
+    balancers cut them and odd ones: ``redo`` where it must hand the plan to the aten form."""
+    keys = 96
+    lengths = torch.randint(1, 30, (20,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(20), lengths)[:keys]
+    ids = torch.cat([ids, ids.new_full((keys - ids.numel(),), 20)])[None]
+    rank1 = torch.arange(keys // 2, keys)[None]
+    head_tail = torch.cat([torch.arange(24, 48), torch.arange(48, 72)])[None]
+    gathered = torch.cat([torch.arange(0, 24), torch.arange(72, 96), torch.arange(24, 72)])[None]
+    blocks = torch.randperm(keys // 8, generator=g)[: keys // 16].sort().values
+    ptrr = (blocks[:, None] * 8 + torch.arange(8)).reshape(1, -1)
+    shuffled = (torch.randperm(keys // 8, generator=g)[: keys // 16, None] * 8 + torch.arange(8)).reshape(1, -1)
+    two_rows = torch.cat([ids, torch.repeat_interleave(torch.arange(3), torch.tensor([10, 50, 36]))[None]])
+    yield "one device", ids, None, None, False
+    yield "no balancer, rank 1", ids, rank1, None, False
+    yield "head-tail, keys gathered", ids, head_tail, gathered, False
+    yield "blocks, keys permuted", ids, ptrr, torch.randperm(keys, generator=g)[None], False
+    yield "per-row shards", two_rows, torch.cat([head_tail, ptrr]), None, False
+    yield "per-row shards, per-row keys", two_rows, torch.cat([ptrr, head_tail]), torch.cat([gathered, gathered]), False
+    yield "keys repeated (not a permutation)", ids, head_tail, torch.cat([gathered[:, :-1], gathered[:, :1]], 1), False
+    yield "positions past the keys", ids, rank1 + 10, torch.cat([gathered[:, :-1], gathered[:, -1:] + 5], 1), False
+    yield "ids not contiguous", ids % 3, rank1, None, "checked"
+    yield "blocks out of order", ids, shuffled, None, True
+    yield "ids that fall", ids.flip(1), head_tail, None, "checked"
+
+
+def compare_shard_plans():
+    from cp_inductor.lowerings import document_shard_plan_kernel as kernel
+
+    kernel.BLOCK = 16  # several blocks: the carries between them
+    seen = set()
+    for name, ids, qpos, kpos, redo in _shards(torch.Generator().manual_seed(0)):
+        batch, keys = ids.shape
+        queries = keys if qpos is None else qpos.shape[1]
+        for check in (True, False):
+            for causal in (True, False):
+                got, meta = kernel.document_shard_plan(ids, qpos, kpos, check, causal)
+                want, want_meta = document_attention._shard_plan_aten(ids, qpos, kpos, check, causal, batch, queries, keys)
+                must_redo = redo is True or (redo == "checked" and check)
+                assert int(meta[5]) == must_redo, (name, check, causal, meta)
+                seen.add((name, int(meta[4]), int(meta[5])))
+                if must_redo:
+                    continue
+                assert meta.tolist() == want_meta.tolist(), (name, check, causal, meta, want_meta)
+                for i, (a, b) in enumerate(zip(got[:5], want[:5])):
+                    assert torch.equal(a, b), (name, check, causal, i, a, b)
+                if kpos is not None:
+                    assert torch.equal(got[6], want[6]), name
+                    if int(meta[4]):
+                        assert torch.equal(got[5], want[5]), name
+    assert {packable for _, packable, redo in seen if not redo} == {0, 1}, seen
+    _redo_computes_the_answer()
+    print("shard plans match")
+
+
+def _redo_computes_the_answer():
+    """Where the kernel asks for a redo, the op computes from the aten plan: output and every
+    gradient of the attention as dense attention under the same mask computes them."""
+    from cp_inductor.lowerings import document_shard_plan_kernel as kernel
+    from cp_inductor.lowerings.varlen_attention import reference_kernels
+
+    for name, ids, qpos, kpos, redo in _shards(torch.Generator().manual_seed(0)):
+        if redo is not True:
+            continue
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, 4, qpos.shape[1], 8, dtype=torch.float64, generator=g).requires_grad_()
+        k, v = (torch.randn(1, 2, ids.shape[1], 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+        plan, meta = kernel.document_shard_plan(ids, qpos, kpos, False, True)
+        # the CPU's reference kernels add up dK/dV of one document's segments in one call, FA4 does
+        # not: the rounds the op runs must be the aten plan's
+        settled, numbers = document_attention._settled_shard_plan(plan, meta.clone(), ids, qpos, kpos, True, 1,
+                                                                  qpos.shape[1], ids.shape[1])
+        want, want_numbers = document_attention._shard_plan_aten(ids, qpos, kpos, True, True, 1, qpos.shape[1],
+                                                                 ids.shape[1])
+        assert not torch.equal(plan[3], want[3]), name  # the kernel's rounds would collide
+        assert numbers.tolist() == want_numbers.tolist() and all(map(torch.equal, settled[:5], want[:5])), name
+        with reference_kernels():
+            out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, ids, qpos, kpos, 0.3, True)[0]
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        want = document_attention._shard_dense(q, k, v, ids, qpos, kpos, 0.3, True)
+        for got_t, want_t in zip((out, *grads), (want, *torch.autograd.grad(want, (q, k, v), torch.ones_like(want)))):
+            torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
+
+
+def test_shard_plan_kernel_matches_the_aten_plan():
+    done = subprocess.run([sys.executable, "-c", "import test_triton_interpret as t; t.compare_shard_plans()"],
+                          cwd=os.path.dirname(__file__), env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "shard plans match" in done.stdout, done.stderr[-3000:]

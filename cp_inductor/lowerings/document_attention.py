@@ -418,7 +418,8 @@ _lib.define(
     "bool is_causal) -> (Tensor, Tensor, Tensor)"
 )
 
-_SEGMENTS, _ROUNDS, _LONGEST_Q, _LONGEST_K, _PACKABLE = range(5)
+_SEGMENTS, _ROUNDS, _LONGEST_Q, _LONGEST_K, _PACKABLE, _REDO = range(6)  # redo: the kernel's plan needs the aten one
+_SHARD_META = 6
 
 
 def _positions(table, rows: int, n: int, device) -> torch.Tensor:
@@ -437,12 +438,27 @@ def _shard_plan_shapes(doc_ids, rows, queries, keys):
 
 @torch.library.register_fake("cp_inductor::document_shard_plan", lib=_lib)
 def _(doc_ids, query_positions, key_positions, check, is_causal, rows, queries, keys):
-    return _shard_plan_shapes(doc_ids, rows, queries, keys), torch.empty(5, dtype=torch.int64, device="cpu")
+    return _shard_plan_shapes(doc_ids, rows, queries, keys), torch.empty(_SHARD_META, dtype=torch.int64, device="cpu")
 
 
 @torch.library.impl("cp_inductor::document_shard_plan", "CompositeExplicitAutograd", lib=_lib)
 def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch, queries, keys):
     ids = _rows(doc_ids, batch, keys)
+    if ids.is_cuda:  # one launch (document_shard_plan_kernel.py says why)
+        from .document_shard_plan_kernel import document_shard_plan as plan_kernel
+
+        qpos = None if query_positions is None else _rows(query_positions, batch, queries)
+        kpos = None if key_positions is None else _rows(key_positions, batch, keys)
+        plan, meta = plan_kernel(ids, qpos, kpos, check, is_causal)
+    else:
+        plan, meta = _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys)
+    if _capturing(ids):
+        return plan, torch.zeros(_SHARD_META, dtype=torch.int64)
+    return plan, _to_host(meta, _shard_key(ids.device, batch, queries, keys), _learn_shard)
+
+
+def _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys):
+    """The plan in aten ops (the CPU's, and the GPU's where its kernel asks for a redo)."""
     device, pack = ids.device, batch * keys
     _, run_of, cu_docs, longest_doc, packable = _runs(ids, check)
     qpos = _positions(query_positions, batch, queries, device)
@@ -486,11 +502,12 @@ def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch
     else:
         key_rows, key_order = (torch.empty(pack, dtype=torch.int64, device=device) for _ in range(2))
     plan = [cu_q, cu_k, used, seg_round, row_round, key_order, key_rows]
-    if _capturing(ids):
-        return plan, torch.zeros(5, dtype=torch.int64)
     longest_q = (cu_q[1:] - cu_q[:-1]).max().long()
-    meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long()])
-    return plan, _to_host(meta, _shard_key(device, batch, queries, keys), _learn_shard)
+    meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long(),
+                        torch.zeros_like(count)])
+    return plan, meta
+
+
 
 
 def _shard_key(device, rows: int, queries: int, keys: int) -> tuple:
@@ -499,10 +516,22 @@ def _shard_key(device, rows: int, queries: int, keys: int) -> tuple:
 
 def _learn_shard(key: tuple, meta: torch.Tensor, covers: tuple | None) -> tuple | None:
     """Segments (at most the queries, ``key[-1]``) and rounds to cover."""
-    if not bool(meta[_PACKABLE]):
+    if int(meta[_REDO]) or not bool(meta[_PACKABLE]):
         return None
     before = covers or (0, 0)
     return _room(int(meta[_SEGMENTS]), before[0], key[-1]), max(int(meta[_ROUNDS]), before[1])
+
+
+def _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, queries, keys):
+    """The plan and its numbers on the host, the aten plan's where the kernel asked for a redo
+    (document_shard_plan_kernel.py: rounds it cannot number without a sort; checked ids that
+    fall)."""
+    _settle(meta)
+    if int(meta[_REDO]):
+        plan, meta = _shard_plan_aten(_rows(doc_ids, batch, keys), query_positions, key_positions, True, is_causal,
+                                      batch, queries, keys)
+        meta = meta.cpu()
+    return plan, meta
 
 
 def _shard_numbers(meta) -> tuple[int, int, int, int]:
@@ -577,9 +606,11 @@ def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions,
         segments, rounds = covers
         speculative = _shard_packed(q, k, v, plan, (segments, rounds, tokens, k.shape[2]), key_positions, scale, is_causal)
         _settle(meta)
-        if bool(meta[_PACKABLE]) and int(meta[_SEGMENTS]) <= segments and int(meta[_ROUNDS]) <= rounds:
+        if (not int(meta[_REDO]) and bool(meta[_PACKABLE]) and int(meta[_SEGMENTS]) <= segments
+                and int(meta[_ROUNDS]) <= rounds):
             return speculative
-    _settle(meta)
+    plan, meta = _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, tokens,
+                                     k.shape[2])
     if not bool(meta[_PACKABLE]):
         out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
@@ -594,7 +625,8 @@ def _(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_pos
 @torch.library.impl("cp_inductor::document_shard_attention_backward", "CompositeExplicitAutograd", lib=_lib)
 def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
     batch = q.shape[0]
-    _settle(meta)
+    plan, meta = _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, q.shape[2],
+                                     k.shape[2])
     if not bool(meta[_PACKABLE]):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
