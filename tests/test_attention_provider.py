@@ -204,20 +204,27 @@ dense attention _scaled_dot_product_flash_attention_for_cpu: fa4: attention_prov
 dense attention _scaled_dot_product_flash_attention_for_cpu: program: an attention mask is given""")
 
     def test_packed_attention_on_fa4_keeps_gqa_as_is(self):
-        """torchtitan's varlen call (K/V repeated for GQA) lowered to FA4's packed op on the
-        unrepeated K/V; the report line says which provider and why."""
+        """torchtitan's varlen call (K/V repeated for GQA; also with one split asked for, as it
+        does before Hopper) lowered to FA4's packed op on the unrepeated K/V; the report line says
+        which provider and why."""
         from cp_inductor.testing import varlen_programs as vp
 
         vp.register_cpu_kernels()
         q, k, v, cu, m = vp.pack([3, 5, 4], 4, 2, 16, seed=0)
-        with varlen_attention.reference_kernels():
-            cp_inductor.clear_report()
-            fn = torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m), backend="cp_inductor", fullgraph=True,
-                               options={"cp_inductor.attention_provider": "fa4", "cp_inductor.strict": True})
-            out = fn(q, k, v)
-        torch.testing.assert_close(out, vp.sequence_reference(q.double(), k.double(), v.double(), cu, True).float())
-        self.assertExpectedInline("\n".join(r.line() for r in cp_inductor.report().varlen), """\
-varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: attention_provider=fa4""")
+        lines = []
+        for options in ({}, {"num_splits": 1}):
+            with varlen_attention.reference_kernels():
+                cp_inductor.clear_report()
+                torch._dynamo.reset()
+                fn = torch.compile(lambda q, k, v: vp.torchtitan_style(q, k, v, cu, m, **options), backend="cp_inductor",
+                                   fullgraph=True,
+                                   options={"cp_inductor.attention_provider": "fa4", "cp_inductor.strict": True})
+                out = fn(q, k, v)
+            torch.testing.assert_close(out, vp.sequence_reference(q.double(), k.double(), v.double(), cu, True).float())
+            lines += [f"{options}: {r.line()}" for r in cp_inductor.report().varlen]
+        self.assertExpectedInline("\n".join(lines), """\
+{}: varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: attention_provider=fa4
+{'num_splits': 1}: varlen attention _varlen_attn: local, thd, lengths unknown, causal, K/V head repeat dropped: fa4_varlen: attention_provider=fa4""")
         torch._dynamo.reset()
 
 

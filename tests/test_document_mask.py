@@ -463,6 +463,85 @@ def test_capacity_compiled_matches_the_program():
     self_check.assertExpectedInline(lines[0].split(": ", 1)[1], """documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: document_mask_capacity (cuDNN's ragged graphs are built per document count); at most 8 documents a pack (document_mask_capacity, asserted on device): no host read, CUDA-graph safe""")
 
 
+# --- masks bounded by a table of document starts or ends (torchtitan's fast path) -----------
+
+
+def keys_from_table(q, k, v, starts):
+    """Causal, keys from ``starts[b, q]`` on: a table the program hands in (document starts, or
+    anything else)."""
+    index = torch.arange(T)
+    mask = (index[None, :] <= index[:, None]) & (index[None, None, :] >= starts[:, :, None])
+    return _attend(q, k, v, mask[:, None])
+
+
+def queries_up_to_table(q, k, v, ends):
+    """Causal, queries up to ``ends[b, kv]``."""
+    index = torch.arange(T)
+    mask = (index[None, :] <= index[:, None]) & (index[None, :, None] <= ends[:, None, :])
+    return _attend(q, k, v, mask[:, None])
+
+
+def _starts_and_ends(lengths=LENGTHS):
+    first = torch.cat([torch.full((n,), sum(lengths[:i])) for i, n in enumerate(lengths)])
+    last = torch.cat([torch.full((n,), sum(lengths[: i + 1]) - 1) for i, n in enumerate(lengths)])
+    return first[None].expand(B, T).contiguous(), last[None].expand(B, T).contiguous()
+
+
+def _packed_ran(fn, table) -> bool:
+    """Whether the plan of ``fn``'s mask over ``table`` found documents (else the dense path)."""
+    bounds = document_attention.BOUNDS["start" if fn is keys_from_table else "end"]
+    _, meta = torch.ops.cp_inductor.document_plan(table, None, True, B, T, bounds=bounds)
+    return bool(meta[2])
+
+
+def test_bounded_masks_read_as_documents():
+    """The report's line: the table is the documents, checked on device."""
+    starts, ends = _starts_and_ends()
+    got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in
+                     ((keys_from_table, starts), (queries_up_to_table, ends)))
+    TestCase().assertExpectedInline(got, """\
+keys_from_table: documents from the queries' document starts arg0_1[b, index] (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
+queries_up_to_table: documents from the keys' document ends arg0_1[b, index] (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32""")
+
+
+@pytest.mark.parametrize("fn", [keys_from_table, queries_up_to_table], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("table", ["documents", "window", "off_by_one"])
+def test_bounded_masks_match_the_program(fn, table):
+    """Output and every gradient against the program's masked SDPA: a table of document starts
+    (ends) runs packed; a table that is not one (a window: start[q] = q - 3; the documents' bounds
+    one token off) computes the mask as written, densely."""
+    starts, ends = _starts_and_ends()
+    bound = starts if fn is keys_from_table else ends
+    index = torch.arange(T).expand(B, T)
+    bound = {"documents": bound, "window": (index - 3).clamp(min=0) if fn is keys_from_table else (index + 3).clamp(max=T - 1),
+             "off_by_one": torch.where(bound > 0, bound - 1, bound)}[table].contiguous()
+    assert _packed_ran(fn, bound) == (table == "documents")
+    q, k, v = _qkv()
+    for got, want in zip(_grads(fn, q, k, v, bound, True), _grads(fn, q, k, v, bound, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _flex(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("form", ["starts", "ends"])
+def test_flex_bounded_masks_lowered(form):
+    """torchtitan's packed-document fast path, both of its forms (one row: keys from the query's
+    document start; rows: queries up to the key's document end), built from positions that
+    restart at 0: lowered, the answer eager flex's."""
+    from cp_inductor.testing.documents import document_end_block_mask, document_start_block_mask
+
+    positions = _positions()
+    block_mask = document_start_block_mask(positions[:1], "cpu") if form == "starts" else document_end_block_mask(positions, "cpu")
+    q, k, v = (t[: block_mask.shape[0]] for t in _qkv())
+    got, lines = _routes(_flex, q, k, v, block_mask)
+    assert "fa4_varlen" in lines[0] and f"document {form}" in lines[0], lines
+    torch.testing.assert_close(got, _flex(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
+
+
 # --- HF transformers' Llama, compiled end to end ---------------------------------------------
 
 

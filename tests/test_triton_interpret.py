@@ -42,7 +42,29 @@ def compare_document_plans():
                 assert sure == (rising and bool(contiguous)), (trial, meta)
             outcomes.add((sure, unsure))
     assert outcomes == {(1, 0), (0, 0), (0, 1)}  # contiguous, not, and for the sort to decide
+    _compare_bounds(kernel)
     print("document plans match")
+
+
+def _compare_bounds(kernel):
+    """Tables of document starts (ends): the kernel finds them where the aten plan does, and
+    not in tables that are something else (a window, bounds one off, ids)."""
+    found = set()
+    for trial in range(12):
+        lengths = torch.randint(3, 9, (20,), generator=torch.Generator().manual_seed(trial))
+        first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)[None, :50].expand(2, 50)
+        last = torch.repeat_interleave(torch.cumsum(lengths, 0) - 1, lengths)[None, :50].clamp(max=49).expand(2, 50)
+        index = torch.arange(50)[None].expand(2, 50)
+        for bounds, table in ((1, first), (2, last), (1, (index - 3).clamp(min=0)), (2, (last - 1).clamp(min=0)),
+                              (1, torch.repeat_interleave(torch.arange(20), lengths)[None, :50].expand(2, 50))):
+            for check in (True, False):
+                _, meta = kernel.document_plan(table, None, check, bounds)
+                starts = torch.ones_like(table, dtype=torch.bool)
+                starts[:, 1:] = table[:, 1:] != table[:, :-1]
+                want = bool(document_attention._runs(table, check)[4]) and bool(document_attention._bounds_hold(table, starts, bounds))
+                assert bool(meta[2]) == want and not meta[3], (trial, bounds, table, meta)
+                found.add(want)
+    assert found == {True, False}
 
 
 def test_document_plan_kernel_matches_the_aten_plan():

@@ -57,18 +57,24 @@ PROVIDERS = ("fa4", "cudnn")
 
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")
 _lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens, "
-            "int capacity=0) -> (Tensor, Tensor)")
+            "int capacity=0, int bounds=0) -> (Tensor, Tensor)")
 _lib.define(
     "document_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor meta, Tensor doc_ids, "
-    "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1, int capacity=0) -> (Tensor, Tensor)"
+    "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1, int capacity=0, int bounds=0) "
+    "-> (Tensor, Tensor)"
 )
 _lib.define(
     "document_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor cu_seqlens, Tensor meta, Tensor doc_ids, Tensor? positions, float scale, bool is_causal, str provider, "
-    "int window_left=-1, int capacity=0) -> (Tensor, Tensor, Tensor)"
+    "int window_left=-1, int capacity=0, int bounds=0) -> (Tensor, Tensor, Tensor)"
 )
 
 _COUNT, _LONGEST, _CONTIGUOUS, _UNSURE = range(4)  # meta; unsure: ids checked that fall (the sort decides)
+# What ``doc_ids`` holds (``bounds``): document ids, or each token's document's first token (a
+# mask ``kv <= q & doc_ids[q] <= kv``), or its last (``kv <= q & q <= doc_ids[kv]``). A table
+# of bounds is a table of ids where each token's value is its run's first (last) index: the plan
+# checks that, and the dense path computes the mask as the bounds write it.
+BOUNDS = {"": 0, "start": 1, "end": 2}
 
 
 def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
@@ -79,7 +85,7 @@ def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("cp_inductor::document_plan", lib=_lib)
-def _(doc_ids, positions, check, rows, tokens, capacity=0):
+def _(doc_ids, positions, check, rows, tokens, capacity=0, bounds=0):
     meta_device = doc_ids.device if capacity else "cpu"  # a capacity: nothing for the host to read
     return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(4, dtype=torch.int64, device=meta_device)
 
@@ -124,23 +130,35 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 @torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
-def _plan(doc_ids, positions, check, batch, length, capacity=0):
+def _plan(doc_ids, positions, check, batch, length, capacity=0, bounds=0):
     rows = _rows(doc_ids, batch, length)
     table = None if positions is None else _rows(positions, batch, length)
     if rows.is_cuda:  # one launch (document_plan_kernel.py says why)
         from .document_plan_kernel import document_plan as plan_kernel
 
-        cu_seqlens, meta = plan_kernel(rows, table, check)
+        cu_seqlens, meta = plan_kernel(rows, table, check, bounds)
     else:
         starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
         if table is not None:  # causal over positions is causal over tokens where they rise within each document
             contiguous = contiguous & ((table[:, 1:] > table[:, :-1]) | starts[:, 1:]).all()
+        if bounds:
+            contiguous = contiguous & _bounds_hold(rows, starts, bounds)
         meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype), torch.zeros_like(rank[-1])])
     if capacity:
         return cu_seqlens, _within_capacity(meta, rows, check, capacity)
     if _capturing(rows):
         return cu_seqlens, torch.zeros(4, dtype=torch.int64)  # not contiguous as far as we know: dense path
     return cu_seqlens, _to_host(meta, _documents_key(rows.device, rows.numel()), _learn_documents)
+
+
+def _bounds_hold(rows: torch.Tensor, starts: torch.Tensor, bounds: int) -> torch.Tensor:
+    """Whether each run of ``rows`` holds its first index (``bounds`` 1) or its last (2)."""
+    index = torch.arange(rows.shape[1], device=rows.device)
+    if bounds == BOUNDS["start"]:
+        return torch.where(starts, rows == index, True).all()
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    return torch.where(ends, rows == index, True).all()
 
 
 def _within_capacity(meta: torch.Tensor, rows: torch.Tensor, check: bool, capacity: int) -> torch.Tensor:
@@ -269,10 +287,15 @@ def _packed(meta: torch.Tensor) -> bool:
     return bool(meta[_CONTIGUOUS])
 
 
-def _dense_mask(doc_ids, positions, q, is_causal, window_left=-1):
+def _dense_mask(doc_ids, positions, q, is_causal, window_left=-1, bounds=0):
     rows = _rows(doc_ids, q.shape[0], q.shape[2])
-    mask = rows[:, None, :, None] == rows[:, None, None, :]
     index = torch.arange(rows.shape[1], device=rows.device)
+    if bounds:  # the mask as the program wrote it (causal, the table a bound)
+        mask = index[None, :] <= index[:, None]
+        if bounds == BOUNDS["start"]:
+            return mask & (index[None, None, None, :] >= rows[:, None, :, None])
+        return mask & (index[None, None, :, None] <= rows[:, None, None, :])
+    mask = rows[:, None, :, None] == rows[:, None, None, :]
     if is_causal and positions is not None:
         p = _rows(positions, q.shape[0], q.shape[2])
         mask = mask & (p[:, None, None, :] <= p[:, None, :, None])
@@ -283,10 +306,10 @@ def _dense_mask(doc_ids, positions, q, is_causal, window_left=-1):
     return mask
 
 
-def _dense(q, k, v, doc_ids, positions, scale, is_causal, window_left=-1):
+def _dense(q, k, v, doc_ids, positions, scale, is_causal, window_left=-1, bounds=0):
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    mask = _dense_mask(doc_ids, positions, q, is_causal, window_left)
+    mask = _dense_mask(doc_ids, positions, q, is_causal, window_left, bounds)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -296,7 +319,7 @@ def _lengths(cu_seqlens, meta):
 
 
 @torch.library.register_fake("cp_inductor::document_attention", lib=_lib)
-def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0):
+def _(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0, bounds=0):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((batch, tokens, heads, v.shape[3])).transpose(1, 2)
     return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
@@ -309,7 +332,8 @@ def _fa4_packed(q, k, v, cu, longest, scale, is_causal, window_left):
 
 
 @torch.library.impl("cp_inductor::document_attention", "CompositeExplicitAutograd", lib=_lib)
-def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0):
+def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1, capacity=0,
+             bounds=0):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     if capacity:  # the plan asserted on device that the documents fit (trailing ones empty)
         return _fa4_packed(q, k, v, cu_seqlens[: capacity + 1], tokens, scale, is_causal, window_left)
@@ -322,7 +346,7 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
     _settle(meta)
     _resolve(meta, doc_ids, batch, tokens)
     if not _packed(meta):
-        out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal, window_left))
+        out = _bshd(_dense(q, k, v, doc_ids, positions, scale, is_causal, window_left, bounds))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
     cu, longest = _lengths(cu_seqlens, meta)
     if provider == "fa4":
@@ -336,13 +360,13 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
 
 @torch.library.register_fake("cp_inductor::document_attention_backward", lib=_lib)
 def _(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider, window_left=-1,
-      capacity=0):
+      capacity=0, bounds=0):
     return tuple(t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2) for t in (q, k, v))
 
 
 @torch.library.impl("cp_inductor::document_attention_backward", "CompositeExplicitAutograd", lib=_lib)
 def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions, scale, is_causal, provider,
-              window_left=-1, capacity=0):
+              window_left=-1, capacity=0, bounds=0):
     batch = q.shape[0]
     if capacity:
         cu, longest = cu_seqlens[: capacity + 1], q.shape[2]
@@ -353,7 +377,7 @@ def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions,
     if cu is None:
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            dense = _dense(*inputs, doc_ids, positions, scale, is_causal, window_left)
+            dense = _dense(*inputs, doc_ids, positions, scale, is_causal, window_left, bounds)
             grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
     qt, kt, vt, ot, dot = (_flat(t) for t in (q, k, v, out, grad_out))

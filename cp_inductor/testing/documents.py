@@ -10,13 +10,10 @@ def document_causal_block_mask(doc: torch.Tensor, seq_len: int, device):
     as torchtitan builds it for packed documents."""
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
     def same_document(b, h, q_idx, kv_idx):
         return doc[b, q_idx] == doc[b, kv_idx]
 
-    return create_block_mask(and_masks(causal, same_document), doc.shape[0], None, seq_len, seq_len, device=device)
+    return create_block_mask(and_masks(_causal, same_document), doc.shape[0], None, seq_len, seq_len, device=device)
 
 
 class _MeshOf:
@@ -76,6 +73,46 @@ def flex_cp_attention(q, k, v, block_mask, group_name: str):
 
     k_all, v_all = flex_cp_allgather(k.contiguous(), v.contiguous(), 2, group_name)
     return flex_attention(q, k_all, v_all, block_mask=block_mask, enable_gqa=True)
+
+
+def document_start_block_mask(positions: torch.Tensor, device):
+    """A BlockMask over one packed row, ``positions`` ``[1, T]`` restarting at 0 per document:
+    causal, and keys from the query's document's first token on (a table of each document's
+    start read at the query's document: a packed-document fast path as torchtitan writes one)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    length = positions.shape[1]
+    begins = positions[0] == 0
+    doc = torch.cumsum(begins.int(), 0) - 1
+    first = torch.full((length,), length, dtype=torch.int64, device=positions.device)
+    first[doc[begins].long()] = torch.arange(length, device=positions.device)[begins]
+
+    def from_document_start(b, h, q_idx, kv_idx):
+        return kv_idx >= first[doc[q_idx]]
+
+    return create_block_mask(and_masks(_causal, from_document_start), 1, None, length, length, device=device)
+
+
+def document_end_block_mask(positions: torch.Tensor, device):
+    """A BlockMask over packed rows, ``positions`` ``[B, T]``: causal, and queries up to the
+    key's document's last token (each token's document end, a reversed running minimum of the
+    ends)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    batch, length = positions.shape
+    last = torch.ones_like(positions, dtype=torch.bool)
+    last[:, :-1] = positions[:, 1:] == 0
+    index = torch.arange(length, device=positions.device).expand(batch, length)
+    ends = torch.where(last, index, length).flip(1).cummin(1).values.flip(1)
+
+    def to_document_end(b, h, q_idx, kv_idx):
+        return q_idx <= ends[b, kv_idx]
+
+    return create_block_mask(and_masks(_causal, to_document_end), batch, None, length, length, device=device)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def compile_masked(fn, *args):

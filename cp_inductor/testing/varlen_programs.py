@@ -60,15 +60,16 @@ def pack(lengths, heads_q, heads_kv, head_dim, dtype=torch.float32, device="cpu"
     return q, k, v, cu, max(lengths)
 
 
-def torchtitan_style(q, k, v, cu, max_len, causal=True):
-    """torchtitan's VarlenAttention: varlen_attn on the pack, K/V heads repeated for GQA."""
+def torchtitan_style(q, k, v, cu, max_len, causal=True, **options):
+    """torchtitan's VarlenAttention: varlen_attn on the pack, K/V heads repeated for GQA
+    (``options``: what it adds on some machines, ``num_splits=1`` before Hopper)."""
     from torch.nn.attention.varlen import varlen_attn
 
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     window = (-1, 0) if causal else (-1, -1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window, **options)
 
 
 def positions_style(q, k, v, positions, causal=True):

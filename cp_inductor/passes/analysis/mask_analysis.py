@@ -14,7 +14,16 @@ given as a boolean mask or an additive one (0 where kept, -inf or the dtype's lo
 The document ids must form contiguous runs in each row for the packed kernels to compute the same
 thing: proven where they are a cumulative sum of non-negative values along the row (HF's packed
 path), else checked on device each step (``document_attention``: the dense path where they are
-not). A causal sliding window (``kv >= q - w``) rides along. Everything else is kept, with the
+not). A causal sliding window (``kv >= q - w``) rides along. Causal masks that bound the other
+side by a table read at one index (torchtitan's packed-document fast path) are documents too,
+where the table holds each document's first (last) token:
+
+    keys from the query's document start    kv <= q  &  start[q] <= kv   (start: any table read at q)
+    queries up to the key's document end    kv <= q  &  q <= end[b, kv]
+
+the table itself then serves as the document ids (``DocumentMask.bound``); that it holds run
+starts (ends) is checked on device each step, where the dense path computes the mask as written.
+Everything else is kept, with the
 reason: padding (keys masked by a per-token table), disjunctions, a mask that comes in from
 outside the graph, real-valued biases.
 """
@@ -162,6 +171,11 @@ class DocumentMask:
     query_positions: object = None
     key_positions: object = None
     window: int = -1  # causal with keys from q - window on (a sliding window), -1: none
+    # "start" (keys from start[q] on) or "end" (queries up to end[kv]): ``bound_position`` (as
+    # query_positions is: a traced node or an expression) read over its index is the table the
+    # documents are read from; each token's value must be its document's first (last) token.
+    bound: str = ""
+    bound_position: object = None
 
     @property
     def mapped(self) -> bool:
@@ -171,6 +185,10 @@ class DocumentMask:
         parts = []
         if self.doc_ids is not None:
             parts.append(f"documents from {self.doc_ids.name} ({self.contiguity})")
+        if self.bound:
+            who = "queries" if self.bound == "start" else "keys"
+            parts.append(f"documents from the {who}' document {self.bound}s {position_text(self.bound_position)} "
+                         f"({CHECKED})")
         parts.append("causal" if self.causal else "bidirectional")
         if self.window >= 0:
             parts[-1] += f", keys from q-{self.window}"
@@ -550,6 +568,7 @@ class _Classifier:
         self.position_causal: list = []  # tables p with p[kv] <= p[q]
         self.maps: dict = {}  # axis -> the position expression the documents read it at (None: the index itself)
         self.mapped_causal: list = []  # (query position, key position) with key <= query
+        self.bounds: list = []  # ("start", start[q]) for start[q] <= kv, ("end", end[kv]) for q <= end[kv]
         self.index_causal = False  # kv <= q over the indices themselves
         self.window: int | None = None  # kv >= q - window
         self.stepping_positions: set = set()  # tables a band was read over as if they were the indices
@@ -672,6 +691,12 @@ class _Classifier:
         """``P(q) >= P(kv)`` where a position is computed from an index (torch's CP masks)."""
         for qs, kvs, op in ((c.lhs, c.rhs, c.op), (c.rhs, c.lhs, _FLIP[c.op])):
             if _axis_of(qs) == self.q and _axis_of(kvs) == self.kv:
+                if op == "le" and isinstance(qs, Gather) and kvs == Lin(((self.kv, 1),)):
+                    self.bounds.append(("start", qs))  # start[q] <= kv
+                    return None
+                if op == "le" and isinstance(kvs, Gather) and qs == Lin(((self.q, 1),)):
+                    self.bounds.append(("end", kvs))  # q <= end[kv]
+                    return None
                 if op != "ge":
                     raise NotAMask(f"query and key positions compared {op!r} (not causal)")
                 self.mapped_causal.append((qs, kvs))
@@ -739,7 +764,10 @@ def analyze_traced(traced: mask_graph.Traced) -> DocumentMask:
 
 
 def position_text(x, axis: int | None = None) -> str:
-    """A position expression for the report: ``index+32``, ``cat[index]``, ``places[b, index]``."""
+    """A position expression for the report: ``index+32``, ``cat[index]``, ``places[b, index]``
+    (a traced node: its name)."""
+    if isinstance(x, torch.fx.Node):
+        return x.name
     if isinstance(x, Lin):
         if not x.coefs:
             return str(x.const)
@@ -792,12 +820,29 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
         if doc_ids is None or _resets_of(doc_ids) is not positions:
             raise NotAMask("a band over a table of positions not proven to step by one within each document")
     window = -1 if classify.window is None else classify.window
+    if classify.bounds:
+        return _bounded(classify, doc_ids, query_positions, key_positions, traced, reader)
     if doc_ids is None:
         return DocumentMask(None, classify.causal, traced=traced, window=window)
     summand = _row_cumsum(doc_ids)
     proven = summand is not None and _nonnegative(summand)
     return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions,
                         query_positions, key_positions, window)
+
+
+def _bounded(classify: _Classifier, doc_ids, query_positions, key_positions, traced, reader) -> DocumentMask:
+    """A causal mask bounded on the other side by a table read at one index: documents whose
+    first (last) token the table holds (checked on device)."""
+    if len(classify.bounds) > 1:
+        raise NotAMask("a mask bounded by two tables of document starts or ends")
+    (bound, position), = classify.bounds
+    if not classify.index_causal:
+        raise NotAMask(f"keys bounded by a table of document {bound}s without kv <= q (not lowered)")
+    if doc_ids is not None or query_positions is not None or key_positions is not None or classify.position_causal:
+        raise NotAMask(f"a table of document {bound}s with document ids or mapped positions (not lowered yet)")
+    if classify.window is not None:
+        raise NotAMask(f"a sliding window with a table of document {bound}s (not lowered yet)")
+    return DocumentMask(None, True, CHECKED, traced, window=-1, bound=bound, bound_position=_node_of(position, reader))
 
 
 def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:

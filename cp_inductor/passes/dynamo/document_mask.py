@@ -102,7 +102,9 @@ class MaskedCall:
     def route(self) -> VarlenRoute:
         detail = self.facts.describe() if self.facts is not None else "mask not read"
         reason = "; ".join(f"{k}: {v}" for k, v in self.reasons.items()) if self.path == KEPT else self.provider_reason
-        return VarlenRoute(self.name, "local", self.facts.contiguity if self.facts and self.facts.doc_ids is not None else "-",
+        facts = self.facts
+        contiguity = facts.contiguity if facts is not None and (facts.doc_ids is not None or facts.bound) else "-"
+        return VarlenRoute(self.name, "local", contiguity,
                            detail, self.path, reason, layout="mask")
 
 
@@ -265,7 +267,14 @@ def why_not(call: MaskedCall, cfg) -> str | None:
         return f"{q.shape[2]} queries over {k.shape[2]} keys (not self-attention over one pack)"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
-    if call.facts.doc_ids is None:
+    if call.facts.bound:
+        if call.body is not None:
+            return f"a table of document {call.facts.bound}s inside an activation-checkpointed region (not lowered yet)"
+        rank = call.facts.traced.output.meta["val"].dim() if call.facts.traced is not None else 4
+        why = _position_reason(call, call.facts.bound_position, rank - 2 if call.facts.bound == "start" else rank - 1, rank)
+        if why is not None:
+            return why
+    elif call.facts.doc_ids is None:
         if call.facts.window >= 0:
             return "a sliding window without document ids (not lowered yet)"
         if not call.facts.causal:
@@ -313,22 +322,14 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     """A mask_mod reading the documents at positions it computes (torch's flex CP: a shard of
     the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
     the shard's document segments, the keys read in place."""
-    facts, a = call.facts, call.args
+    facts = call.facts
     # (why_not read the mask; the analysis keeps its trace; _classified maps positions only with document ids)
     assert facts is not None and facts.traced is not None and facts.doc_ids is not None
     rank = facts.traced.output.meta["val"].dim()
     for node, axis in ((facts.query_positions, rank - 2), (facts.key_positions, rank - 1)):
-        if node is None:
-            continue
-        if not isinstance(node, torch.fx.Node) or not a.get("flex"):
-            why = _unbuildable(node, axis, rank)
-            if why is not None:
-                return why
-            continue
-        ops = {n.target for n in _above(node) if n.op == "call_function"}
-        if not ops <= set(_POSITION_OPS):
-            other = sorted(str(t) for t in ops - set(_POSITION_OPS))[0]
-            return f"a position the mask_mod computes with {other} (not evaluated over the real indices)"
+        why = _position_reason(call, node, axis, rank)
+        if why is not None:
+            return why
     if facts.doc_ids.meta["val"].dim() not in (1, 2):
         return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
@@ -341,6 +342,19 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
         facts.contiguity = "promised (document_mask_ids)"
     call.provider = "fa4"
     call.provider_reason = "queries of a shard over every key: FA4 varlen per document segment, keys in place"
+    return None
+
+
+def _position_reason(call: MaskedCall, node, axis: int, rank: int) -> str | None:
+    """Why the pass cannot compute a position of the mask over the real index range, or None."""
+    if node is None:
+        return None
+    if not isinstance(node, torch.fx.Node) or not call.args.get("flex"):
+        return _unbuildable(node, axis, rank)
+    ops = {n.target for n in _above(node) if n.op == "call_function"}
+    if not ops <= set(_POSITION_OPS):
+        other = sorted(str(t) for t in ops - set(_POSITION_OPS))[0]
+        return f"a position the mask_mod computes with {other} (not evaluated over the real indices)"
     return None
 
 
@@ -483,29 +497,34 @@ def _copy_positions(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx
     """The mapped query and key positions over the real index ranges, as ``[B or 1, n]``
     tables (None where the index is its own position): a flex mask_mod's traced ops with aranges
     in place of its index arguments, or an SDPA mask's position expression built."""
+    facts = call.facts
+    assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
+    rank = facts.traced.output.meta["val"].dim()
+    env: dict = {}
+    return [None if node is None else _position_table(gm, call, node, axis, before, env)
+            for node, axis in ((facts.query_positions, rank - 2), (facts.key_positions, rank - 1))]
+
+
+def _position_table(gm: torch.fx.GraphModule, call: MaskedCall, node, axis: int, before: torch.fx.Node,
+                    env: dict) -> torch.fx.Node:
+    """One position of the mask (a traced node or an expression, over ``axis``: the query's or
+    the key's of a rank-``r`` mask, ``r - 2`` or ``r - 1``) as a ``[B or 1, n]`` table over the
+    real index range. ``env``: the mask_mod's ops copied so far (shared by a call's positions)."""
     facts, a, g = call.facts, call.args, gm.graph
     assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
-    traced = facts.traced
-    q, k = a["query"], a["key"]
-    rank = traced.output.meta["val"].dim()
-    env = None
-    out: list[torch.fx.Node | None] = []
+    rank = facts.traced.output.meta["val"].dim()
     with g.inserting_before(before):
-        for node, axis, (tensor, dim) in ((facts.query_positions, rank - 2, (q, 2)), (facts.key_positions, rank - 1, (k, 2))):
-            if node is None:
-                out.append(None)
-                continue
-            size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
-            if not a.get("flex") or not isinstance(node, torch.fx.Node):
-                out.append(_built_position(gm, call, node, axis, size, before))
-                continue
-            env = env if env is not None else _mask_mod_indices(gm, call)
-            for n in traced.graph.nodes:
-                if n in _above(node) and n not in env:
-                    env[n] = g.node_copy(n, lambda x: env[x])
-                    env[n].meta = {}  # the trace's values have its dummy index sizes: none is better
-            out.append(g.call_method("reshape", (env[node], -1, size)))
-    return out
+        tensor = a["query"] if axis == rank - 2 else a["key"]
+        size = g.call_function(torch.ops.aten.sym_size.int, (tensor, 2))
+        if not a.get("flex") or not isinstance(node, torch.fx.Node):
+            return _built_position(gm, call, node, axis, size, before)
+        if not env:
+            env.update(_mask_mod_indices(gm, call))
+        for n in facts.traced.graph.nodes:
+            if n in _above(node) and n not in env:
+                env[n] = g.node_copy(n, lambda x: env[x])
+                env[n].meta = {}  # the trace's values have its dummy index sizes: none is better
+        return g.call_method("reshape", (env[node], -1, size))
 
 
 def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
@@ -557,7 +576,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     if call.facts.mapped:
         out = _apply_shard(gm, call, k, v, scale)
         call.path = PACKED[call.provider]
-    elif call.facts.doc_ids is None:
+    elif call.facts.doc_ids is None and not call.facts.bound:
         with g.inserting_before(call.node):
             gqa = value(k).shape[1] != q_heads
             out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),
@@ -573,7 +592,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
                                         (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
                                          *([call.facts.window] if call.facts.window >= 0 or call.capacity else []),
-                                         *_capacity(call)))
+                                         *_capacity(call)), _bounds(call))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
     body_mask = _sdpa_args(call.node)["attn_mask"] if call.body is not None else None
@@ -599,17 +618,23 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     """(ids, positions, cu_seqlens, meta): the plan of ``call``'s mask, in the graph that computes
     the mask, before the call (or before the checkpointed region holding it)."""
     a, facts, g = call.args, call.facts, gm.graph
-    assert facts is not None and facts.doc_ids is not None  # (a document mask)
-    tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
+    assert facts is not None and (facts.doc_ids is not None or facts.bound)  # (a document mask)
     before = call.node if call.body is None else call.body.hop
-    ids, *positions = _copy_tables(gm, facts, tables, before)
+    if facts.bound:  # (why_not: not in a checkpointed region) the bound over its index is the ids' table
+        rank = facts.traced.output.meta["val"].dim() if facts.traced is not None else 4
+        ids = _position_table(gm, call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1,
+                              before, {})
+        positions = []
+    else:
+        tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
+        ids, *positions = _copy_tables(gm, facts, tables, before)
     with g.inserting_before(before):
         if call.body is None:
             sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
         else:  # static (_body_reason): the body's nodes are not the outer graph's to read
             sizes = [value(a["query"]).shape[d] for d in (0, 2)]
         plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
-                               (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)))
+                               (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)), _bounds(call))
         cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
     return ids, positions[0] if positions else None, cu, meta
 
@@ -622,6 +647,12 @@ def _sdpa_args(node: torch.fx.Node) -> dict:
 def _capacity(call: MaskedCall) -> list:
     """The ops' trailing ``capacity`` argument, where there is one (goldens without it unchanged)."""
     return [call.capacity] if call.capacity else []
+
+
+def _bounds(call: MaskedCall) -> dict:
+    """The ops' ``bounds`` keyword where the ids are a table of document starts or ends."""
+    assert call.facts is not None  # (a lowered call)
+    return {"bounds": document_attention.BOUNDS[call.facts.bound]} if call.facts.bound else {}
 
 
 def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:

@@ -187,7 +187,7 @@ def shared_reason(call: VarlenCall) -> str | None:
     if window not in ([-1, -1], [-1, 0]):
         return f"sliding window {window} (only none or causal)"
     for name in ("seqused_k", "block_table", "num_splits", "leftpad_k"):
-        if a.get(name) is not None:
+        if a.get(name) is not None and not (name == "num_splits" and a[name] == 1):  # one split: the plain kernel
             return f"{name} is given (paged or split-KV inference)"
     if a.get("softcap"):
         return f"softcap {a['softcap']}"
