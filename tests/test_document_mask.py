@@ -833,17 +833,24 @@ def test_hf_llama_flex_compiled_forward():
 
 
 @pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
-def test_gpu_flex_document_training_matches_fp32():
-    """Flex's document-causal BlockMask trained on the GPU: output and every gradient of the
-    rewritten call against fp32 SDPA under the same mask, within 2x the error of compiled flex."""
+@pytest.mark.parametrize("form", ["ids", "starts", "ends"])
+def test_gpu_flex_document_training_matches_fp32(form):
+    """Flex's document-causal BlockMask (written with document ids, or with a table of document
+    starts or ends) trained on the GPU: output and every gradient of the rewritten call against
+    fp32 SDPA under the same mask, within 2x the error of compiled flex."""
     from torch.nn.attention.flex_attention import flex_attention
+
+    from cp_inductor.testing.documents import document_end_block_mask, document_start_block_mask
 
     if fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128):
         pytest.skip("needs FA4")
     b, t, hq, hkv, d = 1, 4096, 8, 2, 128
     lengths = [1000, 77, 2000, 1019]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
-    block_mask = document_causal_block_mask(doc, t, "cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    block_mask = {"ids": lambda: document_causal_block_mask(doc, t, "cuda"),
+                  "starts": lambda: document_start_block_mask(positions, "cuda"),
+                  "ends": lambda: document_end_block_mask(positions, "cuda")}[form]()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g).cuda() for h in (hq, hkv, hkv))
     grad = torch.randn(b, hq, t, d, generator=g).cuda()

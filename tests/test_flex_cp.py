@@ -103,6 +103,55 @@ def test_shard_forward_matches_eager_flex_and_the_single_device_pack(balance, ra
     torch.testing.assert_close(got, _local(_reference(*full, doc), order, rank), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("balance", ["none", "headtail", "ptrr"])
+@pytest.mark.parametrize("form", ["starts", "ends"])
+def test_shard_of_a_bounded_mask_matches_eager_flex(form, balance):
+    """torchtitan's packed-document fast path (a table of document starts or ends) under torch's
+    flex CP: lowered onto the shard's segments; the answer is eager flex's and the pack's."""
+    doc = _doc()
+    block_mask, order = cp_document_block_mask(doc, CP, 1, balance, "cpu", form=form)
+    q, k, v = _full_qkv()
+    local = (_local(q, order, 1), k[:, :, order], v[:, :, order])
+    got, lines = _compiled(flex_shard, *local, block_mask)
+    assert "fa4_varlen" in lines[0] and f"document {form}" in lines[0], lines
+    torch.testing.assert_close(got, flex_shard(*local, block_mask), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, _local(_reference(q, k, v, doc), order, 1), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bounds", ["start", "end"])
+def test_shard_op_with_bounds_packs_documents_and_computes_others_densely(bounds):
+    """The shard ops over a table of document bounds: a true one runs packed, one that is off by
+    a token computes the mask as written; output and every gradient against that mask, densely."""
+    doc = _doc()[0]
+    index = torch.arange(T)
+    first = torch.ones(T, dtype=torch.bool)
+    first[1:] = doc[1:] != doc[:-1]
+    last = torch.ones(T, dtype=torch.bool)
+    last[:-1] = first[1:]
+    table = torch.where(first, index, 0).cummax(0).values if bounds == "start" else \
+        torch.where(last, index, T).flip(0).cummin(0).values.flip(0)
+    code = document_attention.BOUNDS[bounds]
+    query_positions = torch.cat([torch.arange(64, 192), torch.arange(320, 448)])[None]
+    for name, ids in (("documents", table), ("off by one", (table - 1).clamp(min=0))):
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, HQ, query_positions.shape[1], D, dtype=torch.float64, generator=g).requires_grad_()
+        k, v = (torch.randn(1, HKV, T, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+        with reference_kernels():
+            plan, meta = torch.ops.cp_inductor.document_shard_plan(ids[None], query_positions, None, True, True, 1,
+                                                                   query_positions.shape[1], T, bounds=code)
+            out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, ids[None], query_positions, None,
+                                                                 0.25, True)[0]
+        assert int(meta[4]) == (name == "documents"), (name, meta)
+        want = document_attention._shard_dense(q, k, v, ids[None], query_positions, None, 0.25, True, code)
+        grad = torch.randn_like(out)
+        for got_t, want_t in zip((out, *torch.autograd.grad(out, (q, k, v), grad)),
+                                 (want, *torch.autograd.grad(want, (q, k, v), grad))):
+            torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
+        if name == "documents":  # the true table's mask is the documents' mask
+            torch.testing.assert_close(out, document_attention._shard_dense(q, k, v, doc[None], query_positions, None,
+                                                                            0.25, True), atol=1e-6, rtol=1e-6)
+
+
 def test_keys_at_positions_that_are_not_a_permutation_compute_densely():
     """A key map the plan cannot read in place (two keys at one position) is found on device:
     the op computes the mask densely, the answer the program's."""
@@ -327,18 +376,19 @@ def _fa4_missing() -> str | None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("balance", ["none", "headtail", "ptrr"])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_gpu_flex_cp_training_matches_fp32(balance, rank):
+@pytest.mark.parametrize("balance,rank,form", [(b, r, "ids") for b in ("none", "headtail", "ptrr") for r in (0, 1)]
+                         + [("headtail", 1, "starts"), ("ptrr", 0, "ends")])
+def test_gpu_flex_cp_training_matches_fp32(balance, rank, form):
     """One rank of torch's flex CP trained on the GPU (bf16): output and every gradient of the
     rewritten call against fp32 dense attention under the shard's mask, within 2x the error of
-    default Inductor's compiled flex."""
+    default Inductor's compiled flex (the mask written with document ids, or with a table of
+    document starts or ends as torchtitan's fast path writes it)."""
     if _fa4_missing():
         pytest.skip(_fa4_missing())
     t, hq, hkv, d = 4096, 8, 2, 128
     lengths = [1000, 77, 2000, 1019]
     doc = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))[None].cuda()
-    block_mask, order = cp_document_block_mask(doc, CP, rank, balance, "cuda")
+    block_mask, order = cp_document_block_mask(doc, CP, rank, balance, "cuda", form=form)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, hq, t // CP, d, generator=g).cuda()
     k, v = (torch.randn(1, hkv, t, d, generator=g).cuda() for _ in range(2))

@@ -114,7 +114,7 @@ def compare_shard_plans():
                 got, meta = kernel.document_shard_plan(ids, qpos, kpos, check, causal)
                 want, want_meta = document_attention._shard_plan_aten(ids, qpos, kpos, check, causal, batch, queries, keys)
                 must_redo = redo is True or (redo == "checked" and check)
-                assert int(meta[5]) == must_redo, (name, check, causal, meta)
+                assert int(meta[5]) == must_redo and int(meta[6]) == 0, (name, check, causal, meta)
                 seen.add((name, int(meta[4]), int(meta[5])))
                 if must_redo:
                     continue
@@ -126,8 +126,32 @@ def compare_shard_plans():
                     if int(meta[4]):
                         assert torch.equal(got[5], want[5]), name
     assert {packable for _, packable, redo in seen if not redo} == {0, 1}, seen
+    _compare_shard_bounds(kernel)
     _redo_computes_the_answer()
     print("shard plans match")
+
+
+def _compare_shard_bounds(kernel):
+    """Tables of document starts (ends) as the shard plan's ids: packable where the aten plan says
+    so, and the same plan."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 30, (20,), generator=g)
+    ends_at = torch.cumsum(lengths, 0)
+    starts = torch.repeat_interleave(ends_at - lengths, lengths)[None, :96]
+    ends = torch.repeat_interleave(ends_at - 1, lengths)[None, :96].clamp(max=95)
+    head_tail = torch.cat([torch.arange(24, 48), torch.arange(48, 72)])[None]
+    gathered = torch.cat([torch.arange(0, 24), torch.arange(72, 96), torch.arange(24, 72)])[None]
+    packable = set()
+    for bounds, table in ((1, starts), (2, ends), (1, (starts - 1).clamp(min=0)), (2, ends + 1)):
+        for qpos, kpos in ((None, None), (head_tail, gathered)):
+            for check in (True, False):
+                queries = 96 if qpos is None else qpos.shape[1]
+                got, meta = kernel.document_shard_plan(table, qpos, kpos, check, True, bounds)
+                want, want_meta = document_attention._shard_plan_aten(table, qpos, kpos, check, True, 1, queries, 96, bounds)
+                assert meta.tolist() == want_meta.tolist(), (bounds, check, meta, want_meta)
+                assert all(map(torch.equal, got[:5], want[:5])), bounds
+                packable.add(int(meta[4]))
+    assert packable == {0, 1}
 
 
 def _redo_computes_the_answer():

@@ -430,7 +430,7 @@ torch.library.register_autograd("cp_inductor::document_attention", _autograd_bac
 
 _lib.define(
     "document_shard_plan(Tensor doc_ids, Tensor? query_positions, Tensor? key_positions, bool check, bool is_causal, "
-    "SymInt rows, SymInt queries, SymInt keys) -> (Tensor[], Tensor)"
+    "SymInt rows, SymInt queries, SymInt keys, int bounds=0) -> (Tensor[], Tensor)"
 )
 _lib.define(
     "document_shard_attention(Tensor q, Tensor k, Tensor v, Tensor[] plan, Tensor meta, Tensor doc_ids, "
@@ -442,8 +442,10 @@ _lib.define(
     "bool is_causal) -> (Tensor, Tensor, Tensor)"
 )
 
-_SEGMENTS, _ROUNDS, _LONGEST_Q, _LONGEST_K, _PACKABLE, _REDO = range(6)  # redo: the kernel's plan needs the aten one
-_SHARD_META = 6
+# redo: the kernel's plan needs the aten one; bounds: what the ids are (BOUNDS; the attention's
+# dense path reads it here, an argument would not survive its autograd's tensor-list checks)
+_SEGMENTS, _ROUNDS, _LONGEST_Q, _LONGEST_K, _PACKABLE, _REDO, _BOUND = range(7)
+_SHARD_META = 7
 
 
 def _positions(table, rows: int, n: int, device) -> torch.Tensor:
@@ -461,30 +463,32 @@ def _shard_plan_shapes(doc_ids, rows, queries, keys):
 
 
 @torch.library.register_fake("cp_inductor::document_shard_plan", lib=_lib)
-def _(doc_ids, query_positions, key_positions, check, is_causal, rows, queries, keys):
+def _(doc_ids, query_positions, key_positions, check, is_causal, rows, queries, keys, bounds=0):
     return _shard_plan_shapes(doc_ids, rows, queries, keys), torch.empty(_SHARD_META, dtype=torch.int64, device="cpu")
 
 
 @torch.library.impl("cp_inductor::document_shard_plan", "CompositeExplicitAutograd", lib=_lib)
-def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch, queries, keys):
+def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch, queries, keys, bounds=0):
     ids = _rows(doc_ids, batch, keys)
     if ids.is_cuda:  # one launch (document_shard_plan_kernel.py says why)
         from .document_shard_plan_kernel import document_shard_plan as plan_kernel
 
         qpos = None if query_positions is None else _rows(query_positions, batch, queries)
         kpos = None if key_positions is None else _rows(key_positions, batch, keys)
-        plan, meta = plan_kernel(ids, qpos, kpos, check, is_causal)
+        plan, meta = plan_kernel(ids, qpos, kpos, check, is_causal, bounds)
     else:
-        plan, meta = _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys)
-    if _capturing(ids):
-        return plan, torch.zeros(_SHARD_META, dtype=torch.int64)
+        plan, meta = _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys, bounds)
+    if _capturing(ids):  # the dense path, over the bounds where the ids are bounds
+        return plan, torch.tensor([0] * _BOUND + [bounds], dtype=torch.int64)
     return plan, _to_host(meta, _shard_key(ids.device, batch, queries, keys), _learn_shard)
 
 
-def _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys):
+def _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys, bounds=0):
     """The plan in aten ops (the CPU's, and the GPU's where its kernel asks for a redo)."""
     device, pack = ids.device, batch * keys
-    _, run_of, cu_docs, longest_doc, packable = _runs(ids, check)
+    starts, run_of, cu_docs, longest_doc, packable = _runs(ids, check)
+    if bounds:
+        packable = packable & _bounds_hold(ids, starts, bounds)
     qpos = _positions(query_positions, batch, queries, device)
     packable = packable & ((qpos >= 0) & (qpos < keys)).all()
     at = (qpos.clamp(0, keys - 1) + torch.arange(batch, device=device)[:, None] * keys).reshape(-1)  # pack positions
@@ -528,7 +532,7 @@ def _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batc
     plan = [cu_q, cu_k, used, seg_round, row_round, key_order, key_rows]
     longest_q = (cu_q[1:] - cu_q[:-1]).max().long()
     meta = torch.stack([count, seg_round.max().long() + 1, longest_q, longest_doc.long(), packable.long(),
-                        torch.zeros_like(count)])
+                        torch.zeros_like(count), torch.full_like(count, bounds)])
     return plan, meta
 
 
@@ -553,7 +557,7 @@ def _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_
     _settle(meta)
     if int(meta[_REDO]):
         plan, meta = _shard_plan_aten(_rows(doc_ids, batch, keys), query_positions, key_positions, True, is_causal,
-                                      batch, queries, keys)
+                                      batch, queries, keys, int(meta[_BOUND]))
         meta = meta.cpu()
     return plan, meta
 
@@ -563,7 +567,7 @@ def _shard_numbers(meta) -> tuple[int, int, int, int]:
     return int(meta[_SEGMENTS]), int(meta[_ROUNDS]), int(meta[_LONGEST_Q]), int(meta[_LONGEST_K])
 
 
-def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal):
+def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds=0):
     """The mask as the program reads it: the whole table at the positions (no clamp: a position
     past the table fails here as in the program)."""
     batch, keys = q.shape[0], k.shape[2]
@@ -571,16 +575,21 @@ def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal):
     ids = table.expand(batch, table.shape[1])
     qpos = _positions(query_positions, batch, q.shape[2], q.device)
     kpos = _positions(key_positions, batch, keys, q.device)
-    mask = ids.gather(1, qpos)[:, None, :, None] == ids.gather(1, kpos)[:, None, None, :]
+    if bounds == BOUNDS["start"]:  # keys from the table's value at the query's place (causal)
+        mask = kpos[:, None, None, :] >= ids.gather(1, qpos)[:, None, :, None]
+    elif bounds == BOUNDS["end"]:  # queries up to the table's value at the key's place
+        mask = qpos[:, None, :, None] <= ids.gather(1, kpos)[:, None, None, :]
+    else:
+        mask = ids.gather(1, qpos)[:, None, :, None] == ids.gather(1, kpos)[:, None, None, :]
     if is_causal:
         mask = mask & (kpos[:, None, None, :] <= qpos[:, None, :, None])
     return mask
 
 
-def _shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal):
+def _shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds=0):
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    mask = _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal)
+    mask = _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -636,7 +645,8 @@ def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions,
     plan, meta = _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, tokens,
                                      k.shape[2])
     if not bool(meta[_PACKABLE]):
-        out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal))
+        bounds = int(meta[_BOUND])
+        out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
     return _shard_packed(q, k, v, plan, _shard_numbers(meta), key_positions, scale, is_causal)
 
@@ -651,10 +661,11 @@ def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_posi
     batch = q.shape[0]
     plan, meta = _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, q.shape[2],
                                      k.shape[2])
+    bounds = int(meta[_BOUND])
     if not bool(meta[_PACKABLE]):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal)
+            dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal, bounds)
             grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
     numbers = _shard_numbers(meta)

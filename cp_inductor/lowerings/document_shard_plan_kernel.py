@@ -21,8 +21,9 @@ to block:
     keys:    key_rows[j] = b*K + clamp(key_positions[b, t]) and its inverse key_order, a
              permutation where every pack slot is written once (checked: slots start at -1)
 
-``meta`` = [segments, rounds, longest segment, longest document, packable, redo] (int64, on
-device). ``redo`` where this kernel cannot vouch for its plan: runs that fall along the queries
+``meta`` = [segments, rounds, longest segment, longest document, packable, redo, bounds] (int64,
+on device; bounds: what the ids are, ``document_attention.BOUNDS``, each run's first or last
+index where the mask is written with them, checked in the pack pass). ``redo`` where this kernel cannot vouch for its plan: runs that fall along the queries
 (its rounds would not be the sort's), or checked ids that fall within a row (contiguous or not,
 only a sort can tell). The op then runs the aten plan instead, once, on the host's request:
 never a different answer.
@@ -62,10 +63,10 @@ def _shard_plan_kernel(ids, ids_row, ids_col, qpos, qpos_row, qpos_col, kpos, kp
                        run_of, cu_docs, cu_q, cu_k, used, seg_round, row_round, key_order, key_rows, meta,
                        keys, queries, pack, n,
                        CHECK: tl.constexpr, CAUSAL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BOUNDS: tl.constexpr, BLOCK: tl.constexpr):
     zero = tl.program_id(0) * 0  # int32 scalars carried across blocks
     # pack: the runs of the ids
-    docs, open_doc, longest_doc, monotone = zero, zero - 1, zero, zero + 1
+    docs, open_doc, longest_doc, monotone, bounded = zero, zero - 1, zero, zero + 1, zero + 1
     for first in range(0, pack, BLOCK):
         p = first + tl.arange(0, BLOCK)
         live = p < pack
@@ -81,6 +82,12 @@ def _shard_plan_kernel(ids, ids_row, ids_col, qpos, qpos_row, qpos_col, kpos, kp
         longest_doc = tl.maximum(longest_doc, tl.max(tl.where(live, p - doc_start + 1, 0), 0))
         open_doc = tl.max(doc_start, 0)
         monotone = monotone & tl.min((~live | row_start | (cur >= prev)).to(tl.int32), 0)
+        if BOUNDS == 1:  # ids are each run's first index (document_attention.BOUNDS)
+            bounded = bounded & tl.min((~start | (cur == t)).to(tl.int32), 0)
+        if BOUNDS == 2:  # ... or its last
+            row_end = t == keys - 1
+            after = tl.load(ids + b * ids_row + (t + 1) * ids_col, mask=live & ~row_end, other=0)
+            bounded = bounded & tl.min((~(live & (row_end | (after != cur))) | (cur == t)).to(tl.int32), 0)
         docs += tl.sum(start.to(tl.int32), 0)
     for first in range(0, pack + 1, BLOCK):
         p = first + tl.arange(0, BLOCK)
@@ -153,15 +160,16 @@ def _shard_plan_kernel(ids, ids_row, ids_col, qpos, qpos_row, qpos_col, kpos, kp
     tl.store(meta + 1, rounds.to(tl.int64))
     tl.store(meta + 2, longest_q.to(tl.int64))
     tl.store(meta + 3, longest_doc.to(tl.int64))
-    tl.store(meta + 4, (sure & in_range & permutation).to(tl.int64))
+    tl.store(meta + 4, (sure & in_range & permutation & bounded).to(tl.int64))
     tl.store(meta + 5, ((1 - sure) | (1 - ordered)).to(tl.int64))
+    tl.store(meta + 6, (zero + BOUNDS).to(tl.int64))
 
 
 def document_shard_plan(rows: torch.Tensor, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None,
-                        check: bool, is_causal: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+                        check: bool, is_causal: bool, bounds: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``rows`` ``[B, K]`` ids, ``query_positions`` ``[B, Q]`` (None: ``0..K-1``),
     ``key_positions`` ``[B, K]`` (None: the keys in pack order), any strides: the plan
-    (``document_attention._shard_plan``'s seven tensors) and ``meta`` ``[6]``, on ``rows``' device."""
+    (``document_attention._shard_plan``'s seven tensors) and ``meta`` ``[7]``, on ``rows``' device."""
     batch, keys = rows.shape
     queries = keys if query_positions is None else query_positions.shape[1]
     pack, n = batch * keys, batch * queries
@@ -170,12 +178,12 @@ def document_shard_plan(rows: torch.Tensor, query_positions: torch.Tensor | None
     cu_q, cu_k = new(n + 1, dtype=torch.int32), new(n + 1, dtype=torch.int32)
     used, seg_round, row_round = (new(n, dtype=torch.int32) for _ in range(3))
     key_order, key_rows = new(pack, dtype=torch.int64), new(pack, dtype=torch.int64)
-    meta = new(6, dtype=torch.int64)
+    meta = new(7, dtype=torch.int64)
     qpos = rows if query_positions is None else query_positions
     kpos = rows if key_positions is None else key_positions
     _shard_plan_kernel[(1,)](rows, rows.stride(0), rows.stride(1), qpos, qpos.stride(0), qpos.stride(1),
                              kpos, kpos.stride(0), kpos.stride(1), run_of, cu_docs, cu_q, cu_k, used, seg_round,
                              row_round, key_order, key_rows, meta, keys, queries, pack, n,
                              CHECK=check, CAUSAL=is_causal, HAS_QPOS=query_positions is not None,
-                             HAS_KPOS=key_positions is not None, BLOCK=BLOCK)
+                             HAS_KPOS=key_positions is not None, BOUNDS=bounds, BLOCK=BLOCK)
     return [cu_q, cu_k, used, seg_round, row_round, key_order, key_rows], meta

@@ -34,12 +34,14 @@ BALANCES = ("none", "headtail", "ptrr")
 
 
 def cp_document_block_mask(doc: torch.Tensor, cp: int, rank: int, balance: str, device, mesh=None,
-                           compile_builder: bool = False):
+                           compile_builder: bool = False, form: str = "ids"):
     """Rank ``rank``'s BlockMask of torch's flex CP (what torchtitan's ``cp_shard`` hands each
     rank): the document-causal mask over ``doc`` (``[B, T]``) with its queries sharded, tokens
     rearranged first by ``balance`` (``"none"``, ``"headtail"``, ``"ptrr"``). Returns the mask
     and the rearrangement (``[T]``: the pack position of each rearranged token). torch compiles
-    the mask's builder; ``compile_builder=False`` builds the same mask eagerly (tests on CPU)."""
+    the mask's builder; ``compile_builder=False`` builds the same mask eagerly (tests on CPU).
+    ``form``: the document-causal mask written with ids, or with a table of document ``"starts"``
+    or ``"ends"`` (from positions restarting at 0 per document)."""
     from torch.distributed.tensor.experimental._context_parallel import _attention
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
         _HeadTailLoadBalancer,
@@ -48,7 +50,13 @@ def cp_document_block_mask(doc: torch.Tensor, cp: int, rank: int, balance: str, 
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, tokens = doc.shape
-    full = document_causal_block_mask(doc, tokens, device)
+    index = torch.arange(tokens, device=doc.device).expand(batch, tokens)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    positions = index - torch.where(first, index, 0).cummax(1).values  # each token's place in its document
+    full = {"ids": lambda: document_causal_block_mask(doc, tokens, device),
+            "starts": lambda: document_start_block_mask(positions, device),
+            "ends": lambda: document_end_block_mask(positions, device)}[form]()
     balancer = {"none": None, "headtail": lambda: _HeadTailLoadBalancer(tokens, cp, device),
                 "ptrr": lambda: _PTRRLoadBalancer(full, cp)}[balance]
     balancer = balancer() if balancer is not None else None

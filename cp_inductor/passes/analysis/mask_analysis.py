@@ -174,8 +174,11 @@ class DocumentMask:
     # "start" (keys from start[q] on) or "end" (queries up to end[kv]): ``bound_position`` (as
     # query_positions is: a traced node or an expression) read over its index is the table the
     # documents are read from; each token's value must be its document's first (last) token.
+    # Where the positions are mapped (torch's flex CP), the table over the pack is
+    # ``bound_position`` with ``bound_at`` (the mapped position it reads at) set to the pack index.
     bound: str = ""
     bound_position: object = None
+    bound_at: object = None
 
     @property
     def mapped(self) -> bool:
@@ -568,7 +571,7 @@ class _Classifier:
         self.position_causal: list = []  # tables p with p[kv] <= p[q]
         self.maps: dict = {}  # axis -> the position expression the documents read it at (None: the index itself)
         self.mapped_causal: list = []  # (query position, key position) with key <= query
-        self.bounds: list = []  # ("start", start[q]) for start[q] <= kv, ("end", end[kv]) for q <= end[kv]
+        self.bounds: list = []  # (P(q), P(kv)) with P(q) <= P(kv): a document start or end bounds one side
         self.index_causal = False  # kv <= q over the indices themselves
         self.window: int | None = None  # kv >= q - window
         self.stepping_positions: set = set()  # tables a band was read over as if they were the indices
@@ -691,11 +694,8 @@ class _Classifier:
         """``P(q) >= P(kv)`` where a position is computed from an index (torch's CP masks)."""
         for qs, kvs, op in ((c.lhs, c.rhs, c.op), (c.rhs, c.lhs, _FLIP[c.op])):
             if _axis_of(qs) == self.q and _axis_of(kvs) == self.kv:
-                if op == "le" and isinstance(qs, Gather) and kvs == Lin(((self.kv, 1),)):
-                    self.bounds.append(("start", qs))  # start[q] <= kv
-                    return None
-                if op == "le" and isinstance(kvs, Gather) and qs == Lin(((self.q, 1),)):
-                    self.bounds.append(("end", kvs))  # q <= end[kv]
+                if op == "le":  # start[P(q)] <= P(kv) or P(q) <= end[P(kv)]: _bounded decides which
+                    self.bounds.append((qs, kvs))
                     return None
                 if op != "ge":
                     raise NotAMask(f"query and key positions compared {op!r} (not causal)")
@@ -798,6 +798,9 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
     if len(classify.doc_ids) > 1:
         raise NotAMask("two tables of document ids")
     doc_ids = next(iter(classify.doc_ids), None)
+    if classify.bounds and len(classify.mapped_causal) == 1:  # the positions the bound is read at
+        for axis, position in zip((classify.q, classify.kv), classify.mapped_causal[0]):
+            classify._map(axis, position)
     query_positions, key_positions = (_node_of(p, reader) for p in classify.maps_of())
     mapped = query_positions is not None or key_positions is not None
     if classify.window is not None and (mapped or not classify.causal and not classify.position_causal):
@@ -805,7 +808,7 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
             "over mapped positions" if mapped else "that is not causal") + ": not lowered yet")
     if mapped and classify.position_causal:
         raise NotAMask("causal over a table of positions where the documents are read at mapped positions")
-    if classify.mapped_causal and doc_ids is None:
+    if classify.mapped_causal and doc_ids is None and not classify.bounds:
         raise NotAMask("causal over mapped positions without document ids (not lowered yet)")
     checked_positions = None
     for positions in set(classify.position_causal):
@@ -831,18 +834,37 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
 
 
 def _bounded(classify: _Classifier, doc_ids, query_positions, key_positions, traced, reader) -> DocumentMask:
-    """A causal mask bounded on the other side by a table read at one index: documents whose
-    first (last) token the table holds (checked on device)."""
+    """A causal mask ``P(kv) <= P(q)`` bounded on the other side by a table read at one
+    position: ``start[P(q)] <= P(kv)`` or ``P(q) <= end[P(kv)]`` (P: the index itself, or the
+    place torch's flex CP maps it to): documents whose first (last) token the table holds
+    (checked on device)."""
     if len(classify.bounds) > 1:
         raise NotAMask("a mask bounded by two tables of document starts or ends")
-    (bound, position), = classify.bounds
-    if not classify.index_causal:
-        raise NotAMask(f"keys bounded by a table of document {bound}s without kv <= q (not lowered)")
-    if doc_ids is not None or query_positions is not None or key_positions is not None or classify.position_causal:
-        raise NotAMask(f"a table of document {bound}s with document ids or mapped positions (not lowered yet)")
+    (qs, kvs), = classify.bounds
+    if classify.mapped_causal:
+        at_q, at_kv = classify.mapped_causal[0]
+    elif classify.index_causal:
+        at_q, at_kv = Lin(((classify.q, 1),)), Lin(((classify.kv, 1),))
+    else:
+        raise NotAMask("query and key positions compared 'le' (not causal)")
+    if kvs == at_kv and isinstance(qs, Gather) and _reads_at(qs, at_q):
+        bound, position, at = "start", qs, at_q
+    elif qs == at_q and isinstance(kvs, Gather) and _reads_at(kvs, at_kv):
+        bound, position, at = "end", kvs, at_kv
+    else:
+        raise NotAMask("query and key positions compared 'le' (not causal)")
+    if doc_ids is not None or classify.position_causal:
+        raise NotAMask(f"a table of document {bound}s with document ids (not lowered yet)")
     if classify.window is not None:
         raise NotAMask(f"a sliding window with a table of document {bound}s (not lowered yet)")
-    return DocumentMask(None, True, CHECKED, traced, window=-1, bound=bound, bound_position=_node_of(position, reader))
+    mapped = query_positions is not None or key_positions is not None
+    return DocumentMask(None, True, CHECKED, traced, None, query_positions, key_positions, -1, bound,
+                        _node_of(position, reader), _node_of(at, reader) if mapped else None)
+
+
+def _reads_at(table: Gather, position) -> bool:
+    """Whether ``table`` reads (through tables it reads, maybe) at ``position``."""
+    return any(i == position or (isinstance(i, Gather) and _reads_at(i, position)) for i in table.index)
 
 
 def analyze_mask_mod(traced: mask_graph.Traced) -> DocumentMask:

@@ -323,14 +323,21 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
     the shard's document segments, the keys read in place."""
     facts = call.facts
-    # (why_not read the mask; the analysis keeps its trace; _classified maps positions only with document ids)
-    assert facts is not None and facts.traced is not None and facts.doc_ids is not None
+    # (why_not read the mask; the analysis keeps its trace; _classified maps positions only with
+    # document ids or a table of document bounds)
+    assert facts is not None and facts.traced is not None and (facts.doc_ids is not None or facts.bound)
     rank = facts.traced.output.meta["val"].dim()
     for node, axis in ((facts.query_positions, rank - 2), (facts.key_positions, rank - 1)):
         why = _position_reason(call, node, axis, rank)
         if why is not None:
             return why
-    if facts.doc_ids.meta["val"].dim() not in (1, 2):
+    if facts.bound:
+        if not call.args.get("flex") or not isinstance(facts.bound_at, torch.fx.Node):
+            return f"a table of document {facts.bound}s read at mapped positions of an SDPA mask (not lowered yet)"
+        why = _position_reason(call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1, rank)
+        if why is not None:
+            return why
+    elif facts.doc_ids is not None and facts.doc_ids.meta["val"].dim() not in (1, 2):
         return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
@@ -527,6 +534,24 @@ def _position_table(gm: torch.fx.GraphModule, call: MaskedCall, node, axis: int,
         return g.call_method("reshape", (env[node], -1, size))
 
 
+def _pack_bounds(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx.Node) -> torch.fx.Node:
+    """A mapped mask's table of document bounds over the pack: the mask_mod's ops reading it,
+    with the pack index (every key's place) where they read the mapped position."""
+    facts, a, g = call.facts, call.args, gm.graph
+    assert facts is not None and facts.traced is not None and isinstance(facts.bound_at, torch.fx.Node)  # (_shard_reason)
+    axis = 2 if facts.bound == "start" else 3  # a mask_mod's (b, h, q_idx, kv_idx)
+    with g.inserting_before(before):
+        env = _mask_mod_indices(gm, call)
+        size = g.call_function(torch.ops.aten.sym_size.int, (a["key"], 2))
+        index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(a["query"]).device})
+        env[facts.bound_at] = g.call_method("view", (index, *[-1 if d == axis else 1 for d in range(4)]))
+        for n in facts.traced.graph.nodes:
+            if n in _above(facts.bound_position) and n not in env:
+                env[n] = g.node_copy(n, lambda x: env[x])
+                env[n].meta = {}
+        return g.call_method("reshape", (env[facts.bound_position], -1, size))
+
+
 def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     """The traced mask_mod's inputs in ``gm``: aranges over the real index ranges for its index
     arguments (b, h, q_idx, kv_idx, each along its own dim as flex's vmap broadcasts them), the
@@ -546,12 +571,15 @@ def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float)
     a, g = call.args, gm.graph
     assert call.facts is not None  # (why_not read the mask)
     if "plan" not in call.shared:
-        (ids,) = _copy_tables(gm, call.facts, [call.facts.doc_ids], call.node)
+        if call.facts.bound:
+            ids = _pack_bounds(gm, call, call.node)
+        else:
+            (ids,) = _copy_tables(gm, call.facts, [call.facts.doc_ids], call.node)
         query_positions, key_positions = _copy_positions(gm, call, call.node)
         with g.inserting_before(call.node):
             sizes = [g.call_function(torch.ops.aten.sym_size.int, x) for x in ((a["query"], 0), (a["query"], 2), (a["key"], 2))]
             plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
-                                   (ids, query_positions, key_positions, call.check, call.facts.causal, *sizes))
+                                   (ids, query_positions, key_positions, call.check, call.facts.causal, *sizes), _bounds(call))
             tables = g.call_function(operator.getitem, (plan, 0))
             parts = [g.call_function(operator.getitem, (tables, i)) for i in range(7)]
             meta = g.call_function(operator.getitem, (plan, 1))
