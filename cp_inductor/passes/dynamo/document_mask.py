@@ -127,7 +127,8 @@ def _read_mask(args):
     try:
         if not args.get("flex"):
             return mask_analysis.analyze(args["attn_mask"])
-        traced = mask_graph.trace_mask_mod(args["mask_mod"], args["mask_buffers"], value(args["query"]).device)
+        buffers = args.get("outer_buffers", args["mask_buffers"])  # in a checkpointed region: the outer graph's
+        traced = mask_graph.trace_mask_mod(args["mask_mod"], buffers, value(args["query"]).device)
         if isinstance(traced, str):
             raise mask_analysis.NotAMask(traced)
         return mask_analysis.analyze_mask_mod(traced)
@@ -157,7 +158,11 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
         if reason is not None:
             calls.append(MaskedCall(node, args, analysis_reason=reason, body=body))
             continue
-        if body is not None:  # the mask as the outer graph computes it
+        if body is not None and args.get("flex"):  # the mask_mod's tables as the outer graph has them
+            outer = tuple(_outer(body, b) for b in args["mask_buffers"])
+            args["attn_mask"] = (args["mask_mod"].code, outer)  # one plan for the regions sharing them
+            args["outer_buffers"] = outer
+        elif body is not None:  # the mask as the outer graph computes it
             args["attn_mask"] = _outer(body, args["attn_mask"])
         mask = args["attn_mask"]
         if mask not in facts:
@@ -197,13 +202,11 @@ def _attention_nodes(gm: torch.fx.GraphModule):
 
 def _body_reason(args: dict, body: CheckpointBody) -> str | None:
     """Why an attention call inside an activation-checkpointed region is kept, or None."""
-    if args.get("flex"):
-        return "flex attention inside an activation-checkpointed region (not lowered yet)"
-    mask = args["attn_mask"]
-    if mask.op != "placeholder":
+    masks = args["mask_buffers"] if args.get("flex") else (args["attn_mask"],)
+    if any(m.op != "placeholder" for m in masks):
         return "a mask built inside an activation-checkpointed region (not lowered yet)"
     placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
-    if len(body.hop.args) != len(placeholders) + 1 or not isinstance(_outer(body, mask), torch.fx.Node):
+    if len(body.hop.args) != len(placeholders) + 1 or not all(isinstance(_outer(body, m), torch.fx.Node) for m in masks):
         return "an activation-checkpointed region whose inputs are not its call's arguments one to one"
     q = value(args["query"])
     if not isinstance(q, torch.Tensor) or not all(isinstance(d, int) for d in q.shape):
@@ -268,8 +271,6 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
     if call.facts.bound:
-        if call.body is not None:
-            return f"a table of document {call.facts.bound}s inside an activation-checkpointed region (not lowered yet)"
         rank = call.facts.traced.output.meta["val"].dim() if call.facts.traced is not None else 4
         why = _position_reason(call, call.facts.bound_position, rank - 2 if call.facts.bound == "start" else rank - 1, rank)
         if why is not None:
@@ -490,7 +491,7 @@ def _built_position(gm: torch.fx.GraphModule, call: MaskedCall, position, axis: 
             if not x.coefs:
                 return x.const
             (a, _), = x.coefs
-            length = size if a == axis else g.call_function(torch.ops.aten.sym_size.int, (call.args["query"], 0))
+            length = size if a == axis else _size(g, call, "query", 0)
             index = g.call_function(torch.arange, (length,), {"device": device})
             index = g.call_method("view", (index, 1, -1) if a == axis else (index, -1, 1))
             return g.call_function(operator.add, (index, x.const)) if x.const else index
@@ -521,8 +522,7 @@ def _position_table(gm: torch.fx.GraphModule, call: MaskedCall, node, axis: int,
     assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
     rank = facts.traced.output.meta["val"].dim()
     with g.inserting_before(before):
-        tensor = a["query"] if axis == rank - 2 else a["key"]
-        size = g.call_function(torch.ops.aten.sym_size.int, (tensor, 2))
+        size = _size(g, call, "query" if axis == rank - 2 else "key", 2)
         if not a.get("flex") or not isinstance(node, torch.fx.Node):
             return _built_position(gm, call, node, axis, size, before)
         if not env:
@@ -552,17 +552,26 @@ def _pack_bounds(gm: torch.fx.GraphModule, call: MaskedCall, before: torch.fx.No
         return g.call_method("reshape", (env[facts.bound_position], -1, size))
 
 
+def _size(g: torch.fx.Graph, call: MaskedCall, name: str, dim: int):
+    """A size of the call's ``name`` tensor where ``g`` can read it: a ``sym_size`` node, or the
+    number inside a checkpointed region (static there: ``_body_reason``), whose nodes the outer
+    graph cannot read."""
+    if call.body is not None:
+        return value(call.args[name]).shape[dim]
+    return g.call_function(torch.ops.aten.sym_size.int, (call.args[name], dim))
+
+
 def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     """The traced mask_mod's inputs in ``gm``: aranges over the real index ranges for its index
     arguments (b, h, q_idx, kv_idx, each along its own dim as flex's vmap broadcasts them), the
     Dynamo graph's nodes for its buffers."""
     assert call.facts is not None and call.facts.traced is not None  # (a read mask_mod's trace)
-    traced, g, q, k = call.facts.traced, gm.graph, call.args["query"], call.args["key"]
+    traced, g = call.facts.traced, gm.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders[4:], traced.leaves[4:]))
-    for axis, (tensor, dim) in enumerate(((q, 0), (q, 1), (q, 2), (k, 2))):
-        size = g.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
-        index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(q).device})
+    for axis, (name, dim) in enumerate((("query", 0), ("query", 1), ("query", 2), ("key", 2))):
+        size = _size(g, call, name, dim)
+        index = g.call_function(torch.arange, (size,), {"dtype": torch.int32, "device": value(call.args["query"]).device})
         env[placeholders[axis]] = g.call_method("view", (index, *[-1 if d == axis else 1 for d in range(4)]))
     return env
 
@@ -623,7 +632,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
                                          *_capacity(call)), _bounds(call))
             out = g.call_function(operator.getitem, (attention, 0))
         call.path = PACKED[call.provider]
-    body_mask = _sdpa_args(call.node)["attn_mask"] if call.body is not None else None
+    body_masks = _mask_inputs(call) if call.body is not None else []
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
         out.meta["example_value"] = value(call.node)[0]
         for user in list(call.node.users):
@@ -633,19 +642,35 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     else:
         out.meta["example_value"] = value(call.node)
         call.node.replace_all_uses_with(out)
+    # flex's score_mod and mask_mod: graph attributes the call alone read (a checkpointed
+    # region's lint fails on one left behind)
+    modules = [x for x in (call.node.args[3], call.node.args[4][-1]) if isinstance(x, torch.fx.Node)] if a.get("flex") else []
     g.erase_node(call.node)
     for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if call.body is None and not a.get("flex") else None):
         _erase_dead(g, dead)
+    for module in modules:
+        if not module.users:
+            g.erase_node(module)
     if call.body is not None:  # the body no longer takes the mask; the outer graph no longer builds it
-        _drop_unread_input(call.body, body_mask)
+        for mask in body_masks:
+            _drop_unread_input(call.body, mask)
         _erase_dead(gm.graph, a["attn_mask"])
         call.body.gm.recompile()
+
+
+def _mask_inputs(call: MaskedCall) -> list:
+    """The inputs of the call's checkpointed region its mask came through: SDPA's mask, or flex's
+    BlockMask tensors and mask_mod tables."""
+    if not call.args.get("flex"):
+        return [_sdpa_args(call.node)["attn_mask"]]
+    block_mask = [x for x in call.node.args[4] if isinstance(x, torch.fx.Node) and x.op == "placeholder"]
+    return list(dict.fromkeys([*call.args["mask_buffers"], *block_mask]))
 
 
 def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     """(ids, positions, cu_seqlens, meta): the plan of ``call``'s mask, in the graph that computes
     the mask, before the call (or before the checkpointed region holding it)."""
-    a, facts, g = call.args, call.facts, gm.graph
+    facts, g = call.facts, gm.graph
     assert facts is not None and (facts.doc_ids is not None or facts.bound)  # (a document mask)
     before = call.node if call.body is None else call.body.hop
     if facts.bound:  # (why_not: not in a checkpointed region) the bound over its index is the ids' table
@@ -657,10 +682,7 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
         tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
         ids, *positions = _copy_tables(gm, facts, tables, before)
     with g.inserting_before(before):
-        if call.body is None:
-            sizes = [g.call_function(torch.ops.aten.sym_size.int, (a["query"], d)) for d in (0, 2)]
-        else:  # static (_body_reason): the body's nodes are not the outer graph's to read
-            sizes = [value(a["query"]).shape[d] for d in (0, 2)]
+        sizes = [_size(g, call, "query", d) for d in (0, 2)]
         plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
                                (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)), _bounds(call))
         cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
