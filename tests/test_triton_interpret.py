@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cp_inductor.lowerings import document_attention
@@ -188,3 +189,21 @@ def test_shard_plan_kernel_matches_the_aten_plan():
                           cwd=os.path.dirname(__file__), env=dict(os.environ, TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "shard plans match" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_aten_plan(monkeypatch):
+    """A plan kernel that does not compile on this Triton: a warning once, then the aten form
+    (the caller's), never a crash; the kernel is not tried again."""
+    from triton.compiler.errors import CompilationError
+
+    monkeypatch.setattr(document_attention, "_KERNELS_FAILED", set())
+    tries = []
+
+    def broken():
+        tries.append(1)
+        raise CompilationError("", None, "a construct this Triton lacks")
+
+    with pytest.warns(UserWarning, match="document_shard_plan Triton kernel did not compile"):
+        assert document_attention._try_kernel("document_shard_plan", broken) is None
+    assert document_attention._try_kernel("document_shard_plan", broken) is None and tries == [1]
+    assert document_attention._try_kernel("document_plan", lambda: "launched") == "launched"

@@ -47,6 +47,7 @@ key, at positions a CP BlockMask computes (torch's flex CP).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -133,10 +134,14 @@ def _capturing(t: torch.Tensor) -> bool:
 def _plan(doc_ids, positions, check, batch, length, capacity=0, bounds=0):
     rows = _rows(doc_ids, batch, length)
     table = None if positions is None else _rows(positions, batch, length)
-    if rows.is_cuda:  # one launch (document_plan_kernel.py says why)
+    def launch():
         from .document_plan_kernel import document_plan as plan_kernel
 
-        cu_seqlens, meta = plan_kernel(rows, table, check, bounds)
+        return plan_kernel(rows, table, check, bounds)
+
+    launched = _try_kernel("document_plan", launch) if rows.is_cuda else None
+    if launched is not None:  # one launch (document_plan_kernel.py says why)
+        cu_seqlens, meta = launched
     else:
         starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
         if table is not None:  # causal over positions is causal over tokens where they rise within each document
@@ -159,6 +164,26 @@ def _bounds_hold(rows: torch.Tensor, starts: torch.Tensor, bounds: int) -> torch
     ends = torch.ones_like(starts)
     ends[:, :-1] = starts[:, 1:]
     return torch.where(ends, rows == index, True).all()
+
+
+_KERNELS_FAILED: set[str] = set()
+
+
+def _try_kernel(name: str, launch: Callable):
+    """``launch()``: a plan's Triton kernel, or None where it does not compile on this machine's
+    Triton (a version it was not written for): the aten form runs then, after one warning, never
+    a crash."""
+    if name in _KERNELS_FAILED:
+        return None
+    from triton.compiler.errors import CompilationError
+
+    try:
+        return launch()
+    except CompilationError as error:
+        _KERNELS_FAILED.add(name)
+        warnings.warn(f"cp_inductor: the {name} Triton kernel did not compile here, its aten form runs instead "
+                      f"({str(error).strip()[:200]})", stacklevel=2)
+        return None
 
 
 def _within_capacity(meta: torch.Tensor, rows: torch.Tensor, check: bool, capacity: int) -> torch.Tensor:
@@ -470,12 +495,16 @@ def _(doc_ids, query_positions, key_positions, check, is_causal, rows, queries, 
 @torch.library.impl("cp_inductor::document_shard_plan", "CompositeExplicitAutograd", lib=_lib)
 def _shard_plan(doc_ids, query_positions, key_positions, check, is_causal, batch, queries, keys, bounds=0):
     ids = _rows(doc_ids, batch, keys)
-    if ids.is_cuda:  # one launch (document_shard_plan_kernel.py says why)
+    qpos = None if query_positions is None else _rows(query_positions, batch, queries)
+    kpos = None if key_positions is None else _rows(key_positions, batch, keys)
+    def launch():
         from .document_shard_plan_kernel import document_shard_plan as plan_kernel
 
-        qpos = None if query_positions is None else _rows(query_positions, batch, queries)
-        kpos = None if key_positions is None else _rows(key_positions, batch, keys)
-        plan, meta = plan_kernel(ids, qpos, kpos, check, is_causal, bounds)
+        return plan_kernel(ids, qpos, kpos, check, is_causal, bounds)
+
+    launched = _try_kernel("document_shard_plan", launch) if ids.is_cuda else None
+    if launched is not None:  # one launch (document_shard_plan_kernel.py says why)
+        plan, meta = launched
     else:
         plan, meta = _shard_plan_aten(ids, query_positions, key_positions, check, is_causal, batch, queries, keys, bounds)
     if _capturing(ids):  # the dense path, over the bounds where the ids are bounds
