@@ -160,7 +160,9 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
             continue
         if body is not None and args.get("flex"):  # the mask_mod's tables as the outer graph has them
             outer = tuple(_outer(body, b) for b in args["mask_buffers"])
-            args["attn_mask"] = (args["mask_mod"].code, outer)  # one plan for the regions sharing them
+            constants = tuple(id(operator.attrgetter(n.target)(args["mask_mod"])) for n in args["mask_mod"].graph.nodes
+                              if n.op == "get_attr")
+            args["attn_mask"] = (args["mask_mod"].code, constants, outer)  # one plan for the regions sharing them
             args["outer_buffers"] = outer
         elif body is not None:  # the mask as the outer graph computes it
             args["attn_mask"] = _outer(body, args["attn_mask"])
