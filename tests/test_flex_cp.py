@@ -152,6 +152,26 @@ def test_shard_op_with_bounds_packs_documents_and_computes_others_densely(bounds
                                                                             0.25, True), atol=1e-6, rtol=1e-6)
 
 
+def test_bounds_read_at_the_local_index_as_well_are_kept():
+    """A table of bounds read at the query's place AND at its local index: the pass would
+    evaluate it at the place over the pack, which is not what the program reads: kept."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    half = T // 2
+    starts = torch.randint(0, T, (T, T), generator=torch.Generator().manual_seed(4))
+    places = torch.arange(half, T)
+
+    def shard(b, h, q_idx, kv_idx):
+        place = places[q_idx]
+        return (kv_idx <= place) & (starts[place, q_idx] <= kv_idx)
+
+    block_mask = create_block_mask(shard, 1, None, half, T, device="cpu")
+    q, k, v = _full_qkv()
+    got, lines = _compiled(flex_shard, q[:, :, half:], k, v, block_mask)
+    assert "read at the index other than through its place" in lines[0], lines
+    torch.testing.assert_close(got, flex_shard(q[:, :, half:], k, v, block_mask), atol=2e-5, rtol=2e-5)
+
+
 def test_keys_at_positions_that_are_not_a_permutation_compute_densely():
     """A key map the plan cannot read in place (two keys at one position) is found on device:
     the op computes the mask densely, the answer the program's."""

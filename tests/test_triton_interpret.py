@@ -90,6 +90,7 @@ def _shards(g):
     shuffled = (torch.randperm(keys // 8, generator=g)[: keys // 16, None] * 8 + torch.arange(8)).reshape(1, -1)
     two_rows = torch.cat([ids, torch.repeat_interleave(torch.arange(3), torch.tensor([10, 50, 36]))[None]])
     yield "one device", ids, None, None, False
+    yield "the first half, at its own index", ids, None, torch.randperm(keys, generator=g)[None], False
     yield "no balancer, rank 1", ids, rank1, None, False
     yield "head-tail, keys gathered", ids, head_tail, gathered, False
     yield "blocks, keys permuted", ids, ptrr, torch.randperm(keys, generator=g)[None], False
@@ -109,10 +110,10 @@ def compare_shard_plans():
     seen = set()
     for name, ids, qpos, kpos, redo in _shards(torch.Generator().manual_seed(0)):
         batch, keys = ids.shape
-        queries = keys if qpos is None else qpos.shape[1]
+        queries = qpos.shape[1] if qpos is not None else keys // 2 if name.startswith("the first half") else keys
         for check in (True, False):
             for causal in (True, False):
-                got, meta = kernel.document_shard_plan(ids, qpos, kpos, check, causal)
+                got, meta = kernel.document_shard_plan(ids, qpos, kpos, check, causal, queries)
                 want, want_meta = document_attention._shard_plan_aten(ids, qpos, kpos, check, causal, batch, queries, keys)
                 must_redo = redo is True or (redo == "checked" and check)
                 assert int(meta[5]) == must_redo and int(meta[6]) == 0, (name, check, causal, meta)
@@ -147,7 +148,7 @@ def _compare_shard_bounds(kernel):
         for qpos, kpos in ((None, None), (head_tail, gathered)):
             for check in (True, False):
                 queries = 96 if qpos is None else qpos.shape[1]
-                got, meta = kernel.document_shard_plan(table, qpos, kpos, check, True, bounds)
+                got, meta = kernel.document_shard_plan(table, qpos, kpos, check, True, queries, bounds)
                 want, want_meta = document_attention._shard_plan_aten(table, qpos, kpos, check, True, 1, queries, 96, bounds)
                 assert meta.tolist() == want_meta.tolist(), (bounds, check, meta, want_meta)
                 assert all(map(torch.equal, got[:5], want[:5])), bounds
@@ -167,7 +168,7 @@ def _redo_computes_the_answer():
         g = torch.Generator().manual_seed(1)
         q = torch.randn(1, 4, qpos.shape[1], 8, dtype=torch.float64, generator=g).requires_grad_()
         k, v = (torch.randn(1, 2, ids.shape[1], 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
-        plan, meta = kernel.document_shard_plan(ids, qpos, kpos, False, True)
+        plan, meta = kernel.document_shard_plan(ids, qpos, kpos, False, True, qpos.shape[1])
         # the CPU's reference kernels add up dK/dV of one document's segments in one call, FA4 does
         # not: the rounds the op runs must be the aten plan's
         settled, numbers = document_attention._settled_shard_plan(plan, meta.clone(), ids, qpos, kpos, True, 1,

@@ -49,11 +49,11 @@ def _load_at(i, n, queries, keys, qpos, qpos_row, qpos_col, run_of, HAS_QPOS: tl
     lies in the row."""
     live = (i >= 0) & (i < n)
     b, j = i // queries, i % queries
-    if HAS_QPOS:
-        q = tl.load(qpos + b * qpos_row + j * qpos_col, mask=live, other=0).to(tl.int32)
+    if HAS_QPOS:  # as the table holds them (no narrowing before the range check)
+        q = tl.load(qpos + b * qpos_row + j * qpos_col, mask=live, other=0)
     else:
         q = j
-    at = tl.minimum(tl.maximum(q, 0), keys - 1) + b * keys
+    at = tl.minimum(tl.maximum(q, 0), keys - 1).to(tl.int32) + b * keys
     run = tl.load(run_of + at, mask=live, other=-1)
     return at, run, (q >= 0) & (q < keys)
 
@@ -140,7 +140,7 @@ def _shard_plan_kernel(ids, ids_row, ids_col, qpos, qpos_row, qpos_col, kpos, kp
             p = first + tl.arange(0, BLOCK)
             live = p < pack
             b, t = p // keys, p % keys
-            k = tl.load(kpos + b * kpos_row + t * kpos_col, mask=live, other=0).to(tl.int32)
+            k = tl.load(kpos + b * kpos_row + t * kpos_col, mask=live, other=0)
             permutation = permutation & tl.min((~live | ((k >= 0) & (k < keys))).to(tl.int32), 0)
             tl.store(key_rows + p, (tl.minimum(tl.maximum(k, 0), keys - 1) + b * keys).to(tl.int64), mask=live)
             tl.store(key_order + p, tl.full([BLOCK], -1, tl.int64), mask=live)
@@ -166,12 +166,11 @@ def _shard_plan_kernel(ids, ids_row, ids_col, qpos, qpos_row, qpos_col, kpos, kp
 
 
 def document_shard_plan(rows: torch.Tensor, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None,
-                        check: bool, is_causal: bool, bounds: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``rows`` ``[B, K]`` ids, ``query_positions`` ``[B, Q]`` (None: ``0..K-1``),
+                        check: bool, is_causal: bool, queries: int, bounds: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``rows`` ``[B, K]`` ids, ``query_positions`` ``[B, Q]`` (None: ``0..Q-1``),
     ``key_positions`` ``[B, K]`` (None: the keys in pack order), any strides: the plan
     (``document_attention._shard_plan``'s seven tensors) and ``meta`` ``[7]``, on ``rows``' device."""
     batch, keys = rows.shape
-    queries = keys if query_positions is None else query_positions.shape[1]
     pack, n = batch * keys, batch * queries
     new = rows.new_empty
     run_of, cu_docs = new(pack, dtype=torch.int32), new(pack + 1, dtype=torch.int32)

@@ -162,7 +162,8 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
             outer = tuple(_outer(body, b) for b in args["mask_buffers"])
             constants = tuple(id(operator.attrgetter(n.target)(args["mask_mod"])) for n in args["mask_mod"].graph.nodes
                               if n.op == "get_attr")
-            args["attn_mask"] = (args["mask_mod"].code, constants, outer)  # one plan for the regions sharing them
+            sizes = (tuple(value(args["query"]).shape), tuple(value(args["key"]).shape))
+            args["attn_mask"] = (args["mask_mod"].code, constants, sizes, outer)  # one plan for the regions sharing them
             args["outer_buffers"] = outer
         elif body is not None:  # the mask as the outer graph computes it
             args["attn_mask"] = _outer(body, args["attn_mask"])
@@ -287,9 +288,7 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     for table in (call.facts.doc_ids, call.facts.positions):
         if table is not None and table.meta["val"].dim() not in (1, 2):
             return f"a table of ids or positions of {table.meta['val'].dim()} dims"
-    call.check = call.facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
-    if call.facts.contiguity != mask_analysis.PROVEN and not call.check:
-        call.facts.contiguity = "promised (document_mask_ids)"
+    _checked(call, cfg)
     k0 = value(_unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
     candidates = {
         "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
@@ -321,6 +320,17 @@ _POSITION_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.floor_d
                  aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, aten.neg.default)
 
 
+def _checked(call: MaskedCall, cfg) -> None:
+    """Whether the plan checks the ids' contiguity on device: not where the graph proves it or the
+    user promises it (``document_mask_ids``); a table of document bounds is checked as bounds
+    whatever the promise (the plan's bounds check does not read ``check``)."""
+    facts = call.facts
+    assert facts is not None  # (a read mask)
+    call.check = facts.contiguity != mask_analysis.PROVEN and (cfg.document_mask_ids != "promised" or bool(facts.bound))
+    if facts.contiguity != mask_analysis.PROVEN and not call.check:
+        facts.contiguity = "promised (document_mask_ids)"
+
+
 def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     """A mask_mod reading the documents at positions it computes (torch's flex CP: a shard of
     the queries over every key, through a load balancer's permutation) goes to FA4 varlen over
@@ -337,9 +347,15 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     if facts.bound:
         if not call.args.get("flex") or not isinstance(facts.bound_at, torch.fx.Node):
             return f"a table of document {facts.bound}s read at mapped positions of an SDPA mask (not lowered yet)"
-        why = _position_reason(call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1, rank)
+        axis = rank - 2 if facts.bound == "start" else rank - 1
+        why = _position_reason(call, facts.bound_position, axis, rank)
         if why is not None:
             return why
+        index = [n for n in facts.traced.graph.nodes if n.op == "placeholder"][axis]
+        if index is not facts.bound_at and index in Walk(
+                [facts.bound_position], lambda n: [] if n is facts.bound_at else n.all_input_nodes, limit=mask_graph.MAX_NODES):
+            return (f"a table of document {facts.bound}s read at the index other than through its place "
+                    "(not lowered: the pass evaluates it at the place over the pack)")
     elif facts.doc_ids is not None and facts.doc_ids.meta["val"].dim() not in (1, 2):
         return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
@@ -347,9 +363,7 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
     why = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
     if why is not None:
         return f"a shard of the queries over every key runs on FA4 varlen only (keys read in place): {why}"
-    call.check = facts.contiguity != mask_analysis.PROVEN and cfg.document_mask_ids != "promised"
-    if facts.contiguity != mask_analysis.PROVEN and not call.check:
-        facts.contiguity = "promised (document_mask_ids)"
+    _checked(call, cfg)
     call.provider = "fa4"
     call.provider_reason = "queries of a shard over every key: FA4 varlen per document segment, keys in place"
     return None
@@ -675,7 +689,7 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     facts, g = call.facts, gm.graph
     assert facts is not None and (facts.doc_ids is not None or facts.bound)  # (a document mask)
     before = call.node if call.body is None else call.body.hop
-    if facts.bound:  # (why_not: not in a checkpointed region) the bound over its index is the ids' table
+    if facts.bound:  # the bound over its index is the ids' table
         rank = facts.traced.output.meta["val"].dim() if facts.traced is not None else 4
         ids = _position_table(gm, call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1,
                               before, {})
