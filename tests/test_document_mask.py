@@ -213,24 +213,30 @@ ids_through_a_stack: mask not read: kept: document_mask: a table read in the mas
 documents from cumsum (proven (cumulative sum of non-negatives)), causal: kept: document_mask: disabled by config""")
 
 
+def _dynamo_graphs(fn, *args) -> list:
+    """The graphs Dynamo hands the backend for ``fn(*args)``, after cp_inductor's Dynamo-graph
+    passes (CPU reference kernels standing in for FA4)."""
+    from cp_inductor.config_snapshot import snapshot
+    from cp_inductor.passes import engine
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        engine.run_dynamo_passes(gm, snapshot({}))
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with reference_kernels():
+        torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs
+
+
 class TestRewrittenGraph(TestCase):
     def test_hand_built_mask_is_dead(self):
         """The graph Inductor receives for ``hand_tril``: the plan and our op over the ids as they
         came in, K/V un-repeated; the T x T comparison, tril and SDPA are gone."""
-        graphs = []
-
-        def capture(gm, example_inputs):
-            from cp_inductor.config_snapshot import snapshot
-            from cp_inductor.passes import engine
-
-            engine.run_dynamo_passes(gm, snapshot({}))
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        q, k, v = _qkv()
-        with reference_kernels():
-            torch.compile(hand_tril, backend=capture, fullgraph=True)(q, k, v, _doc_ids())
+        graphs = _dynamo_graphs(hand_tril, *_qkv(), _doc_ids())
         lines = []
         for n in graphs[0].graph.nodes:
             if n.op in ("call_function", "call_method"):
@@ -249,25 +255,11 @@ getitem_7 = getitem(document_attention_default, 0)""")
     def test_checkpointed_region_takes_the_plan(self):
         """``torch.utils.checkpoint`` around the attention (HF's gradient checkpointing): the plan
         is built outside the region, which takes its outputs instead of the T x T mask."""
-        graphs = []
-
-        def capture(gm, example_inputs):
-            from cp_inductor.config_snapshot import snapshot
-            from cp_inductor.passes import engine
-
-            engine.run_dynamo_passes(gm, snapshot({}))
-            graphs.append(gm)
-            return gm.forward
-
         def checkpointed(q, k, v, doc):
             mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
             return torch.utils.checkpoint.checkpoint(_attend, q, k, v, mask[:, None], use_reentrant=False)
 
-        torch._dynamo.reset()
-        q, k, v = _qkv()
-        with reference_kernels():
-            torch.compile(checkpointed, backend=capture, fullgraph=True)(q, k, v, _doc_ids())
-        gm = graphs[0]
+        gm = _dynamo_graphs(checkpointed, *_qkv(), _doc_ids())[0]
         lines = []
         for graph, where in ((gm.graph, "outer"), (gm.wrap_body_0.graph, "body")):
             for n in graph.nodes:
@@ -561,8 +553,6 @@ def test_flex_in_checkpointed_regions_lowered(form):
     """Flex in activation-checkpointed layers (torchtitan's activation checkpointing of compiled
     blocks): one plan in the outer graph for both regions, no flex call left in them, the answer
     of fp64 attention under the documents' mask."""
-    from cp_inductor.config_snapshot import snapshot
-    from cp_inductor.passes import engine
     from cp_inductor.testing.documents import document_end_block_mask, document_start_block_mask
 
     lengths, t = [50, 78], 128
@@ -574,16 +564,7 @@ def test_flex_in_checkpointed_regions_lowered(form):
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(64, 64, generator=g) * 0.1, torch.randn(1, t, 64, generator=g)
     program = _two_checkpointed_layers(weight, block_mask)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        engine.run_dynamo_passes(gm, snapshot({}))
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with reference_kernels():
-        torch.compile(program, backend=capture, fullgraph=True)(x)
+    graphs = _dynamo_graphs(program, x)
     calls = [str(n.target) for m in (graphs[0], *graphs[0].children()) for n in m.graph.nodes if n.op == "call_function"]
     assert sum("document_plan" in c for c in calls) == 1 and sum("document_attention.default" in c for c in calls) == 2
     assert not any("flex_attention" in c for c in calls), calls
