@@ -152,6 +152,31 @@ def test_options_reach_our_config():
         assert len(cp_inductor.report()) == 0
 
 
+def test_each_graph_is_analysed_once_and_the_report_is_what_ran(monkeypatch):
+    """The hook applies the regions and decisions the report's analysis found (the graph
+    unchanged in between): each detector reads each graph once, and what the report says
+    applies is what the counters saw kept."""
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.passes import engine
+
+    finds = []
+    for detector in engine.DETECTORS:
+        def counting(graph, graph_kind, cfg, log=None, _find=detector.find, _style=detector.STYLE):
+            finds.append((_style, graph_kind))
+            return _find(graph, graph_kind, cfg, log)
+        monkeypatch.setattr(detector, "find", counting)
+    with fake_pg(2):
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        counters.clear()
+        torch.compile(_ulysses, backend="cp_inductor", fullgraph=True)(*_qkv()).sum().backward()
+        rows = cp_inductor.report().regions
+    assert [r.graph for r in rows] == ["forward", "backward"]
+    assert [kind for _, kind in finds] == ["forward"] * 3 + ["backward"] * 3  # no "post_grad" pass of its own
+    assert counters["cp_inductor"]["fused_a2a"] == sum("fused_a2a" in r.applied for r in rows) == 2
+
+
 def test_config_patch_applies_at_compile_time():
     with fake_pg(2), cp_inductor.config.patch(detect=False):
         cp_inductor.clear_report()

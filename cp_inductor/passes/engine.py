@@ -1,4 +1,5 @@
-"""The engine that runs the table of ``passes/pipeline.py``: what every pass gets from one place.
+"""The engine that runs the table of ``passes/pipeline.py`` (:data:`ENGINE`, an :class:`Engine` of
+its passes and detectors): what every pass gets from one place.
 
 For every pass, whatever its unit (``record.py``): its switch (off: the reason is
 :data:`~.record.DISABLED`, in one wording), its ``why_not`` and ``apply`` behind the error fence
@@ -14,10 +15,13 @@ trace artifacts (``observe.py``), and its checked apply:
 * graph passes: what an apply inserted is erased if it raises; the graph is linted after it.
 
 Two places in Inductor run the post-grad stage, both with the compile's config snapshot:
-:func:`analyze` on each graph AOTAutograd hands to Inductor, before any post-grad pass (the
-report: regions, and per region what :func:`decide` says of each rewrite; it runs on every
-compile, also when the FX graph cache then serves the code), and :func:`run_hook` inside
-Inductor's post-grad passes, which asks the same :func:`decide` and applies.
+:meth:`Engine.analyze` on each graph AOTAutograd hands to Inductor, before any post-grad pass (the
+report: regions, and per region what :meth:`Engine.decide` says of each rewrite; it runs on every
+compile, also when the FX graph cache then serves the code), and :meth:`Engine.run_hook` inside
+Inductor's post-grad passes, which applies. The graph is analysed once: the hook takes the
+regions and decisions the analysis left on the graph (:class:`Analysis`) while the graph holds
+the same nodes under the same config, and detects afresh only where something changed it
+(Inductor's dead-code pass runs in between; tests call the two apart).
 """
 
 from __future__ import annotations
@@ -40,41 +44,9 @@ from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
 from .record import CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, Pass, RegionPass, Verdicts, check_order
-
-REWRITES: tuple[RegionPass, ...] = tuple(p for p in PASSES if isinstance(p, RegionPass))  # decision order
-check_order(REWRITES)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 __all__ = ["HOOKS", "analyze", "backward_routes", "decide", "functorch_patches", "hooks_with_passes", "hooks_with_work",
            "inductor_patch_keys", "run_dynamo_passes", "run_hook"]
-
-
-def hooks_with_passes() -> tuple[str, ...]:
-    """Inductor's hook keys the table has a pass on, in Inductor's order."""
-    stages = {p.stage for p in PASSES}
-    return tuple(h for h in HOOKS if h in stages)
-
-
-def hooks_with_work(gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot) -> tuple[str, ...]:
-    """The hook keys where a pass of the table is wanted for this program (``Pass.wanted``)."""
-    return tuple(h for h in hooks_with_passes()
-                 if any(p.wanted is None or p.wanted(gm, example_inputs, cfg) for p in PASSES if p.stage == h))
-
-
-def functorch_patches(hooks) -> dict:
-    """The AOTAutograd config the passes on ``hooks`` need for the whole compile."""
-    patches = {}
-    for p in PASSES:
-        if p.stage in hooks:
-            patches.update(p.functorch_patches)
-    return patches
-
-
-def _graph_passes(stage: str) -> tuple[GraphPass, ...]:
-    return tuple(p for p in PASSES if p.stage == stage and isinstance(p, GraphPass))
-
-
-def _call_passes() -> tuple[CallPass, ...]:
-    return tuple(p for p in PASSES if isinstance(p, CallPass))
 
 
 def switch_reason(p: Pass, cfg: ConfigSnapshot) -> str | None:
@@ -89,7 +61,8 @@ def _excluded(p: RegionPass, verdicts: Verdicts) -> str | None:
     return None
 
 
-# --- graph passes ---------------------------------------------------------------------------
+# --- what the engine does the same for every table --------------------------------------------
+# graph passes
 
 
 def _run_graph_pass(p: GraphPass, graph: torch.fx.Graph, cfg: ConfigSnapshot, where: str) -> int:
@@ -115,38 +88,7 @@ def _run_graph_pass(p: GraphPass, graph: torch.fx.Graph, cfg: ConfigSnapshot, wh
         return changes
 
 
-def canonicalize(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> int:
-    """The forms detection relies on (the table's CANONICAL passes); how many nodes changed."""
-    return sum(_run_graph_pass(p, graph, cfg, "the graph detection reads") for p in _graph_passes(CANONICAL))
-
-
-# --- the Dynamo graph: packed-sequence calls ------------------------------------------------
-
-
-def run_dynamo_passes(gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
-    """The call passes on the graph Dynamo hands the backend: those that find their own calls
-    (masked SDPA), then each packed call to the first that applies, else it stays with every
-    reason; returns the report's lines."""
-    found_per_pass = [_lower_own_calls(gm, p, cfg) for p in _call_passes() if p.finds is not None]
-    own = [c for found in found_per_pass for c in found]
-    try:
-        calls = varlen_calls.find(gm)
-    except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
-        internal_error(e, cfg)
-        calls = []
-    programs_fa4 = varlen_calls.fa4_calls(gm)
-    for call in calls:
-        if not call.reasons:  # else kept on reading it (flash-attn's Function in a form we do not take)
-            _lower_call(gm, call, cfg)
-    for call in calls:  # a call that stays needs none of the views reading it made
-        for node in reversed(call.inserted if call.path == varlen_calls.KEPT else ()):
-            if not node.users:
-                gm.graph.erase_node(node)
-    if any(c.path != varlen_calls.KEPT for c in (*own, *calls)):
-        gm.graph.lint()
-        gm.recompile()
-        gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
-    return programs_fa4 + [c.route() for c in (*own, *calls)]
+# the Dynamo graph's packed-sequence calls
 
 
 def _lower_own_calls(gm: torch.fx.GraphModule, p: CallPass, cfg: ConfigSnapshot) -> list:
@@ -160,16 +102,6 @@ def _lower_own_calls(gm: torch.fx.GraphModule, p: CallPass, cfg: ConfigSnapshot)
     for call in calls:
         _try_call(gm, p, call, cfg)
     return calls
-
-
-def _lower_call(gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
-    reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
-    if reason is not None:
-        call.reasons["varlen"] = reason
-        return
-    for p in (p for p in _call_passes() if p.finds is None):
-        if _try_call(gm, p, call, cfg):
-            return
 
 
 def _try_call(gm: torch.fx.GraphModule, p: CallPass, call, cfg: ConfigSnapshot) -> bool:
@@ -200,7 +132,7 @@ def _apply_or_undo(gm: torch.fx.GraphModule, p: CallPass, call, cfg) -> str | No
         return internal_error(e, cfg)
 
 
-# --- regions: the decision, the report ------------------------------------------------------
+# regions: the decision, the report
 
 
 @dataclass
@@ -210,100 +142,39 @@ class Decision:
     applied: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
 
-    def to_run(self, hook: str) -> list[RegionPass]:
-        """The applied rewrites that run on ``hook``, minus those another applied one performs."""
-        chosen = [r for r in REWRITES if r.name in self.applied]
+    def to_run(self, hook: str, rewrites: tuple[RegionPass, ...]) -> list[RegionPass]:
+        """The applied rewrites of ``rewrites`` that run on ``hook``, minus those another applied
+        one performs."""
+        chosen = [r for r in rewrites if r.name in self.applied]
         replaced = {name for r in chosen for name in r.replaces}
         return [r for r in chosen if r.stage == hook and r.name not in replaced]
-
-
-def decide(match, cfg: ConfigSnapshot, only=None) -> Decision:
-    """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
-    (the others are left out, not skipped)."""
-    decision, verdicts = Decision(), Verdicts()
-    needed = _with_prerequisites(only)
-    for rewrite in REWRITES:
-        if match.style not in rewrite.styles or (needed is not None and rewrite.name not in needed):
-            continue
-        reason = switch_reason(rewrite, cfg) or _excluded(rewrite, verdicts)
-        if reason is None and match.layout == "thd" and not rewrite.packed:
-            reason = PACKED_REASON
-        if reason is None:
-            reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
-        verdicts.record(rewrite.name, reason)
-        if only is not None and rewrite.name not in only:  # decided for the verdict a later one reads
-            continue
-        if reason is None:
-            decision.applied.append(rewrite.name)
-        else:
-            decision.skipped[rewrite.name] = reason
-    return decision
-
-
-def _with_prerequisites(only):
-    """``only`` and the passes their records say are decided before them (``after``), whose
-    verdicts they read; None for every pass."""
-    if only is None:
-        return None
-    needed, by_name = set(only), {r.name: r for r in REWRITES}
-    stack = list(only)
-    while stack:
-        for name in getattr(by_name.get(stack.pop()), "after", ()):
-            if name not in needed:
-                needed.add(name)
-                stack.append(name)
-    return needed
-
-
-def _detector(match):
-    return next(d for d in DETECTORS if d.STYLE == match.style)
 
 
 def _op_name(node) -> str:
     return node.target.__name__.split(".")[0]
 
 
-def analyze(graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None,
-            canonical: bool = False) -> list[Region]:
-    """The report rows of one graph: its CP regions and what the pipeline does to each.
-    Attention ops that are not regions go to ``rejected`` with the reason. ``cfg``: the
-    compile's snapshot (default: the global config as it is now). ``canonical``: the caller has
-    put the graph in canonical form already (the backend does, to recompile what changed)."""
-    cfg = cfg if cfg is not None else snapshot()
-    if not cfg.detect:
-        return []
-    if not canonical:
-        canonicalize(graph, cfg)
+@dataclass
+class Analysis:
+    """One graph's regions and the decision on each, as :meth:`Engine.analyze` found them: the report
+    shows them and the hook applies them, so the two cannot disagree and nothing is found twice."""
 
-    order = node_order(graph)
-    rows = []
-    reasons: dict[torch.fx.Node, dict[str, str]] = {}  # attention node -> {style: why it is not that style's region}
-    for detector in DETECTORS:
-        for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
-            rows.append((order[match.attention], _region_row(match, detector, graph_kind, cfg)))
-    matched = {i for i, _ in rows}
-    if rejected is not None:
-        for node in sorted(reasons, key=order.__getitem__):
-            if order[node] not in matched:
-                rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
-    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+    cfg: ConfigSnapshot
+    nodes: frozenset  # the graph's nodes when analysed: reused only while they are the same
+    matches: list
+    decisions: dict  # attention node -> Decision
+
+    def holds_for(self, graph: torch.fx.Graph, cfg: ConfigSnapshot) -> bool:
+        return (self.cfg is cfg or self.cfg == cfg) and self.nodes == frozenset(graph.nodes)
 
 
-def _region_row(match, detector, graph_kind: str, cfg) -> Region:
-    decision = decide(match, cfg)
-    detail = match.describe()
-    for rewrite in REWRITES:
-        if rewrite.name in decision.applied and rewrite.detail is not None:
-            detail += " " + rewrite.detail(match, cfg)
-    route = _backward_route(match.attention, cfg)
-    if route is not None:
-        detail += f" backward={route.path}"
-    notes = [n for n in (accumulators.note(match), _proved_alone(match, detector)) if n]
-    return Region(
-        style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
-        applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
-        detail=detail, notes=notes,
-    )
+_ANALYSIS = "_cp_inductor_analysis"  # the graph's attribute that holds its Analysis
+
+
+def _taken_analysis(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> Analysis | None:
+    """The analysis :meth:`Engine.analyze` left on ``graph`` if it still holds, taken off the graph."""
+    analysis = graph.__dict__.pop(_ANALYSIS, None)
+    return analysis if analysis is not None and analysis.holds_for(graph, cfg) else None
 
 
 def _proved_alone(match, detector) -> str | None:
@@ -313,26 +184,6 @@ def _proved_alone(match, detector) -> str | None:
     if match.direction != "backward" or forward_seen(match.attention, detector.__name__):
         return None
     return "backward region proved on its own (no forward op paired with it)"
-
-
-def _backward_route(node: torch.fx.Node, cfg):
-    """Where a pass of the table sends this attention backward (``Pass.backward_route``), or None."""
-    for p in PASSES:
-        route = p.backward_route(node, cfg) if p.backward_route is not None else None
-        if route is not None:
-            return route
-    return None
-
-
-def backward_routes(graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:
-    """Each attention backward of ``graph`` a pass routes, and the op it will run on (the
-    report's lines; the pass decides by the same route)."""
-    cfg = cfg if cfg is not None else snapshot()
-    return [
-        BackwardRoute(graph_kind, n.name, r.path, r.reason)
-        for n in graph.nodes
-        for r in (_backward_route(n, cfg),) if r is not None
-    ]
 
 
 def _reasons_into(reasons: dict, style: str):
@@ -360,15 +211,6 @@ def _why_no_region(by_style: dict, node) -> str:
     return P2P if ring.received_point_to_point(node) else NO_COLLECTIVE
 
 
-def inductor_patch_keys() -> dict:
-    """The Inductor config keys a rewrite may set, with their values now: the compile of a graph
-    runs under a patch of them (``backend._inner_compile``), so that what a kept rewrite sets
-    (:func:`_set_inductor_patches`) lasts for that graph's compile only."""
-    from torch._inductor import config as inductor_config
-
-    return {key: getattr(inductor_config, key) for r in REWRITES for key in r.inductor_patches}
-
-
 def _set_inductor_patches(rewrite: RegionPass) -> None:
     """The Inductor config ``rewrite`` needs, set once it is kept on a graph: Inductor reads it
     after the post-grad hooks (its scheduler), so a rewrite the trial undid sets nothing."""
@@ -376,45 +218,6 @@ def _set_inductor_patches(rewrite: RegionPass) -> None:
 
     for key, value in rewrite.inductor_patches.items():
         setattr(inductor_config, key, value)
-
-
-# --- Inductor's hooks -----------------------------------------------------------------------
-
-
-def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
-    """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
-    graph order) decide and apply, then the hook's graph passes in table order. ``only``: just
-    these rewrites, no graph passes (tests run one rewrite alone)."""
-    if any(r.stage == hook for r in REWRITES):
-        _rewrite_regions(hook, graph, cfg, only)
-    if only is None:
-        for p in _graph_passes(hook):
-            _run_graph_pass(p, graph, cfg, hook)
-
-
-def _rewrite_regions(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
-    canonicalize(graph, cfg)
-    with timed("detect", hook) as outcome:
-        matches = [m for d in DETECTORS for m in d.find(graph, "post_grad", cfg)]
-        outcome["did"] = f"{len(matches)} regions"
-    if not matches:
-        return
-    # Every region's rewrites are tried together on one copy of the graph, checked once; only if
-    # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
-    # checking per rewrite made our passes' time grow with the square of the layers.
-    with timed("trial", hook) as outcome:
-        trial = checked_rewrite.trial_all(
-            graph, matches, _detector, lambda g, ms, apply: _each_region(g, ms, hook, cfg, only, apply), cfg)
-        outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
-    if trial is not None:
-        with replaying_values(trial.values):
-            _each_region(graph, matches, hook, cfg, only, _TRIED)
-        if trial.sorted:
-            stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
-    else:
-        _each_region(graph, matches, hook, cfg, only, checked_rewrite.CHECKED)
-    graph.eliminate_dead_code()
-    graph.lint()
 
 
 def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
@@ -427,56 +230,313 @@ def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
 _TRIED = checked_rewrite.Applier(_apply_tried)
 
 
-def _each_region(graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, only,
-                 apply: checked_rewrite.Applier) -> bool:
-    """Per region of ``matches`` (in graph order), the rewrites :func:`decide` chose for ``hook``,
-    each through ``apply`` (:class:`checked_rewrite.Applier`); whether any
-    was kept."""
-    order = node_order(graph)
-    changed = False
-    for match in sorted(matches, key=lambda m: order[m.attention]):
-        detector = _detector(match)
-        if match.attention._erased:
-            continue
-        if changed:
-            # An earlier rewrite may have replaced nodes this region was found through (two
-            # layers back to back share the first one's returned output): find it again.
-            match = detector.match_at(match.attention, "post_grad", cfg)
-            if match is None:
+class Engine:
+    """The passes of a table and the detectors of the CP styles, run: ``Engine(PASSES,
+    DETECTORS)`` is the pipeline (:data:`ENGINE`); a test may build one of fewer passes."""
+
+    def __init__(self, passes: tuple[Pass, ...], detectors: tuple) -> None:
+        self.passes = passes
+        self.detectors = detectors
+        self.rewrites: tuple[RegionPass, ...] = tuple(p for p in passes if isinstance(p, RegionPass))  # decision order
+        check_order(self.rewrites)
+
+    # --- which hooks and patches a compile needs ----------------------------------------------
+
+    def hooks_with_passes(self) -> tuple[str, ...]:
+        """Inductor's hook keys the table has a pass on, in Inductor's order."""
+        stages = {p.stage for p in self.passes}
+        return tuple(h for h in HOOKS if h in stages)
+
+    def hooks_with_work(self, gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot) -> tuple[str, ...]:
+        """The hook keys where a pass of the table is wanted for this program (``Pass.wanted``)."""
+        return tuple(h for h in self.hooks_with_passes()
+                     if any(p.wanted is None or p.wanted(gm, example_inputs, cfg) for p in self.passes if p.stage == h))
+
+    def functorch_patches(self, hooks) -> dict:
+        """The AOTAutograd config the passes on ``hooks`` need for the whole compile."""
+        patches = {}
+        for p in self.passes:
+            if p.stage in hooks:
+                patches.update(p.functorch_patches)
+        return patches
+
+    def _graph_passes(self, stage: str) -> tuple[GraphPass, ...]:
+        return tuple(p for p in self.passes if p.stage == stage and isinstance(p, GraphPass))
+
+    def _call_passes(self) -> tuple[CallPass, ...]:
+        return tuple(p for p in self.passes if isinstance(p, CallPass))
+
+    # --- graphs: canonical forms, the Dynamo graph's calls --------------------------------------
+
+    def canonicalize(self, graph: torch.fx.Graph, cfg: ConfigSnapshot) -> int:
+        """The forms detection relies on (the table's CANONICAL passes); how many nodes changed."""
+        return sum(_run_graph_pass(p, graph, cfg, "the graph detection reads") for p in self._graph_passes(CANONICAL))
+
+    def run_dynamo_passes(self, gm: torch.fx.GraphModule, cfg: ConfigSnapshot) -> list:
+        """The call passes on the graph Dynamo hands the backend: those that find their own calls
+        (masked SDPA), then each packed call to the first that applies, else it stays with every
+        reason; returns the report's lines."""
+        found_per_pass = [_lower_own_calls(gm, p, cfg) for p in self._call_passes() if p.finds is not None]
+        own = [c for found in found_per_pass for c in found]
+        try:
+            calls = varlen_calls.find(gm)
+        except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
+            internal_error(e, cfg)
+            calls = []
+        programs_fa4 = varlen_calls.fa4_calls(gm)
+        for call in calls:
+            if not call.reasons:  # else kept on reading it (flash-attn's Function in a form we do not take)
+                self._lower_call(gm, call, cfg)
+        for call in calls:  # a call that stays needs none of the views reading it made
+            for node in reversed(call.inserted if call.path == varlen_calls.KEPT else ()):
+                if not node.users:
+                    gm.graph.erase_node(node)
+        if any(c.path != varlen_calls.KEPT for c in (*own, *calls)):
+            gm.graph.lint()
+            gm.recompile()
+            gm.delete_all_unused_submodules()  # a lowered autograd.Function's bodies
+        return programs_fa4 + [c.route() for c in (*own, *calls)]
+
+    def _lower_call(self, gm: torch.fx.GraphModule, call, cfg: ConfigSnapshot) -> None:
+        reason = reason_or_error(varlen_calls.shared_reason, call, cfg=cfg)
+        if reason is not None:
+            call.reasons["varlen"] = reason
+            return
+        for p in (p for p in self._call_passes() if p.finds is None):
+            if _try_call(gm, p, call, cfg):
+                return
+
+    # --- regions: the decision, the report --------------------------------------------------
+
+    def decide(self, match, cfg: ConfigSnapshot, only=None) -> Decision:
+        """Per rewrite of ``match``'s style: applies, or why not. ``only``: decide just these names
+        (the others are left out, not skipped)."""
+        decision, verdicts = Decision(), Verdicts()
+        needed = self._with_prerequisites(only)
+        for rewrite in self.rewrites:
+            if match.style not in rewrite.styles or (needed is not None and rewrite.name not in needed):
                 continue
-        changed |= _rewrite_region(graph, match, detector, hook, cfg, only, apply)
-    return changed
+            reason = switch_reason(rewrite, cfg) or _excluded(rewrite, verdicts)
+            if reason is None and match.layout == "thd" and not rewrite.packed:
+                reason = PACKED_REASON
+            if reason is None:
+                reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
+            verdicts.record(rewrite.name, reason)
+            if only is not None and rewrite.name not in only:  # decided for the verdict a later one reads
+                continue
+            if reason is None:
+                decision.applied.append(rewrite.name)
+            else:
+                decision.skipped[rewrite.name] = reason
+        return decision
 
+    def _with_prerequisites(self, only):
+        """``only`` and the passes their records say are decided before them (``after``), whose
+        verdicts they read; None for every pass."""
+        if only is None:
+            return None
+        needed, by_name = set(only), {r.name: r for r in self.rewrites}
+        stack = list(only)
+        while stack:
+            for name in getattr(by_name.get(stack.pop()), "after", ()):
+                if name not in needed:
+                    needed.add(name)
+                    stack.append(name)
+        return needed
 
-def _rewrite_region(graph: torch.fx.Graph, match, detector, hook: str, cfg, only,
-                    apply: checked_rewrite.Applier) -> bool:
-    """Apply what :func:`decide` chose for ``match`` on ``hook`` through ``apply``; whether any
-    was kept."""
-    kept = False
-    decision = decide(match, cfg, only)
-    for rewrite in decision.to_run(hook):
-        performs = [name for name in rewrite.replaces if name in decision.applied]
-        if apply.on_copy:
-            kept_now = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
+    def _detector(self, match):
+        return next(d for d in self.detectors if d.STYLE == match.style)
+
+    def analyze(self, graph: torch.fx.Graph, graph_kind: str, rejected: list | None = None, cfg=None,
+                canonical: bool = False) -> list[Region]:
+        """The report rows of one graph: its CP regions and what the pipeline does to each.
+        Attention ops that are not regions go to ``rejected`` with the reason. ``cfg``: the
+        compile's snapshot (default: the global config as it is now). ``canonical``: the caller has
+        put the graph in canonical form already (the backend does, to recompile what changed)."""
+        cfg = cfg if cfg is not None else snapshot()
+        if not cfg.detect:
+            return []
+        if not canonical:
+            self.canonicalize(graph, cfg)
+
+        order = node_order(graph)
+        rows = []
+        reasons: dict[torch.fx.Node, dict[str, str]] = {}  # attention node -> {style: why it is not that style's region}
+        analysis = Analysis(cfg, frozenset(graph.nodes), [], {})
+        for detector in self.detectors:
+            for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
+                decision = analysis.decisions[match.attention] = self.decide(match, cfg)
+                analysis.matches.append(match)
+                rows.append((order[match.attention], self._region_row(match, decision, detector, graph_kind, cfg)))
+        setattr(graph, _ANALYSIS, analysis)
+        matched = {i for i, _ in rows}
+        if rejected is not None:
+            for node in sorted(reasons, key=order.__getitem__):
+                if order[node] not in matched:
+                    rejected.append(Rejected(graph_kind, _op_name(node), _why_no_region(reasons[node], node)))
+        return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+    def _region_row(self, match, decision: Decision, detector, graph_kind: str, cfg) -> Region:
+        detail = match.describe()
+        for rewrite in self.rewrites:
+            if rewrite.name in decision.applied and rewrite.detail is not None:
+                detail += " " + rewrite.detail(match, cfg)
+        route = self._backward_route(match.attention, cfg)
+        if route is not None:
+            detail += f" backward={route.path}"
+        notes = [n for n in (accumulators.note(match), _proved_alone(match, detector)) if n]
+        return Region(
+            style=match.style, cp_size=match.cp, layout=match.layout, graph_kind=graph_kind,
+            applied=decision.applied, skipped=decision.skipped, attention=_op_name(match.attention),
+            detail=detail, notes=notes,
+        )
+
+    def _backward_route(self, node: torch.fx.Node, cfg):
+        """Where a pass of the table sends this attention backward (``Pass.backward_route``), or None."""
+        for p in self.passes:
+            route = p.backward_route(node, cfg) if p.backward_route is not None else None
+            if route is not None:
+                return route
+        return None
+
+    def backward_routes(self, graph: torch.fx.Graph, graph_kind: str, cfg=None) -> list[BackwardRoute]:
+        """Each attention backward of ``graph`` a pass routes, and the op it will run on (the
+        report's lines; the pass decides by the same route)."""
+        cfg = cfg if cfg is not None else snapshot()
+        return [
+            BackwardRoute(graph_kind, n.name, r.path, r.reason)
+            for n in graph.nodes
+            for r in (self._backward_route(n, cfg),) if r is not None
+        ]
+
+    def inductor_patch_keys(self) -> dict:
+        """The Inductor config keys a rewrite may set, with their values now: the compile of a graph
+        runs under a patch of them (``backend._inner_compile``), so that what a kept rewrite sets
+        (:func:`_set_inductor_patches`) lasts for that graph's compile only."""
+        from torch._inductor import config as inductor_config
+
+        return {key: getattr(inductor_config, key) for r in self.rewrites for key in r.inductor_patches}
+
+    # --- Inductor's hooks -------------------------------------------------------------------
+
+    def run_hook(self, hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
+        """Everything the pipeline does on Inductor hook ``hook``: detect once, then per region (in
+        graph order) decide and apply, then the hook's graph passes in table order. ``only``: just
+        these rewrites, no graph passes (tests run one rewrite alone)."""
+        if any(r.stage == hook for r in self.rewrites):
+            self._rewrite_regions(hook, graph, cfg, only)
+        if only is None:
+            for p in self._graph_passes(hook):
+                _run_graph_pass(p, graph, cfg, hook)
+
+    def _rewrite_regions(self, hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
+        changed = self.canonicalize(graph, cfg)
+        analysis = _taken_analysis(graph, cfg) if not changed and only is None else None
+        with timed("detect", hook) as outcome:
+            if analysis is not None:
+                matches, decided = analysis.matches, analysis.decisions
+                outcome["did"] = f"{len(matches)} regions (the report's analysis)"
+            else:
+                matches, decided = [m for d in self.detectors for m in d.find(graph, "post_grad", cfg)], {}
+                outcome["did"] = f"{len(matches)} regions"
+        if not matches:
+            return
+        decide_once = self._decider(decided, cfg, only)
+        # Every region's rewrites are tried together on one copy of the graph, checked once; only if
+        # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
+        # checking per rewrite made our passes' time grow with the square of the layers.
+        with timed("trial", hook) as outcome:
+            trial = checked_rewrite.trial_all(
+                graph, matches, self._detector, lambda g, ms, apply: self._each_region(g, ms, hook, cfg, decide_once, apply), cfg)
+            outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
+        if trial is not None:
+            with replaying_values(trial.values):
+                self._each_region(graph, matches, hook, cfg, decide_once, _TRIED)
+            if trial.sorted:
+                stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
         else:
-            where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
-            with rewrite_observed(rewrite.name, where, graph) as outcome:
-                kept_now = outcome["kept"] = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
-        if not kept_now:
-            continue
-        if not apply.on_copy:
-            _set_inductor_patches(rewrite)
-        kept = True
-        attention = match.attention
-        if attention._erased:  # split into several calls: the region is found again by the first
-            attention = next((n for n in graph.nodes if n.meta.get(REPLACES) == attention.name), None)
-        match = None if attention is None else detector.match_at(attention, "post_grad", cfg)
-        if match is None:
-            break
-    return kept
+            self._each_region(graph, matches, hook, cfg, decide_once, checked_rewrite.CHECKED)
+        graph.eliminate_dead_code()
+        graph.lint()
+
+    def _decider(self, decided: dict, cfg: ConfigSnapshot, only):
+        """``decision_of(match)``: each region decided once, by the name of its attention op (the
+        trial's copy keeps the graph's names), for the trial and the apply alike; where the report's
+        analysis holds, its decisions."""
+        by_name = {node.name: decision for node, decision in decided.items()}
+
+        def decision_of(match) -> Decision:
+            name = match.attention.name
+            if name not in by_name:
+                by_name[name] = self.decide(match, cfg, only)
+            return by_name[name]
+
+        return decision_of
+
+    def _each_region(self, graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, decision_of,
+                     apply: checked_rewrite.Applier) -> bool:
+        """Per region of ``matches`` (in graph order), the rewrites ``decision_of(match)`` chose for
+        ``hook``, each through ``apply`` (:class:`checked_rewrite.Applier`); whether any was kept."""
+        order = node_order(graph)
+        changed = False
+        for match in sorted(matches, key=lambda m: order[m.attention]):
+            detector = self._detector(match)
+            if match.attention._erased:
+                continue
+            if changed:
+                # An earlier rewrite may have replaced nodes this region was found through (two
+                # layers back to back share the first one's returned output): find it again.
+                match = detector.match_at(match.attention, "post_grad", cfg)
+                if match is None:
+                    continue
+            changed |= self._rewrite_region(graph, match, detector, hook, cfg, decision_of(match), apply)
+        return changed
+
+    def _rewrite_region(self, graph: torch.fx.Graph, match, detector, hook: str, cfg, decision: Decision,
+                        apply: checked_rewrite.Applier) -> bool:
+        """Apply what ``decision`` chose for ``match`` on ``hook`` through ``apply``; whether any
+        was kept."""
+        kept = False
+        for rewrite in decision.to_run(hook, self.rewrites):
+            performs = [name for name in rewrite.replaces if name in decision.applied]
+            if apply.on_copy:
+                kept_now = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
+            else:
+                where = f"{hook}, {match.style} {match.direction} {match.attention.name}"
+                with rewrite_observed(rewrite.name, where, graph) as outcome:
+                    kept_now = outcome["kept"] = apply.run(graph, match, rewrite, detector.match_at, cfg, performs)
+            if not kept_now:
+                continue
+            if not apply.on_copy:
+                _set_inductor_patches(rewrite)
+            kept = True
+            attention = match.attention
+            if attention._erased:  # split into several calls: the region is found again by the first
+                attention = next((n for n in graph.nodes if n.meta.get(REPLACES) == attention.name), None)
+            match = None if attention is None else detector.match_at(attention, "post_grad", cfg)
+            if match is None:
+                break
+        return kept
+
+    def rewrite_graph(self, graph: torch.fx.Graph, cfg=None, only=None) -> None:
+        """The post-grad stage on ``graph`` outside a compile (tests; default config: the global
+        one as it is now)."""
+        self.run_hook(POST_GRAD, graph, cfg if cfg is not None else snapshot(), only)
 
 
-def rewrite_graph(graph: torch.fx.Graph, cfg=None, only=None) -> None:
-    """The post-grad stage on ``graph`` outside a compile (tests; default config: the global
-    one as it is now)."""
-    run_hook(POST_GRAD, graph, cfg if cfg is not None else snapshot(), only)
+ENGINE = Engine(PASSES, DETECTORS)
+# What the backend and the tests call, the pipeline's engine's own.
+hooks_with_passes = ENGINE.hooks_with_passes
+hooks_with_work = ENGINE.hooks_with_work
+functorch_patches = ENGINE.functorch_patches
+canonicalize = ENGINE.canonicalize
+run_dynamo_passes = ENGINE.run_dynamo_passes
+decide = ENGINE.decide
+analyze = ENGINE.analyze
+backward_routes = ENGINE.backward_routes
+inductor_patch_keys = ENGINE.inductor_patch_keys
+run_hook = ENGINE.run_hook
+rewrite_graph = ENGINE.rewrite_graph
+__all__ = ["ENGINE", "HOOKS", "Engine", "analyze", "backward_routes", "canonicalize", "decide", "functorch_patches",
+           "hooks_with_passes", "hooks_with_work", "inductor_patch_keys", "rewrite_graph", "run_dynamo_passes",
+           "run_hook"]
