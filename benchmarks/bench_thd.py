@@ -52,7 +52,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import device_ms, fill_free_memory, gpu_clocks, write_rows
+from common import device_ms, fill_free_memory, largest_rank, measure_arms, slowest_rank_ms, write_rows
 
 from cp_inductor.testing import varlen_programs as vp
 
@@ -423,55 +423,6 @@ def main() -> int:
         rows += varying(a.tokens[0], a.head_dim[0], a.varying_steps, a.iters, a.policies)
         write_rows(a.json, a, rows)
     return 0
-
-
-def measure_arms(arms: dict, rounds: int, time_one, peak_of=float, clocks: dict | None = None) -> tuple[dict, dict]:
-    """Per arm: the median over rounds (the arm order reversed every other round) of
-    ``time_one(fn)``, and its peak memory in GiB beyond what was allocated before it ran
-    (``peak_of`` combines ranks). ``clocks``, if given, gets per arm the median over rounds of
-    the SM clock it ran at (``common.gpu_clocks``)."""
-    times, peaks, mhz = {n: [] for n in arms}, {}, {n: [] for n in arms}
-    for r in range(rounds):
-        for name, fn in (list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]):
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            sampled: dict = {}
-            with gpu_clocks(sampled):
-                times[name].append(time_one(fn))
-            if "sm_mhz" in sampled:
-                mhz[name].append(sampled["sm_mhz"])
-            peaks[name] = peak_of((torch.cuda.max_memory_allocated() - base) / 2**30)
-    if clocks is not None:
-        clocks.update({n: statistics.median(m) for n, m in mhz.items() if m})
-    return {n: statistics.median(t) for n, t in times.items()}, peaks
-
-
-def largest_rank(gib: float) -> float:
-    import torch.distributed as dist
-
-    peak = torch.tensor([gib], device="cuda")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(peak)
-
-
-def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> list[float]:
-    """Per iteration, the time of the slowest rank (iterations start together)."""
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        dist.barrier()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device="cuda")
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times.tolist()
 
 
 def ulysses(a) -> int:

@@ -35,10 +35,10 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from common import device_ms, fill_free_memory, peak_composition, write_rows
+from common import device_ms, fill_free_memory, measure_arms, peak_composition, write_rows
 
 from cp_inductor.testing import varlen_programs as vp
-from bench_thd import HKV, HQ, lengths_for, measure_arms
+from bench_thd import HKV, HQ, lengths_for
 
 from cp_inductor.parallel import thd_allgather as tag
 

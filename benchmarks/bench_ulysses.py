@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import alternating_rounds, fill_free_memory, init_group, paired_ratio, peak_composition, teardown
+from common import (alternating_rounds, fill_free_memory, init_group, paired_ratio, peak_composition, slowest_rank_ms,
+                    teardown)
 from handwritten import ulysses_by_hand
 
 from cp_inductor import parallel
@@ -184,33 +185,7 @@ class Bench:
 
     # --- measurement ---
     def time_round(self, step) -> list[float]:
-        for _ in range(self.args.warmup):
-            step()
-        torch.cuda.synchronize()
-        if self.args.back_to_back:
-            # As a training loop runs: the host queues step after step, ahead of the GPU (host
-            # overhead hidden unless the host is slower than the GPU). One time per round.
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(self.args.iters):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([start.elapsed_time(end) / self.args.iters], device=self.dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.tolist()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.iters)]
-        for i in range(self.args.iters):
-            dist.barrier()  # iterations start together, so the slowest rank is the iteration time
-            starts[i].record()
-            step()
-            ends[i].record()
-        torch.cuda.synchronize()
-        times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device=self.dev)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        return times.tolist()
+        return slowest_rank_ms(step, self.args.iters, self.args.warmup, self.args.back_to_back)
 
     def host_ms(self, step, iters: int = 5) -> float:
         """Host time to queue one step while the GPU is busy (a sleep kernel): what the host

@@ -149,6 +149,68 @@ def alternating_rounds(arms: list, rounds: int, time_arm) -> dict:
     return medians
 
 
+def slowest_rank_ms(fn, iters: int, warmup: int = 2, back_to_back: bool = False) -> list[float]:
+    """Per iteration, the time of the slowest rank: iterations start together (a barrier), so
+    the slowest rank is the iteration's time. ``back_to_back``: as a training loop runs, the
+    host queuing step after step ahead of the GPU; one time per call (the mean of ``iters``)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if back_to_back:
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    else:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            dist.barrier()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], device="cuda")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def largest_rank(gib: float) -> float:
+    """The largest of the ranks' values (peak memory in GiB)."""
+    peak = torch.tensor([gib], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
+
+
+def measure_arms(arms: dict, rounds: int, time_one, peak_of=float, clocks: dict | None = None) -> tuple[dict, dict]:
+    """Per arm (name -> fn): the median over :func:`alternating_rounds` of ``time_one(fn)``, and
+    its peak memory in GiB beyond what was allocated before it ran (``peak_of`` combines ranks:
+    :func:`largest_rank`). ``clocks``, if given, gets per arm the median over rounds of the SM
+    clock it ran at (:func:`gpu_clocks`)."""
+    peaks, mhz = {}, {n: [] for n in arms}
+
+    def time_arm(name):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        sampled: dict = {}
+        with gpu_clocks(sampled):
+            ms = time_one(arms[name])
+        if "sm_mhz" in sampled:
+            mhz[name].append(sampled["sm_mhz"])
+        peaks[name] = peak_of((torch.cuda.max_memory_allocated() - base) / 2**30)
+        return [ms]
+
+    per_round = alternating_rounds(list(arms), rounds, time_arm)
+    if clocks is not None:
+        clocks.update({n: statistics.median(m) for n, m in mhz.items() if m})
+    return {n: statistics.median(t) for n, t in per_round.items()}, peaks
+
+
 def paired_ratio(medians: dict, arm: str, base: str) -> float:
     """Median over rounds of arm/base measured in the same round."""
     return statistics.median(a / b for a, b in zip(medians[arm], medians[base]))

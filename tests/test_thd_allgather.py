@@ -129,26 +129,34 @@ def _check(rank, cp, lengths, heads_kv, causal, balance, kernel, head_groups=Non
 LENGTHS = [1, 3, 1, 61, 2, 1, 9, 5]
 
 
+def _check_each(rank, cp, cases):
+    """:func:`_check` of each ``(lengths, heads_kv, causal, balance, kernel[, head_groups])`` in
+    one launch (a launch costs more than these eager calls)."""
+    return [_check(rank, cp, *case) for case in cases]
+
+
+def _assert_cases(cp, cases) -> None:
+    for rank_errors in run_on_ranks(_check_each, cp, cases):
+        for case, errors in zip(cases, rank_errors):
+            assert max(errors.values()) < TOL, (case, errors)
+
+
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.wide)])
 @pytest.mark.parametrize("balance", tag.BALANCES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_numerics_gloo(cp, balance, causal):
-    for kernel, heads_kv in (("sdpa", 2), ("sdpa", 4), ("fa4", 2)):
-        for errors in run_on_ranks(_check, cp, LENGTHS, heads_kv, causal, balance, kernel):
-            assert max(errors.values()) < TOL, (kernel, heads_kv, errors)
+    _assert_cases(cp, [(LENGTHS, heads_kv, causal, balance, kernel)
+                       for kernel, heads_kv in (("sdpa", 2), ("sdpa", 4), ("fa4", 2))])
 
 
 def test_numerics_gloo_head_groups():
     """Two head groups, each with its own gather and calls: the answer of one."""
-    for errors in run_on_ranks(_check, 2, LENGTHS, 2, True, "document", "fa4", 2):
-        assert max(errors.values()) < TOL, errors
+    _assert_cases(2, [(LENGTHS, 2, True, "document", "fa4", 2)])
 
 
 def test_numerics_gloo_cp4_both_balances_causal_gqa():
     """cp = 4 in CI once: the pieces of a 61-token document spread over 8 chunks."""
-    for balance in tag.BALANCES:
-        for errors in run_on_ranks(_check, 4, LENGTHS, 2, True, balance, "sdpa"):
-            assert max(errors.values()) < TOL, (balance, errors)
+    _assert_cases(4, [(LENGTHS, 2, True, balance, "sdpa") for balance in tag.BALANCES])
 
 
 def _compiled_matches_eager(rank, cp):
