@@ -93,8 +93,11 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, *, cfg: ConfigSnaps
         record_rejected(r)
     for route in engine.backward_routes(gm.graph, _graph_kind(kwargs), cfg):
         record_backward_route(route)
-    with inductor_config.patch(engine.inductor_patch_keys()):  # the rewrites kept set theirs for this graph
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    try:
+        with inductor_config.patch(engine.inductor_patch_keys()):  # the rewrites kept set theirs for this graph
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    finally:
+        engine.take_analysis(gm.graph)  # left where no hook took it (a cache hit, no work for the hook)
     if journal is not None:
         journal.compiled(_graph_kind(kwargs), where)
     return compiled

@@ -26,6 +26,7 @@ the same nodes under the same config, and detects afresh only where something ch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -45,8 +46,7 @@ from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
 from .record import CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, Pass, RegionPass, Verdicts, check_order
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
-__all__ = ["HOOKS", "analyze", "backward_routes", "decide", "functorch_patches", "hooks_with_passes", "hooks_with_work",
-           "inductor_patch_keys", "run_dynamo_passes", "run_hook"]
+
 
 
 def switch_reason(p: Pass, cfg: ConfigSnapshot) -> str | None:
@@ -156,25 +156,25 @@ def _op_name(node) -> str:
 
 @dataclass
 class Analysis:
-    """One graph's regions and the decision on each, as :meth:`Engine.analyze` found them: the report
-    shows them and the hook applies them, so the two cannot disagree and nothing is found twice."""
+    """One graph's regions and the decision on each, as :meth:`Engine.analyze` found them: the
+    report shows them and the hook applies them while the graph is the one analysed."""
 
     cfg: ConfigSnapshot
-    nodes: frozenset  # the graph's nodes when analysed: reused only while they are the same
+    nodes: tuple  # the graph's nodes in order when analysed: reused only while they are the same
     matches: list
-    decisions: dict  # attention node -> Decision
+    decisions: dict  # (style, attention node) -> Decision
 
     def holds_for(self, graph: torch.fx.Graph, cfg: ConfigSnapshot) -> bool:
-        return (self.cfg is cfg or self.cfg == cfg) and self.nodes == frozenset(graph.nodes)
+        return (self.cfg is cfg or self.cfg == cfg) and self.nodes == tuple(graph.nodes)
 
 
 _ANALYSIS = "_cp_inductor_analysis"  # the graph's attribute that holds its Analysis
 
 
-def _taken_analysis(graph: torch.fx.Graph, cfg: ConfigSnapshot) -> Analysis | None:
-    """The analysis :meth:`Engine.analyze` left on ``graph`` if it still holds, taken off the graph."""
-    analysis = graph.__dict__.pop(_ANALYSIS, None)
-    return analysis if analysis is not None and analysis.holds_for(graph, cfg) else None
+def take_analysis(graph: torch.fx.Graph) -> Analysis | None:
+    """The analysis :meth:`Engine.analyze` left on ``graph``, taken off it (it holds nodes the
+    passes may erase: nothing keeps it past the graph's compile)."""
+    return graph.__dict__.pop(_ANALYSIS, None)
 
 
 def _proved_alone(match, detector) -> str | None:
@@ -362,10 +362,10 @@ class Engine:
         order = node_order(graph)
         rows = []
         reasons: dict[torch.fx.Node, dict[str, str]] = {}  # attention node -> {style: why it is not that style's region}
-        analysis = Analysis(cfg, frozenset(graph.nodes), [], {})
+        analysis = Analysis(cfg, tuple(graph.nodes), [], {})
         for detector in self.detectors:
             for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
-                decision = analysis.decisions[match.attention] = self.decide(match, cfg)
+                decision = analysis.decisions[match.style, match.attention] = self.decide(match, cfg)
                 analysis.matches.append(match)
                 rows.append((order[match.attention], self._region_row(match, decision, detector, graph_kind, cfg)))
         setattr(graph, _ANALYSIS, analysis)
@@ -430,18 +430,21 @@ class Engine:
                 _run_graph_pass(p, graph, cfg, hook)
 
     def _rewrite_regions(self, hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only) -> None:
+        analysis = take_analysis(graph)
         changed = self.canonicalize(graph, cfg)
-        analysis = _taken_analysis(graph, cfg) if not changed and only is None else None
+        if changed or only is not None or analysis is None or not analysis.holds_for(graph, cfg):
+            analysis = None
         with timed("detect", hook) as outcome:
             if analysis is not None:
-                matches, decided = analysis.matches, analysis.decisions
+                matches = [dataclasses.replace(m, graph_kind="post_grad") for m in analysis.matches]
                 outcome["did"] = f"{len(matches)} regions (the report's analysis)"
             else:
-                matches, decided = [m for d in self.detectors for m in d.find(graph, "post_grad", cfg)], {}
+                matches = [m for d in self.detectors for m in d.find(graph, "post_grad", cfg)]
                 outcome["did"] = f"{len(matches)} regions"
         if not matches:
             return
-        decide_once = self._decider(decided, cfg, only)
+        analysed = {} if analysis is None else {(style, node.name): d for (style, node), d in analysis.decisions.items()}
+        decide_once = self._decider(analysed, cfg, only)
         # Every region's rewrites are tried together on one copy of the graph, checked once; only if
         # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
         # checking per rewrite made our passes' time grow with the square of the layers.
@@ -450,32 +453,36 @@ class Engine:
                 graph, matches, self._detector, lambda g, ms, apply: self._each_region(g, ms, hook, cfg, decide_once, apply), cfg)
             outcome["did"] = "passed" if trial is not None else "failed: each rewrite tried alone"
         if trial is not None:
-            with replaying_values(trial.values):
+            with replaying_values(trial.values):  # the trial's steps again: its decisions hold
                 self._each_region(graph, matches, hook, cfg, decide_once, _TRIED)
             if trial.sorted:
                 stable_topological_sort(graph)  # in the order the trial's check sorted its copy into
         else:
-            self._each_region(graph, matches, hook, cfg, decide_once, checked_rewrite.CHECKED)
+            self._each_region(graph, matches, hook, cfg, self._decider(analysed, cfg, only), checked_rewrite.CHECKED)
         graph.eliminate_dead_code()
         graph.lint()
 
-    def _decider(self, decided: dict, cfg: ConfigSnapshot, only):
-        """``decision_of(match)``: each region decided once, by the name of its attention op (the
-        trial's copy keeps the graph's names), for the trial and the apply alike; where the report's
-        analysis holds, its decisions."""
-        by_name = {node.name: decision for node, decision in decided.items()}
+    def _decider(self, analysed: dict, cfg: ConfigSnapshot, only):
+        """``decision_of(match, changed)``: a region reached while the graph is still the one
+        analysed takes the analysis's decision (``analysed``, by style and attention op name: the
+        trial's copy keeps the graph's names); one reached after an earlier rewrite changed the
+        graph is decided on its match found again (its verdicts may read what that rewrite left),
+        once for the trial and the apply that repeats the trial's steps."""
+        decided: dict = {}
 
-        def decision_of(match) -> Decision:
-            name = match.attention.name
-            if name not in by_name:
-                by_name[name] = self.decide(match, cfg, only)
-            return by_name[name]
+        def decision_of(match, changed: bool) -> Decision:
+            key = (match.style, match.attention.name)
+            if not changed and key in analysed:
+                return analysed[key]
+            if key not in decided:
+                decided[key] = self.decide(match, cfg, only)
+            return decided[key]
 
         return decision_of
 
     def _each_region(self, graph: torch.fx.Graph, matches: list, hook: str, cfg: ConfigSnapshot, decision_of,
                      apply: checked_rewrite.Applier) -> bool:
-        """Per region of ``matches`` (in graph order), the rewrites ``decision_of(match)`` chose for
+        """Per region of ``matches`` (in graph order), the rewrites ``decision_of(match, changed)`` chose for
         ``hook``, each through ``apply`` (:class:`checked_rewrite.Applier`); whether any was kept."""
         order = node_order(graph)
         changed = False
@@ -489,7 +496,7 @@ class Engine:
                 match = detector.match_at(match.attention, "post_grad", cfg)
                 if match is None:
                     continue
-            changed |= self._rewrite_region(graph, match, detector, hook, cfg, decision_of(match), apply)
+            changed |= self._rewrite_region(graph, match, detector, hook, cfg, decision_of(match, changed), apply)
         return changed
 
     def _rewrite_region(self, graph: torch.fx.Graph, match, detector, hook: str, cfg, decision: Decision,
@@ -535,8 +542,13 @@ decide = ENGINE.decide
 analyze = ENGINE.analyze
 backward_routes = ENGINE.backward_routes
 inductor_patch_keys = ENGINE.inductor_patch_keys
-run_hook = ENGINE.run_hook
 rewrite_graph = ENGINE.rewrite_graph
+
+
+def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -> None:
+    """:meth:`Engine.run_hook` of the pipeline's engine; a function, not a bound method: our hook
+    pass holds it in Inductor's config, which Inductor deep-copies (an engine holds modules)."""
+    ENGINE.run_hook(hook, graph, cfg, only)
 __all__ = ["ENGINE", "HOOKS", "Engine", "analyze", "backward_routes", "canonicalize", "decide", "functorch_patches",
            "hooks_with_passes", "hooks_with_work", "inductor_patch_keys", "rewrite_graph", "run_dynamo_passes",
            "run_hook"]
