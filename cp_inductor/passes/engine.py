@@ -20,8 +20,9 @@ report: regions, and per region what :meth:`Engine.decide` says of each rewrite;
 compile, also when the FX graph cache then serves the code), and :meth:`Engine.run_hook` inside
 Inductor's post-grad passes, which applies. The graph is analysed once: the hook takes the
 regions and decisions the analysis left on the graph (:class:`Analysis`) while the graph holds
-the same nodes under the same config, and detects afresh only where something changed it
-(Inductor's dead-code pass runs in between; tests call the two apart).
+the same nodes in the same order under the same config, and detects afresh only where something
+changed it (Inductor's dead-code pass runs in between; tests call the two apart); a region
+reached after an earlier rewrite changed the graph is decided again (:meth:`Engine._decider`).
 """
 
 from __future__ import annotations
