@@ -36,6 +36,9 @@ TOY.find = lambda graph, graph_kind, cfg, log=None: [
     m for n in graph.nodes if (m := _match_at(n, graph_kind, cfg)) is not None]
 
 
+asked: list = []  # the attention ops the toy rewrite was asked about, in order
+
+
 def _why_not(match, cfg, verdicts):
     asked.append(match.attention.name)
     source = match.attention.args[0]
@@ -52,7 +55,6 @@ def _apply(graph, match, cfg):
     return [(relu.meta["val"], new, False)]
 
 
-asked: list = []
 TO_ABS = RegionPass("toy_abs", stage=POST_GRAD, styles=("toy",), why_not=_why_not, apply=_apply)
 
 

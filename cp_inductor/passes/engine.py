@@ -163,7 +163,7 @@ class Analysis:
     cfg: ConfigSnapshot
     nodes: tuple  # the graph's nodes in order when analysed: reused only while they are the same
     matches: list
-    decisions: dict  # (style, attention node) -> Decision
+    decisions: dict  # (style, attention op's name) -> Decision: the trial's copy keeps the names
 
     def holds_for(self, graph: torch.fx.Graph, cfg: ConfigSnapshot) -> bool:
         return (self.cfg is cfg or self.cfg == cfg) and self.nodes == tuple(graph.nodes)
@@ -366,7 +366,7 @@ class Engine:
         analysis = Analysis(cfg, tuple(graph.nodes), [], {})
         for detector in self.detectors:
             for match in detector.find(graph, graph_kind, cfg, log=_reasons_into(reasons, detector.STYLE)):
-                decision = analysis.decisions[match.style, match.attention] = self.decide(match, cfg)
+                decision = analysis.decisions[match.style, match.attention.name] = self.decide(match, cfg)
                 analysis.matches.append(match)
                 rows.append((order[match.attention], self._region_row(match, decision, detector, graph_kind, cfg)))
         setattr(graph, _ANALYSIS, analysis)
@@ -444,7 +444,7 @@ class Engine:
                 outcome["did"] = f"{len(matches)} regions"
         if not matches:
             return
-        analysed = {} if analysis is None else {(style, node.name): d for (style, node), d in analysis.decisions.items()}
+        analysed = {} if analysis is None else analysis.decisions
         decide_once = self._decider(analysed, cfg, only)
         # Every region's rewrites are tried together on one copy of the graph, checked once; only if
         # that trial fails is each rewrite tried alone (and the failing ones undone). Trying and
@@ -465,10 +465,10 @@ class Engine:
 
     def _decider(self, analysed: dict, cfg: ConfigSnapshot, only):
         """``decision_of(match, changed)``: a region reached while the graph is still the one
-        analysed takes the analysis's decision (``analysed``, by style and attention op name: the
-        trial's copy keeps the graph's names); one reached after an earlier rewrite changed the
-        graph is decided on its match found again (its verdicts may read what that rewrite left),
-        once for the trial and the apply that repeats the trial's steps."""
+        analysed takes the analysis's decision (``analysed``: :attr:`Analysis.decisions`); one
+        reached after an earlier rewrite changed the graph is decided on its match found again (its
+        verdicts may read what that rewrite left), once for the trial and the apply that repeats
+        the trial's steps."""
         decided: dict = {}
 
         def decision_of(match, changed: bool) -> Decision:
