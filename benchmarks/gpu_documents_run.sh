@@ -9,6 +9,8 @@
 #   profile:  each arm's kernels and idle time (flex alone, HF flex packed)
 #   quick:    the tests, the plan, flex alone, flex CP with the plan read first, HF flex packed
 #   cp:       the tests, then torch's flex CP alone (T64K cp 2, no balancer and head-tail)
+#   regress:  the one-GPU regression tests (test_gpu_one, test_gpu_fa4), one bench_thd and one
+#             bench_ulysses --fake-rank arm through the shared timing harness
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -53,6 +55,13 @@ graphs)
   timeout 330 python3 bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 1 --iters 10 --capacity 32 \
     --arms inductor,cp_inductor,inductor_graphs,cp_graphs --json "$out/hf_sdpa_graphs_t16k.json" 2>&1 | filter \
     | tee "$out/hf_sdpa_graphs_t16k.log" | tail -12 ;;
+regress)
+  timeout 300 python3 -m pytest -q -n 4 ../tests/test_gpu_one.py ../tests/test_gpu_fa4.py -p no:cacheprovider -W ignore 2>&1 \
+    | tee "$out/gpu_regress.log" | grep -E "passed|failed|^E |^FAILED"
+  timeout 120 python3 bench_thd.py --tokens 32768 --head-dim 128 --kinds random --iters 3 --rounds 1 \
+    --json "$out/thd_t32k.json" 2>&1 | filter | tee "$out/thd_t32k.log" | tail -8
+  timeout 120 python3 bench_ulysses.py --fake-rank 0/2 --seq 32768 --arms inductor,cp_inductor,floor --iters 10 \
+    --json "$out/ulysses_fake_t32k.json" 2>&1 | filter | tee "$out/ulysses_fake_t32k.log" | tail -10 ;;
 titan)
   timeout 560 python3 bench_titan_block.py --tokens 16384 --docs 8 --json "$out/titan_block_t16k.json" 2>&1 | filter \
     | tee "$out/titan_block_t16k.log" | tail -10 ;;

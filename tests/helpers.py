@@ -286,7 +286,10 @@ def tally_detection(stats, misses: list, spec, regions: int, found: dict, reject
 @contextlib.contextmanager
 def pass_replaced(record, **fields):
     """A pass record's fields (``apply=...``) swapped for the block: records are frozen, and the
-    pipeline holds them, so patching the module's function would not reach the engine."""
+    pipeline holds them, so patching the module's function would not reach the engine. ``record``:
+    a module's ``PASS``; the pipeline's record of that name is patched (pipeline.py may have added
+    relations to it)."""
+    record = next(p for p in PASSES if p.name == record.name)
     old = {k: getattr(record, k) for k in fields}
     for k, v in fields.items():
         object.__setattr__(record, k, v)

@@ -321,7 +321,7 @@ class Engine:
             if reason is None and match.layout == "thd" and not rewrite.packed:
                 reason = PACKED_REASON
             if reason is None:
-                reason = reason_or_error(rewrite.why_not, match, cfg, verdicts, cfg=cfg)
+                reason = reason_or_error(rewrite.why_not, match, cfg, verdicts.seen_by(rewrite), cfg=cfg)
             verdicts.record(rewrite.name, reason)
             if only is not None and rewrite.name not in only:  # decided for the verdict a later one reads
                 continue

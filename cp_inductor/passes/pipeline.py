@@ -14,7 +14,9 @@ reaches them:
 
 Adding a CP style: a detector module in ``detect/`` and one line in DETECTORS. Adding a pass: a
 module in the folder of its stage (``experimental/`` until it has a measured win) defining
-``PASS``, and one line here.
+``PASS``, and one line here. How region passes relate (whose verdict one reads, which one it
+performs itself, which cannot share a region with it) is said here too (``related``): no pass
+module names another.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .dynamo import document_mask, uniform_thd, varlen_cudnn
 from .experimental import cat_of_slices, gather_overlap, head_overlap, owner_grad_return, ring_grad_return
 from .joint import collective_cse, fa4_dense
 from .post_grad import ce_rotation, cudnn_frontend_backward, fused_a2a, head_split, narrow_rotation
+from .record import related
 
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
@@ -43,13 +46,19 @@ PASSES = (
     fa4_dense.PASS,
     # POST_GRAD, region passes in decision order
     fused_a2a.PASS,
-    head_overlap.PASS,  # experimental; builds on fused_a2a's buffers
+    # experimental; builds on fused_a2a's buffers (reads its verdict) and performs it itself
+    related(head_overlap.PASS, after=fused_a2a.PASS, replaces=fused_a2a.PASS),
     head_split.PASS,
-    gather_overlap.PASS,  # experimental; before owner_grad_return: it gives the pulls attention to hide under
-    owner_grad_return.PASS,  # experimental
-    ring_grad_return.PASS,  # experimental; before narrow_rotation and ce_rotation: they see its rotation
-    narrow_rotation.PASS,  # before ce_rotation: it moves the narrowed rotation
-    ce_rotation.PASS,
+    # experimental. Neither shares a region with head_split: the backward's regions are found
+    # through the reduce-scatters they replace, so the graph's other regions, found again after
+    # them, would lose their split. gather_overlap gives owner_grad_return's pulls attention to
+    # hide under (owner_grad_return reads its verdict)
+    related(gather_overlap.PASS, excludes=head_split.PASS),
+    related(owner_grad_return.PASS, after=gather_overlap.PASS, excludes=head_split.PASS),
+    # experimental; where it applies it sends the home dK/dV itself, so narrow_rotation stands down
+    ring_grad_return.PASS,
+    related(narrow_rotation.PASS, after=ring_grad_return.PASS),
+    related(ce_rotation.PASS, after=narrow_rotation.PASS),  # it moves the rotation narrow_rotation narrowed
     # POST_GRAD, graph passes after the rewrites: a cat that reassembles slices of one tensor is
     # that tensor; cuDNN's attention backward where its plan cache keys on dO's layout (it sees
     # the calls the rewrites made); a generator input canonicalize unwrapped is read by one RNG

@@ -15,10 +15,12 @@ unit          ``why_not`` (a reason, or None: it applies)  ``apply``
 ``GRAPH``     ``(graph, cfg)``: the whole graph             ``(graph, cfg)`` -> how many changes
 ============  ===========================================  ===================================
 
-Region passes declare their relations to the others by name (checked when the pipeline loads,
-:func:`check_order`): ``after``: passes whose verdict on the same region this one's ``why_not``
-reads; ``replaces``: passes this one performs itself where both apply; ``excludes``: passes that
-cannot apply with this one to one region (the one decided first wins; the engine says so).
+A region pass's relations to the others are declared in ``passes/pipeline.py`` alone
+(:func:`related`, checked when the pipeline loads, :func:`check_order`), so no pass module names
+another: ``after``: passes whose verdict on the same region this one's ``why_not`` reads (as
+``verdicts.earlier``); ``replaces``: passes this one performs itself where both apply;
+``excludes``: passes that cannot apply with this one to one region (the one decided first wins;
+the engine says so).
 Call passes are tried in order on each call until one applies; a call pass with its own
 ``finds`` is tried alone on the calls it finds.
 """
@@ -26,7 +28,7 @@ Call passes are tried in order on each call until one applies; a call pass with 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import torch.fx
@@ -49,11 +51,31 @@ def _applies(*_) -> None:
     return None
 
 
+@dataclass(frozen=True)
+class Earlier:
+    """The verdict of a pass its reader's record is decided ``after``: its name, and why it does
+    not apply (None: it applies)."""
+
+    name: str
+    reason: str | None
+
+    @property
+    def applies(self) -> bool:
+        return self.reason is None
+
+
 class Verdicts:
-    """The verdicts of the passes decided so far on one region or call: ``why_not`` reads them."""
+    """The verdicts of the passes decided so far on one region or call: ``why_not`` reads them,
+    those of the passes its record is decided after as :attr:`earlier`."""
 
     def __init__(self) -> None:
         self._reasons: dict = {}
+        self.earlier: tuple[Earlier, ...] = ()
+
+    def seen_by(self, p: Any) -> Verdicts:
+        """These verdicts, with :attr:`earlier` the verdicts of ``p.after``, in that order."""
+        self.earlier = tuple(Earlier(name, self._reasons[name]) for name in getattr(p, "after", ()) if name in self._reasons)
+        return self
 
     def record(self, name: str, reason: str | None) -> None:
         self._reasons[name] = reason
@@ -156,6 +178,15 @@ class GraphPass(Pass):
     unit: ClassVar[str] = GRAPH
     apply: GraphApply
     why_not: GraphWhyNot = _applies
+
+
+def related(p: RegionPass, *, after=(), replaces=(), excludes=()) -> RegionPass:
+    """``p`` with its relations to passes listed before it (each a record or a tuple of them)."""
+    def names(records) -> tuple[str, ...]:
+        return tuple(r.name for r in (records if isinstance(records, tuple) else (records,)))
+
+    return replace(p, after=p.after + names(after), replaces=p.replaces + names(replaces),
+                   excludes=p.excludes + names(excludes))
 
 
 def check_order(passes) -> None:

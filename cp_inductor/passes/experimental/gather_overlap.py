@@ -119,6 +119,6 @@ def detail(region: AllGatherMatch, cfg) -> str:
 
 
 PASS = RegionPass(
-    NAME, stage=POST_GRAD, styles=("allgather",), why_not=why_not, apply=apply, detail=detail, excludes=("head_split",),
+    NAME, stage=POST_GRAD, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
     inductor_patches={"reorder_for_peak_memory": False},
 )

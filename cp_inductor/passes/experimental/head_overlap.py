@@ -45,7 +45,7 @@ from ..analysis.graph_walk import node_order
 from ..analysis.layout_algebra import Factor, Layout, plan_relayout
 from ..analysis.sdpa_ops import bound_args, tuple_outputs
 from ..detect.a2a import A2AMatch
-from ..record import POST_GRAD, RegionPass
+from ..record import DISABLED, POST_GRAD, RegionPass
 from ..post_grad.transport import Sender, transport_choice
 from ..post_grad.ulysses_buffers import (
     as_delivered,
@@ -60,7 +60,6 @@ from ..post_grad.ulysses_buffers import (
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 NAME = "head_overlap"
-NEEDS = "fused_a2a"  # the pass whose buffers it builds on, decided before it
 
 # Most groups the automatic choice takes. Each split costs attention time (one more tail wave
 # and the per-call dO.O / dq-convert kernels: +1.5-3% per split on H200) while the exposed share
@@ -76,21 +75,22 @@ def choose_groups(region, cfg) -> tuple[int, str | None]:
 
 
 def why_not(region, cfg, verdicts) -> str | None:
-    """Why head_overlap cannot rewrite this region, or None (it reads fused_a2a's verdict)."""
-    if not cfg.fused_a2a:
-        return "needs fused_a2a (disabled by config)"
+    """Why head_overlap cannot rewrite this region, or None. It reads the verdict of the pass whose
+    buffers it builds on (``verdicts.earlier``, declared in ``passes/pipeline.py``)."""
+    (base,) = verdicts.earlier
+    if base.reason == DISABLED:
+        return f"needs {base.name} ({DISABLED})"
     if region.direction == "forward" and not cfg.head_overlap_forward:
         return "forward region (head_overlap_forward=False)"
-    reason = verdicts.reason(NEEDS)
-    if reason is not None:
-        return f"needs fused_a2a: {reason}"
+    if base.reason is not None:
+        return f"needs {base.name}: {base.reason}"
     if region.has_mask:
         return "attention mask or bias (not split by heads)"
     if region.dropout_p:
         return "dropout (each group would draw its own mask)"
     unpack = unpack_choice(region, cfg)
     if unpack.choice != "views":
-        return f"needs fused_a2a's views; fused_a2a copies ({unpack.reason})"
+        return f"needs {base.name}'s views; {base.name} copies ({unpack.reason})"
     groups = crossing_groups(region)
     for c, arg in zip(*groups[0]):
         if not reads_as_view(pack_layout(c, region.cp), c, region.cp, arg):
@@ -228,6 +228,6 @@ def detail(region, cfg) -> str:
 # The emitted order (all incoming collectives, then per group: wait, attention, send) is what
 # overlaps; Inductor's peak-memory reordering would sink each collective next to its wait.
 PASS = RegionPass(
-    NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply, after=(NEEDS,), replaces=(NEEDS,),
+    NAME, stage=POST_GRAD, styles=("a2a",), why_not=why_not, apply=apply,
     inductor_patches={"reorder_for_peak_memory": False}, detail=detail,
 )

@@ -58,7 +58,7 @@ def why_not(region: AllGatherMatch, cfg, verdicts) -> str | None:
     graph = region.attention.graph
     order = node_order(graph)
     first = min(order[rs] for rs in scatters)
-    overlapped = verdicts.applies("gather_overlap")  # it moves attention after the reduce-scatter
+    overlapped = any(e.applies for e in verdicts.earlier)  # it moves attention after the reduce-scatter
     if not overlapped and not any(
         order[n] > first for target in SDPA_BACKWARD for n in graph.find_nodes(op="call_function", target=target)
     ):
@@ -96,8 +96,5 @@ def detail(region: AllGatherMatch, cfg) -> str:
 # Inductor's peak-memory reordering would sink each start back next to its wait.
 PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("allgather",), why_not=why_not, apply=apply, detail=detail,
-    # excludes head_split: the backward's regions are found through the reduce-scatters this
-    # rewrite replaces; the graph's other regions, found again after it, would lose their split.
-    after=("gather_overlap",), excludes=("head_split",),
     inductor_patches={"reorder_for_peak_memory": False},
 )

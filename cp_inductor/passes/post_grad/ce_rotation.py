@@ -90,6 +90,5 @@ def detail(region: RingMatch, cfg) -> str:
 # The emitted order is the overlap; Inductor's peak-memory reordering would move the ops.
 PASS = RegionPass(
     NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail,
-    after=("narrow_rotation",),  # it moves the rotation narrow_rotation narrowed
     inductor_patches={"reorder_for_peak_memory": False},
 )

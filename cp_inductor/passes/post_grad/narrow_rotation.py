@@ -82,8 +82,9 @@ def _narrowable(region: RingMatch) -> list:
 def why_not(region: RingMatch, cfg, verdicts) -> str | None:
     if region.direction != "backward":
         return "a forward region: attention reads its rotated K/V as they are"
-    if verdicts.applies("ring_grad_return"):
-        return "ring_grad_return sends the home contribution itself (narrowed where exact)"
+    for earlier in verdicts.earlier:
+        if earlier.applies:
+            return f"{earlier.name} sends the home contribution itself (narrowed where exact)"
     if not _narrowable(region):
         return "no rotation of its dK/dV is read only through a cast to a narrower dtype (running accumulators travel on; an fp32 program casts nothing)"
     return None
@@ -112,4 +113,4 @@ def detail(region: RingMatch, cfg) -> str:
     return f"{len(_narrowable(region))} rotation(s) sent cast down"
 
 
-PASS = RegionPass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail, after=("ring_grad_return",))
+PASS = RegionPass(NAME, stage=POST_GRAD, styles=("ring",), why_not=why_not, apply=apply, detail=detail)
