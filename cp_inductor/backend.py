@@ -22,6 +22,7 @@ from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
+from .parallel.batch import group_of
 from .passes.observe import timed
 from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected, record_varlen,
                         replay, since)
@@ -41,6 +42,8 @@ def _split_options(options: dict | None) -> tuple[dict, dict]:
             name = key[len(OPTION_PREFIX):]
             if name not in known:
                 raise RuntimeError(f"unknown cp_inductor option {key!r}; known: {sorted(known)}")
+            if name == "context_parallel" and not isinstance(value, str):  # a mesh or group: its name
+                value = group_of(value).group_name
             ours[name] = value
         else:
             inductor[key] = value
@@ -127,6 +130,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
     if mode is not None and mode != "default":
         inductor_patches = {**torch._inductor.list_mode_options(mode), **inductor_patches}
     cfg = snapshot(ours)  # what this compile's analysis, passes and cache key all read
+    gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs, cfg)
     hooks = engine.hooks_with_work(gm, example_inputs, cfg)
     inductor_patches.update(graph_passes(cfg, inductor_patches, hooks))
     with timed("dynamo_passes", "the Dynamo graph") as outcome:
@@ -153,7 +157,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
             replay(stored)
         else:
             record_rejected(Rejected("forward", "(cache)", NOT_STORED))
-    return compiled
+    return supply(compiled)
 
 
 NOT_STORED = ("served from AOTAutograd's cache, with no report stored for it (a cache dir filled without "

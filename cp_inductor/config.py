@@ -65,6 +65,12 @@ document_mask_capacity: int = 0
 # cu_seqlens is built from arange; "promised": every pack (checked on device); "off".
 uniform_thd: str = "proven"
 
+# Context parallelism the model does not write: the name of the CP process group, or "" (off). Pass
+# the mesh itself as the compile option (options={"cp_inductor.context_parallel": mesh}: a 1-d
+# DeviceMesh or a ProcessGroup); the batch comes from cp_inductor.parallel.shard_batch over the same
+# mesh, and every self-attention call attends over every rank's tokens (docs/passes/context_parallel.md).
+context_parallel: str = ""
+
 # Which kernel runs each attention call the backend lowers (packed calls, equal-length packs'
 # dense call, the dense calls of CP regions): "auto" (the fastest in the measured cost map,
 # passes/analysis/attention_provider.py), or "fa4", "cudnn", "program" (the program's own op).

@@ -81,12 +81,16 @@ class VarlenRoute:
     detail: str
     path: str  # "cudnn_ragged" | "fa4_varlen" | "dense_sdpa" | "fa4_dense" | "fa4" | "kept"
     reason: str = ""
-    layout: str = "thd"  # "bshd": a program's own dense FA4 call (flash_attn_func); "mask": SDPA given a mask
+    # "bshd": a program's own dense FA4 call (flash_attn_func); "mask": SDPA given a mask; "cp": a call
+    # made context-parallel (passes/dynamo/context_parallel.py)
+    layout: str = "thd"
 
     def line(self) -> str:
         route = self.path if not self.reason else f"{self.path}: {self.reason}"
         if self.layout == "mask":
             return f"masked attention {self.attention}: {self.detail}: {route}"
+        if self.layout == "cp":
+            return f"context-parallel attention {self.attention}: {self.style}, {self.detail}: {route}"
         if self.layout != "thd":
             return f"attention {self.attention}: {self.style}, {self.layout}, {self.detail}: {route}"
         return f"varlen attention {self.attention}: {self.style}, thd, lengths {self.lengths}, {self.detail}: {route}"

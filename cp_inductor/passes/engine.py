@@ -45,7 +45,8 @@ from .editing.fx_emit import REPLACES, replaying_values
 from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
-from .record import CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, Pass, RegionPass, Verdicts, check_order
+from .record import (CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, InputsPass, Pass, RegionPass, Verdicts,
+                     check_order)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 
 
@@ -263,6 +264,24 @@ class Engine:
 
     def _graph_passes(self, stage: str) -> tuple[GraphPass, ...]:
         return tuple(p for p in self.passes if p.stage == stage and isinstance(p, GraphPass))
+
+    def run_input_passes(self, gm: torch.fx.GraphModule, example_inputs, cfg: ConfigSnapshot):
+        """The passes that add graph inputs (``InputsPass``), first, unfenced: (the graph module to
+        compile, the example inputs with theirs, ``supply(compiled) -> compiled`` handing them in)."""
+        supplies = []
+        for p in (p for p in self.passes if isinstance(p, InputsPass)):
+            reason = switch_reason(p, cfg) or p.why_not(gm, cfg)
+            if reason is None:
+                with timed(p.name, "the Dynamo graph"):
+                    gm, example_inputs, supply = p.apply(gm, example_inputs, cfg)
+                supplies.append(supply)
+
+        def supply_all(compiled):
+            for supply in reversed(supplies):
+                compiled = supply(compiled)
+            return compiled
+
+        return gm, example_inputs, supply_all
 
     def _call_passes(self) -> tuple[CallPass, ...]:
         return tuple(p for p in self.passes if isinstance(p, CallPass))
@@ -539,6 +558,7 @@ hooks_with_work = ENGINE.hooks_with_work
 functorch_patches = ENGINE.functorch_patches
 canonicalize = ENGINE.canonicalize
 run_dynamo_passes = ENGINE.run_dynamo_passes
+run_input_passes = ENGINE.run_input_passes
 decide = ENGINE.decide
 analyze = ENGINE.analyze
 backward_routes = ENGINE.backward_routes

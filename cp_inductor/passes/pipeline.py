@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from . import canonicalize
 from .detect import a2a, allgather, ring
-from .dynamo import document_mask, uniform_thd, varlen_cudnn
+from .dynamo import context_parallel, document_mask, uniform_thd, varlen_cudnn
 from .experimental import cat_of_slices, gather_overlap, head_overlap, owner_grad_return, ring_grad_return
 from .joint import collective_cse, fa4_dense
 from .post_grad import ce_rotation, cudnn_frontend_backward, fused_a2a, head_split, narrow_rotation
@@ -32,6 +32,9 @@ from .record import related
 DETECTORS = (a2a, allgather, ring)  # Ulysses, K/V all-gather, ring (K/V rotated)
 
 PASSES = (
+    # DYNAMO, first: context parallelism the model does not write (only where a CP mesh is given):
+    # every attention call over this rank's tokens and every rank's keys, the layout as new inputs
+    context_parallel.PASS,
     # DYNAMO: SDPA under a document mask to packed attention (its own calls); packed calls:
     # equal lengths to dense SDPA, then any lengths to cuDNN's ragged SDPA (or FA4)
     document_mask.PASS,

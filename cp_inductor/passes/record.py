@@ -13,7 +13,14 @@ unit          ``why_not`` (a reason, or None: it applies)  ``apply``
                                                            strides kept?)]``
 ``CALL``      ``(call, cfg)``: a packed-sequence call       ``(gm, call)``
 ``GRAPH``     ``(graph, cfg)``: the whole graph             ``(graph, cfg)`` -> how many changes
+``INPUTS``    ``(gm, cfg)``: the graph Dynamo hands the     ``(gm, example_inputs, cfg)`` ->
+              backend                                      ``(gm, example_inputs, supply)``
 ============  ===========================================  ===================================
+
+An ``INPUTS`` pass gives a copy of the graph inputs the program does not pass (``supply(compiled)`` wraps the
+compiled function to hand them in on every call). It runs first and without the error fence the
+others have: it runs only where the user asked for what it does (context parallelism), and the
+program without it would compute another answer, so what it cannot do fails the compile.
 
 A region pass's relations to the others are declared in ``passes/pipeline.py`` alone
 (:func:`related`, checked when the pipeline loads, :func:`check_order`), so no pass module names
@@ -42,7 +49,7 @@ POST_GRAD = "post_grad_custom_pre_pass"  # forward, backward and inference graph
 POST_GRAD_POST = "post_grad_custom_post_pass"
 HOOKS = (JOINT, JOINT_POST, POST_GRAD, POST_GRAD_POST)  # Inductor's hook keys, in its order
 
-REGION, CALL, GRAPH = "region", "call", "graph"
+REGION, CALL, GRAPH, INPUTS = "region", "call", "graph", "inputs"
 
 DISABLED = "disabled by config"
 
@@ -187,6 +194,23 @@ def related(p: RegionPass, *, after=(), replaces=(), excludes=()) -> RegionPass:
 
     return replace(p, after=p.after + names(after), replaces=p.replaces + names(replaces),
                    excludes=p.excludes + names(excludes))
+
+
+class InputsWhyNot(Protocol):
+    def __call__(self, gm: torch.fx.GraphModule, cfg: Any, /) -> str | None: ...
+
+
+class InputsApply(Protocol):  # -> (its copy of gm, example_inputs, supply: compiled -> compiled)
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, cfg: Any, /) -> tuple[torch.fx.GraphModule, list, Callable]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputsPass(Pass):
+    """A pass on the graph Dynamo hands the backend that adds inputs to it (see the module docstring)."""
+
+    unit: ClassVar[str] = INPUTS
+    apply: InputsApply
+    why_not: InputsWhyNot = _applies
 
 
 def check_order(passes) -> None:

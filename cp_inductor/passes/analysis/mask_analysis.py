@@ -536,6 +536,18 @@ def _resets_of(doc_ids) -> torch.fx.Node | None:
     return _strip(_diff_of(summand.args[0]))
 
 
+def reset_leaf(facts: DocumentMask) -> torch.fx.Node | None:
+    """The Dynamo graph's input whose resets are ``facts``' documents (``ids = cumsum(diff(p) != 1)``,
+    HF's packed-sequence detection of ``p = position_ids``), or None."""
+    if facts.doc_ids is None or facts.traced is None:
+        return None
+    p = _resets_of(facts.doc_ids)
+    if not isinstance(p, torch.fx.Node) or p.op != "placeholder":
+        return None
+    placeholders = [n for n in facts.traced.graph.nodes if n.op == "placeholder"]
+    return facts.traced.leaves[placeholders.index(p)]
+
+
 def _axis_of(x) -> int | None:
     """The one query/key index ``x`` is a position of (the index itself, a ``Pos`` of it, a
     table read there), or None. The batch index may take part."""

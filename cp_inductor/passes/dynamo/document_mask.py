@@ -47,7 +47,7 @@ from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
 from ..record import DYNAMO, CallPass
-from . import varlen_calls
+from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 aten = torch.ops.aten
 
@@ -56,8 +56,6 @@ KEPT = "kept"
 PACKED = {"fa4": "fa4_varlen", "cudnn": "cudnn_ragged"}
 DENSE_CAUSAL = "sdpa_is_causal"
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _FLEX = torch.ops.higher_order.flex_attention
 
 
@@ -148,8 +146,8 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     shared: dict[object, dict] = {}
     for owner, node, body in _attention_nodes(gm):
         args = _flex_args(owner, node)
-        if args is None and node.op == "call_function" and node.target in _SDPA:
-            args = _sdpa_args(node)
+        if args is None and node.op == "call_function" and node.target in SDPA:
+            args = sdpa_args(node)
             if not isinstance(args.get("attn_mask"), torch.fx.Node):
                 continue
         if args is None:
@@ -289,7 +287,7 @@ def why_not(call: MaskedCall, cfg) -> str | None:
         if table is not None and table.meta["val"].dim() not in (1, 2):
             return f"a table of ids or positions of {table.meta['val'].dim()} dims"
     _checked(call, cfg)
-    k0 = value(_unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
+    k0 = value(unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
     candidates = {
         "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
         "cudnn": varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1]),
@@ -425,40 +423,6 @@ def _unread(node: torch.fx.Node) -> bool:
 def _above(node: torch.fx.Node) -> set:
     """``node`` and every node it reads, in its traced mask graph (a few dozen ops)."""
     return set(Walk([node], lambda n: n.all_input_nodes, limit=mask_graph.MAX_NODES))
-
-
-def _unrepeated(node, q_heads):
-    """``x`` where ``node`` is HF's K/V head repeat ``x[:, :, None].expand(B, Hkv, g, T, D)
-    .reshape(B, Hq, T, D)`` (or ``repeat_interleave(g, dim=1)``) read only by SDPA, else None."""
-    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
-        return None
-    kv_heads = [g for g in range(2, q_heads + 1) if q_heads % g == 0]
-    for groups in kv_heads:
-        x = varlen_calls.head_repeat(node, groups)
-        if x is not None:
-            return x
-    if not (node.op == "call_method" and node.target == "reshape") or len(node.args[0].users) != 1:
-        return None
-    expand = node.args[0]
-    if not (expand.op == "call_method" and expand.target == "expand") or len(expand.args[0].users) != 1:
-        return None
-    inserted = expand.args[0]
-    x = None
-    if inserted.op == "call_function" and inserted.target is operator.getitem:
-        index = inserted.args[1]
-        full = slice(None, None, None)
-        if isinstance(index, tuple) and 3 <= len(index) <= 5 and index[2] is None and all(i == full for i in index[:2] + index[3:]):
-            x = inserted.args[0]
-    elif inserted.op == "call_method" and inserted.target == "unsqueeze" and inserted.args[1] == 2:
-        x = inserted.args[0]
-    if x is None:
-        return None
-    xv, out = value(x), value(node)
-    if xv is None or xv.dim() != 4 or value(expand).shape[:2] != xv.shape[:2] or out.shape[1] != q_heads:
-        return None
-    if value(expand).shape[1] * value(expand).shape[2] != q_heads or tuple(out.shape[2:]) != tuple(xv.shape[2:]):
-        return None
-    return x
 
 
 def _copy_tables(gm: torch.fx.GraphModule, facts: mask_analysis.DocumentMask, tables, before: torch.fx.Node) -> list:
@@ -621,7 +585,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     a, g = call.args, call.graph  # the call's own graph: gm's, or a checkpointed body's
     assert call.facts is not None  # (why_not read the mask)
     q_heads = value(a["query"]).shape[1]
-    k, v = (_unrepeated(a[name], q_heads) for name in ("key", "value"))
+    k, v = (unrepeated(a[name], q_heads) for name in ("key", "value"))
     if k is None or v is None:
         k, v = a["key"], a["value"]
     scale = a.get("scale")
@@ -663,14 +627,14 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     modules = [x for x in (call.node.args[3], call.node.args[4][-1]) if isinstance(x, torch.fx.Node)] if a.get("flex") else []
     g.erase_node(call.node)
     for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if call.body is None and not a.get("flex") else None):
-        _erase_dead(g, dead)
+        erase_dead(g, dead)
     for module in modules:
         if not module.users:
             g.erase_node(module)
     if call.body is not None:  # the body no longer takes the mask; the outer graph no longer builds it
         for mask in body_masks:
             _drop_unread_input(call.body, mask)
-        _erase_dead(gm.graph, a["attn_mask"])
+        erase_dead(gm.graph, a["attn_mask"])
         call.body.gm.recompile()
 
 
@@ -678,7 +642,7 @@ def _mask_inputs(call: MaskedCall) -> list:
     """The inputs of the call's checkpointed region its mask came through: SDPA's mask, or flex's
     BlockMask tensors and mask_mod tables."""
     if not call.args.get("flex"):
-        return [_sdpa_args(call.node)["attn_mask"]]
+        return [sdpa_args(call.node)["attn_mask"]]
     block_mask = [x for x in call.node.args[4] if isinstance(x, torch.fx.Node) and x.op == "placeholder"]
     return list(dict.fromkeys([*call.args["mask_buffers"], *block_mask]))
 
@@ -705,11 +669,6 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     return ids, positions[0] if positions else None, cu, meta
 
 
-def _sdpa_args(node: torch.fx.Node) -> dict:
-    """An SDPA call's arguments by name."""
-    return {**dict(zip(_SDPA_ARGS, node.args)), **node.kwargs}
-
-
 def _capacity(call: MaskedCall) -> list:
     """The ops' trailing ``capacity`` argument, where there is one (goldens without it unchanged)."""
     return [call.capacity] if call.capacity else []
@@ -725,19 +684,6 @@ def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     for user in list(node.users):
         _erase_unread(graph, user)
     graph.erase_node(node)
-
-
-def _erase_dead(graph: torch.fx.Graph, node) -> None:
-    """``node`` and what only it read, where nothing reads them (placeholders stay)."""
-    stack, erased = [node], set()
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in erased or n.users or n.op in ("placeholder", "get_attr", "output"):
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        erased.add(n)
-        stack.extend(inputs)
 
 
 PASS = CallPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, finds=find)

@@ -1,0 +1,183 @@
+"""A training batch cut for context parallelism the model does not write.
+
+    compiled = torch.compile(model, backend="cp_inductor", options={"cp_inductor.context_parallel": mesh})
+    local = shard_batch(batch, mesh)       # every CP rank holds the same full batch
+    loss = compiled(**local).loss          # this rank's share of the loss (see below)
+
+Every per-token tensor of ``batch`` (shape ``[B, T, ...]``, ``T`` the sequence) is cut along the
+sequence: each row's documents (where its positions do not step by one: a packed row's position
+ids restart at 0; a row without ``position_ids`` is one document) are cut into ``2 * cp`` near-equal
+pieces and rank ``r`` keeps pieces ``r`` and ``2cp - 1 - r`` of every document, in the row's order:
+the causal work of every document splits evenly (head-tail per document; a plain row is head-tail).
+Any document lengths, no padding; every rank must end up with the same number of tokens per row,
+which holds where ``T`` is a multiple of ``2 * cp``.
+
+The result holds the rank's tokens and ``position_ids``: the tokens' positions in the full batch,
+as the model's rotary embedding needs them. Where ``batch`` has ``labels``, it also holds
+``shift_labels`` (the labels shifted by one over the FULL row, then cut: the last token of a piece
+predicts the next token of the row, which may sit on another rank) and ``num_items_in_batch``, the
+full batch's count of labelled tokens: HF transformers' loss divides this rank's summed loss by it,
+so the ranks' losses SUM to the single-device loss, and the parameter gradients summed over the CP
+ranks are the single-device gradients (``combine_losses`` and ``sum_gradients`` below).
+
+The layout (each local token's place in the full row, the documents of the full row) is kept for
+the compiled model beside the returned ``position_ids`` tensor: the backend's context-parallel pass
+hands it to the graph as inputs, so every step's batch may be packed differently without a
+recompile. A model called with ``position_ids`` not made here has no layout: the compiled CP
+program refuses it (it cannot know where the tokens sit).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .thd_allgather import plan_pack
+
+IGNORE_INDEX = -100  # HF transformers' label of a token that is not predicted
+
+
+@dataclass(frozen=True)
+class BatchShard:
+    """Where this rank's tokens sit in the full batch (tensors on the batch's device)."""
+
+    cp: int
+    rank: int
+    group_name: str
+    doc_ids: torch.Tensor  # [B, T] int64: each token's document in its row (the full batch)
+    query_positions: torch.Tensor  # [B, T_local] int64: the local tokens' places in their row
+    key_positions: torch.Tensor  # [B, cp * T_local] int64: every rank's local tokens' places, rank after rank
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the compiled CP program takes beside the model's own inputs."""
+        return self.doc_ids, self.query_positions, self.key_positions
+
+
+_SHARDS: dict[int, tuple[weakref.ref, BatchShard]] = {}
+
+
+def _remember(position_ids: torch.Tensor, shard: BatchShard) -> None:
+    key = id(position_ids)
+    _SHARDS[key] = (weakref.ref(position_ids), shard)
+    weakref.finalize(position_ids, _SHARDS.pop, key, None)
+
+
+def shard_of(position_ids) -> BatchShard | None:
+    """The layout :func:`shard_batch` made ``position_ids`` with (that very tensor), or None."""
+    entry = _SHARDS.get(id(position_ids)) if isinstance(position_ids, torch.Tensor) else None
+    if entry is None or entry[0]() is not position_ids:
+        return None
+    return entry[1]
+
+
+def group_of(mesh) -> dist.ProcessGroup:
+    """The CP process group of ``mesh``: a 1-d DeviceMesh, a ProcessGroup, or None (the world)."""
+    if mesh is None:
+        return dist.group.WORLD
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    if hasattr(mesh, "get_group"):
+        if mesh.ndim != 1:
+            raise ValueError(f"context parallelism takes a 1-d mesh (the CP dim), got {mesh.ndim} dims: pass mesh['cp']")
+        return mesh.get_group()
+    raise TypeError(f"expected a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document of each token: a new document where the positions do not step by one."""
+    starts = torch.ones_like(position_ids, dtype=torch.int64)
+    starts[:, 1:] = (position_ids[:, 1:] - position_ids[:, :-1] != 1).long()
+    return starts.cumsum(1) - 1
+
+
+def _row_places(doc_row: list[int], cp: int) -> list[list[int]]:
+    """Per rank, its places in one row (in row order): pieces r and 2cp-1-r of every document."""
+    lengths, run = [], 0
+    for i, d in enumerate(doc_row):
+        run += 1
+        if i + 1 == len(doc_row) or doc_row[i + 1] != d:
+            lengths.append(run)
+            run = 0
+    places: list[list[int]] = [[] for _ in range(cp)]
+    for piece in plan_pack(lengths, cp, "document"):
+        places[piece.rank].extend(range(piece.start, piece.end))
+    return places
+
+
+def plan_places(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """``[cp, B, T // cp]`` int64: each rank's places in each row. Raises ValueError where the
+    ranks would hold different numbers of tokens of a row."""
+    rows = [_row_places(row, cp) for row in doc_ids.tolist()]
+    counts = {len(places) for row in rows for places in row}
+    if len(counts) != 1:
+        raise ValueError(
+            f"the sequence ({doc_ids.shape[1]} tokens) does not split evenly over {cp} ranks by document "
+            f"(ranks would hold {sorted(counts)} tokens); use a length that is a multiple of 2 * cp = {2 * cp}")
+    return torch.tensor(rows, dtype=torch.int64).transpose(0, 1).contiguous()
+
+
+def _per_token(value, batch_size: int, tokens: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch_size, tokens)
+
+
+def shard_batch(batch: dict, mesh=None) -> dict:
+    """This rank's share of ``batch`` (a dict of model inputs; see the module docstring)."""
+    group = group_of(mesh)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    tokens_key = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
+    if batch.get(tokens_key) is None:
+        raise ValueError("shard_batch needs input_ids or inputs_embeds")
+    size, tokens = batch[tokens_key].shape[:2]
+    device = batch[tokens_key].device
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("shard_batch takes no padding (an attention_mask with zeros): pack the documents instead")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(tokens, device=device).expand(size, tokens)
+    positions = positions.expand(size, tokens).long()
+    doc_ids = document_ids(positions.cpu())
+    places = plan_places(doc_ids, cp).to(device)
+    mine = places[rank]
+    out = {}
+    full = dict(batch)
+    full["position_ids"] = positions
+    labels = batch.get("labels")
+    if labels is not None and batch.get("shift_labels") is None:
+        full["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((size, 1), IGNORE_INDEX)], dim=1)
+    if labels is not None and batch.get("num_items_in_batch") is None:
+        out["num_items_in_batch"] = (full["shift_labels"] != IGNORE_INDEX).sum()
+    for key, value in full.items():
+        if key == "attention_mask":
+            continue  # all ones: the documents, not a padding mask, say what attends to what
+        if _per_token(value, size, tokens):
+            index = mine.view(size, -1, *([1] * (value.dim() - 2))).expand(size, -1, *value.shape[2:])
+            out[key] = value.gather(1, index.to(value.device))
+        else:
+            out[key] = value
+    shard = BatchShard(cp=cp, rank=rank, group_name=group.group_name, doc_ids=doc_ids.to(device),
+                       query_positions=mine.clone(), key_positions=places.transpose(0, 1).reshape(size, -1).contiguous())
+    out["position_ids"] = out["position_ids"].clone()  # a tensor of its own: the layout is kept beside it
+    _remember(out["position_ids"], shard)
+    return out
+
+
+def combine_losses(loss: torch.Tensor, mesh=None) -> torch.Tensor:
+    """The single-device loss from each rank's share (their sum: each share is already divided by
+    the full batch's count, ``num_items_in_batch``); for logging, not differentiated."""
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group_of(mesh))
+    return loss
+
+
+def sum_gradients(module: torch.nn.Module, mesh=None) -> None:
+    """After each rank's ``loss.backward()``: every parameter's gradient summed over the CP ranks,
+    the single-device gradient (a data-parallel wrapper whose group spans the CP ranks too, as
+    torchtitan's FSDP mesh does, makes this sum itself)."""
+    group = group_of(mesh)
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)

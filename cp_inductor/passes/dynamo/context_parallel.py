@@ -1,0 +1,230 @@
+"""Context parallelism the program does not write: each self-attention call of a single-device
+model becomes attention of this rank's tokens over the whole sequence.
+
+With ``options={"cp_inductor.context_parallel": mesh}`` the model runs on this rank's share of the
+batch (``cp_inductor.parallel.shard_batch``: head-tail per document), so every op but attention
+computes what it computes on the full batch. Each attention call then reads the keys and values of
+every rank (K/V all-gather, GQA as is) and the layout ``shard_batch`` kept: the documents of the full
+rows and each token's place in its row, added as graph inputs and handed in on every call::
+
+    mask = (ids[b, kv] == ids[b, q]) & (kv <= q)        # ids = cumsum(diff(position_ids) != 1), HF's
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)          # or is_causal=True, no mask
+    ->
+    k_all, v_all = all_gather_tensor_autograd(k, 2, cp), all_gather_tensor_autograd(v, 2, cp)
+    plan, meta = cp_inductor.document_shard_plan(doc_ids, query_positions, key_positions, False, True, B, T_local, cp * T_local)
+    out = cp_inductor.document_shard_attention(q, k_all, v_all, plan, meta, doc_ids, query_positions, key_positions, scale, True)[0]
+
+(``doc_ids``, ``query_positions``, ``key_positions``: the new inputs; one document per row where
+the model's call is causal or bidirectional without a mask; the plan made once per kind of
+call.) The attention op is the document-mask lowering of torch's flex CP: FA4 varlen over each
+query segment's document prefix, reading the gathered keys in place, where it runs.
+
+What it proves per call, else the compile fails naming the call (computing this rank's tokens
+alone would change the answer): SDPA (flex attention and varlen calls are not taken yet), no
+dropout, query and key length this rank's token count, and a mask that is none, causal, or "same
+document and causal" over the documents of the position ids ``shard_batch`` made (HF's packed
+detection), read by ``analysis/mask_analysis``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx
+
+from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
+from ...parallel.batch import BatchShard, shard_of
+from ...reporting import VarlenRoute, record_varlen
+from ..analysis import mask_analysis
+from ..analysis.op_schema import value
+from ..record import DYNAMO, InputsPass
+from .sdpa_calls import SDPA, erase_dead, sdpa_args
+
+NAME = "context_parallel"
+_FLEX = torch.ops.higher_order.flex_attention
+INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
+DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
+
+
+class ContextParallelError(RuntimeError):
+    """The program cannot be made context-parallel as it is written (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """What one attention call computes over the full rows."""
+
+    documents: str  # DOCUMENTS (the position ids' resets) or ONE_DOCUMENT
+    causal: bool
+
+    def describe(self) -> str:
+        return f"{self.documents}, {'causal' if self.causal else 'bidirectional'}"
+
+
+def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in SDPA or n.target is _FLEX)]
+
+
+def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
+    if not cfg.context_parallel:
+        return "no CP group given (options={'cp_inductor.context_parallel': mesh})"
+    return None if _attention_calls(gm) else "no attention call"
+
+
+def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node, BatchShard]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        shard = shard_of(example)
+        if shard is not None:
+            return i, node, shard
+    raise ContextParallelError(
+        "context_parallel: no input of this graph is position_ids made by cp_inductor.parallel.shard_batch; "
+        "call the compiled model with the batch shard_batch returns (its position_ids say where each token sits)")
+
+
+def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node) -> Semantics:
+    mask = args.get("attn_mask")
+    if mask is None:
+        return Semantics(ONE_DOCUMENT, bool(args.get("is_causal")))
+    if not isinstance(mask, torch.fx.Node):
+        raise ContextParallelError(f"context_parallel: attention {node.name} takes a mask that is not a tensor of the graph")
+    try:
+        facts = mask_analysis.analyze(mask)
+    except mask_analysis.NotAMask as e:
+        raise ContextParallelError(f"context_parallel: attention {node.name}'s mask is not one it can shard: {e}") from None
+    if facts.mapped or facts.bound or facts.window >= 0 or facts.positions is not None:
+        raise ContextParallelError(
+            f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is not taken yet "
+            "(documents from position ids, causal or not, are)")
+    if facts.doc_ids is None:
+        return Semantics(ONE_DOCUMENT, facts.causal)
+    if mask_analysis.reset_leaf(facts) is not positions:
+        raise ContextParallelError(
+            f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
+            f"position ids shard_batch made ({positions.name}): their places in the full rows are not known")
+    return Semantics(DOCUMENTS, facts.causal)
+
+
+def _check_call(node: torch.fx.Node, shard: BatchShard) -> dict:
+    if node.target is _FLEX:
+        raise ContextParallelError(f"context_parallel: flex_attention ({node.name}) is not taken yet; use SDPA")
+    args = sdpa_args(node)
+    if args.get("dropout_p") not in (None, 0, 0.0):
+        raise ContextParallelError(f"context_parallel: attention {node.name} has dropout")
+    q, k = value(args["query"]), value(args["key"])
+    local = shard.query_positions.shape[1]
+    if q is None or k is None or q.dim() != 4 or q.shape[2] != local or k.shape[2] != local:
+        shapes = [tuple(t.shape) if t is not None else None for t in (q, k)]
+        raise ContextParallelError(
+            f"context_parallel: attention {node.name} is not self-attention over this rank's {local} tokens "
+            f"(query, key shapes {shapes}): cross attention or another sequence is not taken")
+    return args
+
+
+def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard) -> list[torch.fx.Node]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = torch._guards.detect_fake_mode([value(n) for n in placeholders if value(n) is not None])
+    added = []
+    with gm.graph.inserting_after(placeholders[-1]):
+        for name, tensor in reversed(list(zip(INPUT_NAMES, shard.inputs()))):
+            node = gm.graph.placeholder(name)
+            node.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+            node._dynamo_source = None  # type: ignore[attr-defined]  # no user variable (AOTAutograd asks)
+            added.insert(0, node)
+    return added
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantics: Semantics, inputs, plans: dict,
+             group_name: str, cp: int) -> None:
+    g = gm.graph
+    doc_ids, query_positions, key_positions = inputs
+    q = args["query"]
+    scale = args.get("scale")
+    scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
+    with g.inserting_before(node):
+        k_all, v_all = (g.call_function(funcol.all_gather_tensor_autograd,
+                                        (g.call_method("contiguous", (args[name],)), 2, group_name))
+                        for name in ("key", "value"))
+        if semantics not in plans:
+            ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
+            sizes = [g.call_function(torch.ops.aten.sym_size.int, (q, d)) for d in (0, 2)]
+            keys = g.call_function(operator.mul, (sizes[1], cp))
+            plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
+                                   (ids, query_positions, key_positions, False, semantics.causal, sizes[0], sizes[1], keys))
+            parts = g.call_function(operator.getitem, (plan, 0))
+            plans[semantics] = (ids, [g.call_function(operator.getitem, (parts, i)) for i in range(7)],
+                                g.call_function(operator.getitem, (plan, 1)))
+        ids, parts, meta = plans[semantics]
+        attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
+                                    (q, k_all, v_all, parts, meta, ids, query_positions, key_positions, scale,
+                                     semantics.causal))
+        out = g.call_function(operator.getitem, (attention, 0))
+    out.meta["example_value"] = value(node)
+    node.replace_all_uses_with(out)
+    mask = args.get("attn_mask")
+    g.erase_node(node)
+    erase_dead(g, mask)
+
+
+def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` on a graph of its own: Dynamo reads its graph's placeholders after the backend
+    returns (one per input it passes), so the inputs we add must not reach it."""
+    graph = torch.fx.Graph()
+    nodes: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, nodes))
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    for name in ("_param_name_to_source",):  # what AOTAutograd reads of a Dynamo graph module
+        if hasattr(gm, name):
+            setattr(copy, name, getattr(gm, name))
+    return copy
+
+
+def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, object]:
+    gm = _own_copy(gm)
+    calls = _attention_calls(gm)
+    index, positions, shard = _layout_input(gm, example_inputs)
+    if shard.group_name != cfg.context_parallel:
+        raise ContextParallelError(
+            f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
+            f"{cfg.context_parallel!r}")
+    checked = [(node, _check_call(node, shard)) for node in calls]
+    semantics = [(node, args, _semantics(node, args, positions)) for node, args in checked]
+    inputs = _add_inputs(gm, shard)
+    plans: dict = {}
+    for node, args, meaning in semantics:
+        name = node.name
+        _rewrite(gm, node, args, meaning, inputs, plans, shard.group_name, shard.cp)
+        record_varlen(VarlenRoute(
+            attention=name, style="allgather", lengths="proven", layout="cp", path="document_shard",
+            detail=f"cp={shard.cp}, K/V all-gathered, {meaning.describe()}, queries of this rank's "
+                   "head-tail pieces over every key (FA4 varlen per document segment where it runs)"))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
+
+
+def _supplier(index: int, group_name: str):
+    """``compiled`` wrapped to hand in, after the program's inputs, the layout of the batch whose
+    ``position_ids`` is input ``index``."""
+    def supply(compiled):
+        def with_layout(*args):
+            shard = shard_of(args[index])
+            if shard is None or shard.group_name != group_name:
+                raise ContextParallelError(
+                    "context_parallel: this call's position_ids were not made by cp_inductor.parallel.shard_batch "
+                    f"over group {group_name!r}: the compiled program cannot know where its tokens sit")
+            return compiled(*args, *shard.inputs())
+
+        return with_layout
+
+    return supply
+
+
+PASS = InputsPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, switched=False)

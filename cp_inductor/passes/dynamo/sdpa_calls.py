@@ -1,0 +1,68 @@
+"""SDPA calls of the graph Dynamo hands the backend: their arguments, the K/V head repeat HF puts
+before them, and the nodes a rewritten call leaves unread. Shared by the passes that replace such
+calls."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from ..analysis.op_schema import value
+from . import varlen_calls
+
+SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_args(node: torch.fx.Node) -> dict:
+    """An SDPA call's arguments by name."""
+    return {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
+
+
+def unrepeated(node, q_heads):
+    """``x`` where ``node`` is HF's K/V head repeat ``x[:, :, None].expand(B, Hkv, g, T, D)
+    .reshape(B, Hq, T, D)`` (or ``repeat_interleave(g, dim=1)``) read only by SDPA, else None."""
+    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+        return None
+    kv_heads = [g for g in range(2, q_heads + 1) if q_heads % g == 0]
+    for groups in kv_heads:
+        x = varlen_calls.head_repeat(node, groups)
+        if x is not None:
+            return x
+    if not (node.op == "call_method" and node.target == "reshape") or len(node.args[0].users) != 1:
+        return None
+    expand = node.args[0]
+    if not (expand.op == "call_method" and expand.target == "expand") or len(expand.args[0].users) != 1:
+        return None
+    inserted = expand.args[0]
+    x = None
+    if inserted.op == "call_function" and inserted.target is operator.getitem:
+        index = inserted.args[1]
+        full = slice(None, None, None)
+        if isinstance(index, tuple) and 3 <= len(index) <= 5 and index[2] is None and all(i == full for i in index[:2] + index[3:]):
+            x = inserted.args[0]
+    elif inserted.op == "call_method" and inserted.target == "unsqueeze" and inserted.args[1] == 2:
+        x = inserted.args[0]
+    if x is None:
+        return None
+    xv, out = value(x), value(node)
+    if xv is None or xv.dim() != 4 or value(expand).shape[:2] != xv.shape[:2] or out.shape[1] != q_heads:
+        return None
+    if value(expand).shape[1] * value(expand).shape[2] != q_heads or tuple(out.shape[2:]) != tuple(xv.shape[2:]):
+        return None
+    return x
+
+
+def erase_dead(graph: torch.fx.Graph, node) -> None:
+    """``node`` and what only it read, where nothing reads them (placeholders stay)."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in erased or n.users or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)

@@ -1,0 +1,126 @@
+"""Single-device models for context parallelism the backend inserts (``passes/dynamo/context_parallel``):
+a small decoder of our own, its training step on one CP rank, and the single-device reference.
+
+``mask`` says how the decoder spells its attention: ``"causal"`` (SDPA ``is_causal=True``: causal
+over the whole row, across documents), ``"documents"`` (a boolean mask of same document and causal,
+documents from the position ids' resets as HF transformers finds them), ``"bidirectional"`` (no
+mask, not causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.batch import IGNORE_INDEX
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, H, D]`` rotated by ``positions [B, T]`` (half-split rotary embedding)."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
+    angle = positions.float()[..., None, None] * freq
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` same document and causal, documents where the positions do not step by one."""
+    first = position_ids[:, :1] - 1
+    ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    tokens = position_ids.shape[1]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=position_ids.device).tril()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, mask: str):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.mask = heads, kv_heads, dim // heads, mask
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
+
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        x = self.norm1(h)
+        q = self.wq(x).view(b, t, self.heads, self.head_dim)
+        k, v = self.wkv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
+        q, k = rotary(q, position_ids), rotary(k, position_ids)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        if self.mask == "documents":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids), enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.mask == "causal", enable_gqa=True)
+        h = h + self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return h + self.mlp(self.norm2(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, head; returns the loss HF transformers' way: the summed token losses
+    over ``num_items_in_batch`` (the mean where it is not given)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                 mask: str = "causal"):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, mask) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h, position_ids)
+        logits = self.head(self.norm(h)).float()
+        if shift_labels is None:
+            shift_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+        loss = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != IGNORE_INDEX).sum()
+        return loss / count
+
+
+def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int = 0) -> dict:
+    """``rows`` rows of documents of ``lengths`` back to back (positions restart at 0), labels the
+    tokens themselves (the first token of each document not predicted)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    input_ids = torch.randint(0, vocab, (rows, tokens), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).expand(rows, tokens).contiguous()
+    labels = input_ids.clone()
+    labels[position_ids == 0] = IGNORE_INDEX
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
+    """The single-device loss and every parameter's gradient on the full batch."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None) -> dict:
+    """One training step of ``make_model()`` on this rank's share, compiled with the CP group:
+    the loss and gradients combined over the ranks, and the report's lines."""
+    import torch.distributed as dist
+
+    import cp_inductor
+    from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
+
+    torch.manual_seed(0)
+    model = make_model()
+    group = dist.group.WORLD
+    compiled = torch.compile(model, backend="cp_inductor",
+                             options={"cp_inductor.context_parallel": group, **(options or {})})
+    local = shard_batch(batch, group)
+    loss = compiled(**local)
+    loss.backward()
+    sum_gradients(model, group)
+    return {"loss": combine_losses(loss, group).item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "lines": [r.line() for r in cp_inductor.report().varlen]}
