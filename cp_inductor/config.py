@@ -70,6 +70,10 @@ uniform_thd: str = "proven"
 # DeviceMesh or a ProcessGroup); the batch comes from cp_inductor.parallel.shard_batch over the same
 # mesh, and every self-attention call attends over every rank's tokens (docs/passes/context_parallel.md).
 context_parallel: str = ""
+# ... how each attention call goes over the ranks: "allgather" (K/V all-gathered: any heads, GQA as
+# is) or "ulysses" (all-to-all of heads: query and key/value heads divisible by cp; a call where they
+# are not goes to the all-gather, the report says why).
+context_parallel_style: str = "allgather"
 
 # Which kernel runs each attention call the backend lowers (packed calls, equal-length packs'
 # dense call, the dense calls of CP regions): "auto" (the fastest in the measured cost map,

@@ -17,6 +17,7 @@ REPORTED = {
     "ring": [r"^forward\s+ring\s+2\s", r"^backward\s+ring\s+2\s"],
     "ulysses": [r"^forward\s+a2a\s+2\s", r"^backward\s+a2a\s+2\s"],
     "packed_allgather": [r"decomposed into matmul and softmax before our passes"],
+    "auto_cp": [r"context-parallel attention \w+: allgather, cp=2, documents, causal, K/V all-gathered"],
 }
 
 

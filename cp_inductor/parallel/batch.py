@@ -21,10 +21,10 @@ so the ranks' losses SUM to the single-device loss, and the parameter gradients 
 ranks are the single-device gradients (``combine_losses`` and ``sum_gradients`` below).
 
 The layout (each local token's place in the full row, the documents of the full row) is kept for
-the compiled model beside the returned ``position_ids`` tensor: the backend's context-parallel pass
-hands it to the graph as inputs, so every step's batch may be packed differently without a
-recompile. A model called with ``position_ids`` not made here has no layout: the compiled CP
-program refuses it (it cannot know where the tokens sit).
+the compiled model beside each per-token tensor returned: the backend's context-parallel pass
+finds it through whichever of them the model reads and hands it to the graph as inputs, so every
+step's batch may be packed differently without a recompile. A model called with tensors not made
+here has no layout: the compiled CP program refuses it (it cannot know where the tokens sit).
 """
 
 from __future__ import annotations
@@ -56,21 +56,30 @@ class BatchShard:
         return self.doc_ids, self.query_positions, self.key_positions
 
 
-_SHARDS: dict[int, tuple[weakref.ref, BatchShard]] = {}
+_SHARDS: dict[int, tuple[weakref.ref, BatchShard, str]] = {}
 
 
-def _remember(position_ids: torch.Tensor, shard: BatchShard) -> None:
-    key = id(position_ids)
-    _SHARDS[key] = (weakref.ref(position_ids), shard)
-    weakref.finalize(position_ids, _SHARDS.pop, key, None)
+def _remember(tensor: torch.Tensor, shard: BatchShard, key: str) -> None:
+    at = id(tensor)
+    _SHARDS[at] = (weakref.ref(tensor), shard, key)
+    weakref.finalize(tensor, _SHARDS.pop, at, None)
 
 
-def shard_of(position_ids) -> BatchShard | None:
-    """The layout :func:`shard_batch` made ``position_ids`` with (that very tensor), or None."""
-    entry = _SHARDS.get(id(position_ids)) if isinstance(position_ids, torch.Tensor) else None
-    if entry is None or entry[0]() is not position_ids:
-        return None
-    return entry[1]
+def _entry(tensor):
+    entry = _SHARDS.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+    return entry if entry is not None and entry[0]() is tensor else None
+
+
+def shard_of(tensor) -> BatchShard | None:
+    """The layout :func:`shard_batch` cut ``tensor`` (that very tensor) with, or None."""
+    entry = _entry(tensor)
+    return entry[1] if entry is not None else None
+
+
+def key_of(tensor) -> str | None:
+    """Which entry of the batch :func:`shard_batch` returned ``tensor`` as, or None."""
+    entry = _entry(tensor)
+    return entry[2] if entry is not None else None
 
 
 def group_of(mesh) -> dist.ProcessGroup:
@@ -160,8 +169,9 @@ def shard_batch(batch: dict, mesh=None) -> dict:
             out[key] = value
     shard = BatchShard(cp=cp, rank=rank, group_name=group.group_name, doc_ids=doc_ids.to(device),
                        query_positions=mine.clone(), key_positions=places.transpose(0, 1).reshape(size, -1).contiguous())
-    out["position_ids"] = out["position_ids"].clone()  # a tensor of its own: the layout is kept beside it
-    _remember(out["position_ids"], shard)
+    for key, value in out.items():  # each a tensor of its own (a gather): the layout is kept beside it
+        if key in full and _per_token(full[key], size, tokens):
+            _remember(value, shard, key)
     return out
 
 

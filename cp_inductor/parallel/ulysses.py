@@ -30,7 +30,7 @@ def _seq_dim(layout: str) -> int:
     return 1 if layout == "bshd" else 2
 
 
-def _scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
+def scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
     """Sequence-sharded ``x`` -> all heads' full sequence for this rank's head block, BHSD."""
     if layout == "bshd":
         b, s_l, h, d = x.shape
@@ -45,7 +45,7 @@ def _scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
 
 
-def _gather_heads(out: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
+def gather_heads(out: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
     """BHSD output for this rank's head block -> sequence-sharded output in ``layout``."""
     b, h_l, s, d = out.shape
     s_l = s // cp
@@ -81,10 +81,10 @@ def ulysses_attention(
     hq, hkv = q.shape[h_dim], k.shape[h_dim]
     if hq % cp or hkv % cp:
         raise ValueError(f"Ulysses needs heads divisible by cp={cp}: Hq={hq}, Hkv={hkv}")
-    qh = _scatter_heads(q, layout, cp, group)
-    kh = _scatter_heads(k, layout, cp, group)
-    vh = _scatter_heads(v, layout, cp, group)
+    qh = scatter_heads(q, layout, cp, group)
+    kh = scatter_heads(k, layout, cp, group)
+    vh = scatter_heads(v, layout, cp, group)
     out = F.scaled_dot_product_attention(
         qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=gqa(hq, hkv)
     )
-    return _gather_heads(out, layout, cp, group)
+    return gather_heads(out, layout, cp, group)

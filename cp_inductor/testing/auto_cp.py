@@ -72,7 +72,9 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None):
+    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         h = self.embed(input_ids)
         for block in self.blocks:
             h = block(h, position_ids)
@@ -82,6 +84,12 @@ class Decoder(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != IGNORE_INDEX).sum()
         return loss / count
+
+
+def decoder(mask: str = "causal", kv_heads: int = 2) -> Decoder:
+    """A :class:`Decoder` with seed-0 weights."""
+    torch.manual_seed(0)
+    return Decoder(mask=mask, kv_heads=kv_heads)
 
 
 def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int = 0) -> dict:
@@ -96,12 +104,31 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
+def hf_llama(attn: str = "sdpa", kv_heads: int = 2) -> nn.Module:
+    """A tiny HF transformers ``LlamaForCausalLM`` (random weights, seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, head_dim=8, attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _loss(out) -> torch.Tensor:
+    return out.loss if hasattr(out, "loss") else out  # an HF model's output, or the loss itself
+
+
 def reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
     """The single-device loss and every parameter's gradient on the full batch."""
     model.zero_grad(set_to_none=True)
-    loss = model(**batch)
+    loss = _loss(model(**batch))
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def cp_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`cp_step` for each ``(make_model, batch[, options])`` of ``cases``, in one process per rank."""
+    return [cp_step(rank, cp, *case) for case in cases]
 
 
 def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None) -> dict:
@@ -112,13 +139,14 @@ def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = 
     import cp_inductor
     from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
 
-    torch.manual_seed(0)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
     model = make_model()
     group = dist.group.WORLD
     compiled = torch.compile(model, backend="cp_inductor",
                              options={"cp_inductor.context_parallel": group, **(options or {})})
     local = shard_batch(batch, group)
-    loss = compiled(**local)
+    loss = _loss(compiled(**local))
     loss.backward()
     sum_gradients(model, group)
     return {"loss": combine_losses(loss, group).item(),

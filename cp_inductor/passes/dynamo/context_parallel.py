@@ -36,7 +36,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
-from ...parallel.batch import BatchShard, shard_of
+from ...parallel.batch import BatchShard, key_of, shard_of
+from ...parallel.ulysses import gather_heads, scatter_heads
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import mask_analysis
 from ..analysis.op_schema import value
@@ -47,6 +48,12 @@ NAME = "context_parallel"
 _FLEX = torch.ops.higher_order.flex_attention
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
+ALLGATHER, ULYSSES = "allgather", "ulysses"
+STYLES = (ALLGATHER, ULYSSES)
+DETAIL = {
+    ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
+    ULYSSES: "all-to-all of heads, every token of this rank's heads",
+}
 
 
 class ContextParallelError(RuntimeError):
@@ -74,18 +81,23 @@ def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
     return None if _attention_calls(gm) else "no attention call"
 
 
-def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node, BatchShard]:
+def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node | None, BatchShard]:
+    """(the index of the first input shard_batch made, the position_ids input if the graph reads
+    it, the layout)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
-        shard = shard_of(example)
-        if shard is not None:
-            return i, node, shard
-    raise ContextParallelError(
-        "context_parallel: no input of this graph is position_ids made by cp_inductor.parallel.shard_batch; "
-        "call the compiled model with the batch shard_batch returns (its position_ids say where each token sits)")
+    found = [(i, node, shard_of(x), key_of(x)) for i, (node, x) in enumerate(zip(placeholders, example_inputs))
+             if shard_of(x) is not None]
+    if not found:
+        raise ContextParallelError(
+            "context_parallel: no input of this graph was made by cp_inductor.parallel.shard_batch; call the "
+            "compiled model with the batch shard_batch returns (it says where each token sits)")
+    if len({id(shard) for _, _, shard, _ in found}) > 1:
+        raise ContextParallelError("context_parallel: the inputs come from more than one shard_batch call")
+    positions = next((node for _, node, _, key in found if key == "position_ids"), None)
+    return found[0][0], positions, found[0][2]
 
 
-def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node) -> Semantics:
+def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node | None) -> Semantics:
     mask = args.get("attn_mask")
     if mask is None:
         return Semantics(ONE_DOCUMENT, bool(args.get("is_causal")))
@@ -101,10 +113,10 @@ def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node) -> Sem
             "(documents from position ids, causal or not, are)")
     if facts.doc_ids is None:
         return Semantics(ONE_DOCUMENT, facts.causal)
-    if mask_analysis.reset_leaf(facts) is not positions:
+    if positions is None or mask_analysis.reset_leaf(facts) is not positions:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
-            f"position ids shard_batch made ({positions.name}): their places in the full rows are not known")
+            "position ids shard_batch made: their places in the full rows are not known")
     return Semantics(DOCUMENTS, facts.causal)
 
 
@@ -137,31 +149,55 @@ def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard) -> list[torch.fx.No
     return added
 
 
-def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantics: Semantics, inputs, plans: dict,
-             group_name: str, cp: int) -> None:
+def style_of(args: dict, cp: int, cfg) -> tuple[str, str]:
+    """(the style this call goes over the ranks by, why)."""
+    if cfg.context_parallel_style not in STYLES:
+        raise ContextParallelError(f"context_parallel_style={cfg.context_parallel_style!r}: expected one of {STYLES}")
+    if cfg.context_parallel_style == ULYSSES:
+        hq, hkv = value(args["query"]).shape[1], value(args["key"]).shape[1]
+        if hq % cp or hkv % cp:
+            return ALLGATHER, f"ulysses needs heads divisible by cp={cp} (query {hq}, key/value {hkv})"
+        return ULYSSES, "set by config"
+    return ALLGATHER, "set by config"
+
+
+def _plan(g: torch.fx.Graph, plans: dict, key, semantics: Semantics, doc_ids, query_positions, key_positions, q,
+          keys_per_query: int):
+    """The shard plan of ``key`` (made once per graph): (ids, plan tensors, meta)."""
+    if key not in plans:
+        ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
+        sizes = [g.call_function(torch.ops.aten.sym_size.int, (q, d)) for d in (0, 2)]
+        keys = g.call_function(operator.mul, (sizes[1], keys_per_query)) if keys_per_query != 1 else sizes[1]
+        plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
+                               (ids, query_positions, key_positions, False, semantics.causal, sizes[0], sizes[1], keys))
+        parts = g.call_function(operator.getitem, (plan, 0))
+        plans[key] = (ids, [g.call_function(operator.getitem, (parts, i)) for i in range(7)],
+                      g.call_function(operator.getitem, (plan, 1)))
+    return plans[key]
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, inputs,
+             plans: dict, group_name: str, cp: int) -> None:
     g = gm.graph
     doc_ids, query_positions, key_positions = inputs
     q = args["query"]
     scale = args.get("scale")
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
     with g.inserting_before(node):
-        k_all, v_all = (g.call_function(funcol.all_gather_tensor_autograd,
-                                        (g.call_method("contiguous", (args[name],)), 2, group_name))
-                        for name in ("key", "value"))
-        if semantics not in plans:
-            ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
-            sizes = [g.call_function(torch.ops.aten.sym_size.int, (q, d)) for d in (0, 2)]
-            keys = g.call_function(operator.mul, (sizes[1], cp))
-            plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
-                                   (ids, query_positions, key_positions, False, semantics.causal, sizes[0], sizes[1], keys))
-            parts = g.call_function(operator.getitem, (plan, 0))
-            plans[semantics] = (ids, [g.call_function(operator.getitem, (parts, i)) for i in range(7)],
-                                g.call_function(operator.getitem, (plan, 1)))
-        ids, parts, meta = plans[semantics]
+        if style == ULYSSES:  # every rank's tokens (rank after rank: at key_positions) of this rank's heads
+            q, k, v = (g.call_function(scatter_heads, (args[name], "bhsd", cp, group_name)) for name in ("query", "key", "value"))
+            ids, parts, meta = _plan(g, plans, (style, semantics), semantics, doc_ids, key_positions, key_positions, q, 1)
+            positions = (key_positions, key_positions)
+        else:
+            k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
+                    for name in ("key", "value"))
+            ids, parts, meta = _plan(g, plans, (style, semantics), semantics, doc_ids, query_positions, key_positions, q, cp)
+            positions = (query_positions, key_positions)
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (q, k_all, v_all, parts, meta, ids, query_positions, key_positions, scale,
-                                     semantics.causal))
+                                    (q, k, v, parts, meta, ids, *positions, scale, semantics.causal))
         out = g.call_function(operator.getitem, (attention, 0))
+        if style == ULYSSES:
+            out = g.call_function(gather_heads, (out, "bhsd", cp, group_name))
     out.meta["example_value"] = value(node)
     node.replace_all_uses_with(out)
     mask = args.get("attn_mask")
@@ -200,11 +236,11 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     plans: dict = {}
     for node, args, meaning in semantics:
         name = node.name
-        _rewrite(gm, node, args, meaning, inputs, plans, shard.group_name, shard.cp)
+        style, why = style_of(args, shard.cp, cfg)
+        _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp)
         record_varlen(VarlenRoute(
-            attention=name, style="allgather", lengths="proven", layout="cp", path="document_shard",
-            detail=f"cp={shard.cp}, K/V all-gathered, {meaning.describe()}, queries of this rank's "
-                   "head-tail pieces over every key (FA4 varlen per document segment where it runs)"))
+            attention=name, style=style, lengths="proven", layout="cp", path="document_shard", reason=why,
+            detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment where it runs)"))
     gm.graph.lint()
     gm.recompile()
     return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
@@ -218,8 +254,8 @@ def _supplier(index: int, group_name: str):
             shard = shard_of(args[index])
             if shard is None or shard.group_name != group_name:
                 raise ContextParallelError(
-                    "context_parallel: this call's position_ids were not made by cp_inductor.parallel.shard_batch "
-                    f"over group {group_name!r}: the compiled program cannot know where its tokens sit")
+                    "context_parallel: this call's batch was not made by cp_inductor.parallel.shard_batch over "
+                    f"group {group_name!r}: the compiled program cannot know where its tokens sit")
             return compiled(*args, *shard.inputs())
 
         return with_layout

@@ -1,0 +1,268 @@
+"""Context parallelism the model does not write (passes/dynamo/context_parallel.py,
+parallel/batch.py): the layout shard_batch makes, the rewrite of each attention call, the calls
+it refuses, and training numerics against the single-device model on gloo."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from expecttest import TestCase
+from helpers import fake_pg
+
+from cp_inductor.config_snapshot import snapshot
+from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch, shard_of
+from cp_inductor.passes import engine
+from cp_inductor.testing import auto_cp
+from cp_inductor.testing.launch import run_on_ranks
+
+POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])  # documents of 6, 8, 2 tokens
+
+
+class TestLayout(TestCase):
+    def test_head_tail_per_document(self):
+        """Each document cut in 2cp pieces, rank r keeps pieces r and 2cp-1-r; leftover tokens go to
+        pieces in turn over the row, so both ranks hold 8 of the 16 tokens."""
+        places = plan_places(document_ids(POSITIONS), 2)
+        self.assertExpectedInline(str(places.tolist()), """[[[0, 1, 5, 6, 7, 12, 13, 15]], [[2, 3, 4, 8, 9, 10, 11, 14]]]""")
+
+    def test_plain_row_is_head_tail(self):
+        places = plan_places(document_ids(torch.arange(16)[None]), 2)
+        self.assertExpectedInline(str(places.tolist()), """[[[0, 1, 2, 3, 12, 13, 14, 15]], [[4, 5, 6, 7, 8, 9, 10, 11]]]""")
+
+    def test_uneven_split_is_refused(self):
+        with pytest.raises(ValueError, match="multiple of 2 \\* cp = 4"):
+            plan_places(document_ids(torch.arange(15)[None]), 2)
+
+    def test_shard_batch_cuts_tokens_and_shifts_labels_over_the_full_row(self):
+        batch = auto_cp.packed_batch([6, 8, 2])
+        with fake_pg(2, rank=1) as group:
+            local = shard_batch(batch, group)
+            shard = shard_of(local["position_ids"])
+        places = shard.query_positions[0]
+        assert torch.equal(local["input_ids"][0], batch["input_ids"][0, places])
+        assert torch.equal(local["position_ids"][0], POSITIONS[0, places])
+        want = torch.cat([batch["labels"][0, 1:], torch.tensor([-100])])[places]  # shifted before the cut
+        assert torch.equal(local["shift_labels"][0], want)
+        assert int(local["num_items_in_batch"]) == int((batch["labels"][0, 1:] != -100).sum())
+        assert torch.equal(shard.key_positions[0].sort().values, torch.arange(16))  # every place once
+        assert shard_of(local["position_ids"].clone()) is None  # the layout belongs to that tensor
+
+    def test_padding_is_refused(self):
+        batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
+        with fake_pg(2) as group, pytest.raises(ValueError, match="no padding"):
+            shard_batch(batch, group)
+
+
+# --- the rewrite, on the graph Dynamo hands the backend ---------------------------------------
+
+
+def _rotated(q, k, v, position_ids):
+    """``[B, T, H, D]`` q and k rotated over the positions (as a model reads them), all three
+    ``[B, H, T, D]``."""
+    q, k = auto_cp.rotary(q, position_ids), auto_cp.rotary(k, position_ids)
+    return (x.transpose(1, 2) for x in (q, k, v))
+
+
+def _attention(q, k, v, position_ids):
+    q, k, v = _rotated(q, k, v, position_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=auto_cp.document_mask(position_ids), enable_gqa=True)
+
+
+def _arg(a, group_name: str) -> str:
+    if a == group_name:
+        return "cp"
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, list):
+        return f"[{len(a)} plan tensors]"
+    return repr(a)
+
+
+def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
+    """The graph's inputs and what the rewrite put in, one per line (tuple reads, sizes and the
+    model's own ops left out)."""
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            lines.append(f"input {n.name}")
+        elif n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+            if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like")):
+                continue
+            args = ", ".join(_arg(a, group_name) for a in n.args
+                             if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
+            lines.append(f"{n.name} = {name.split('.')[0]}({args})")
+    return "\n".join(lines)
+
+
+def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs, snapshot({"context_parallel": name}))
+        seen["gm"] = gm
+        return supply(gm.forward)
+
+    with fake_pg(cp, rank) as group:
+        name = group.group_name
+        local = shard_batch(batch or {"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long),
+                                      "position_ids": POSITIONS}, group)
+        torch.compile(fn, backend=backend)(*args, local["position_ids"])
+    return _summary(seen["gm"], name)
+
+
+class TestRewrite(TestCase):
+    def test_document_mask_becomes_gathered_shard_attention(self):
+        """HF's packed form (documents from the position ids' resets, causal): K and V gathered
+        (GQA as is), the plan over the layout inputs, the shard op; the mask is no longer built."""
+        q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+        self.assertExpectedInline(_rewritten(_attention, q, k, v), """\
+input l_q_
+input l_position_ids_
+input l_k_
+input l_v_
+input cp_doc_ids
+input cp_query_positions
+input cp_key_positions
+contiguous = contiguous(k_1)
+all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
+contiguous_1 = contiguous(v)
+all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_18, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
+
+    def test_is_causal_attends_across_documents(self):
+        """SDPA ``is_causal`` on a pack attends across documents, and so does its CP form: one
+        document per row (the ids zeroed), causal over the places."""
+        def causal(q, k, v, position_ids):
+            return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), is_causal=True)
+
+        q = torch.randn(1, 8, 2, 8)
+        summary = _rewritten(causal, q, q.clone(), q.clone())
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "document" in line or "zeros" in line), """\
+zeros_like = zeros_like(cp_doc_ids)
+document_shard_plan_default = document_shard_plan(zeros_like, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, zeros_like, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
+
+
+def _refused(fn, *args, match: str):
+    with pytest.raises(Exception, match=match):
+        _rewritten(fn, *args)
+
+
+class TestRefused:
+    """What it cannot prove fails the compile, naming the call: the program computing this
+    rank's tokens alone would give another answer."""
+
+    def test_cross_attention(self):
+        def cross(q, k, v, position_ids):
+            q = auto_cp.rotary(q, position_ids).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(cross, q, torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), match="not self-attention over this rank's 8 tokens")
+
+    def test_padding_mask(self):
+        def padded(q, k, v, position_ids):
+            keep = (position_ids < 6)[:, None, None, :]  # a per-key table: padding
+            return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), attn_mask=keep)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(padded, q, q.clone(), q.clone(), match="mask is not one it can shard")
+
+    def test_documents_not_from_the_sharded_positions(self):
+        def other_ids(q, k, v, position_ids):
+            ids = torch.arange(8)[None] // 4  # documents of its own, not the batch's
+            mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+            return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), attn_mask=mask)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(other_ids, q, q.clone(), q.clone(), match="not the resets of the position ids")
+
+    def test_dropout(self):
+        def dropped(q, k, v, position_ids):
+            return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), dropout_p=0.1, is_causal=True)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(dropped, q, q.clone(), q.clone(), match="has dropout")
+
+    def test_positions_not_from_shard_batch(self):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            engine.run_input_passes(gm, example_inputs, snapshot({"context_parallel": seen["name"]}))
+            return gm.forward
+
+        with fake_pg(2) as group, pytest.raises(Exception, match="was made by cp_inductor.parallel.shard_batch"):
+            seen["name"] = group.group_name
+            q = torch.randn(1, 8, 2, 8)
+            torch.compile(_attention, backend=backend)(q, q, q, POSITIONS[:, :8].clone())
+
+
+# --- training numerics on gloo ------------------------------------------------------------------
+
+
+def _assert_steps(results, cases):
+    """Each case's combined loss and summed gradients against the single-device step on the full
+    batch (fp32): relative error below 1e-4."""
+    for (make, batch, *_), got in zip(cases, results[0]):
+        want_loss, want = auto_cp.reference_step(make(), batch)
+        assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss, got["lines"])
+        for name, grad in want.items():
+            err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+            assert err < 1e-4, (name, err, got["lines"])
+        assert got["lines"] and all("context-parallel attention" in line for line in got["lines"]), got["lines"]
+    for other in results[1:]:  # every rank combined the same loss
+        assert [r["loss"] for r in other] == [r["loss"] for r in results[0]]
+
+
+ULYSSES = {"cp_inductor.context_parallel_style": "ulysses"}
+
+
+def _batches(rows: int) -> tuple[dict, dict]:
+    pack = auto_cp.packed_batch([6, 10, 8, 8], rows=rows)
+    plain = {k: v for k, v in auto_cp.packed_batch([32], rows=rows).items() if k != "position_ids"}
+    return pack, plain
+
+
+def test_decoder_training_matches_single_device_cp2():
+    """Our decoder (GQA 4:2, rotary over the positions), two rows: each attention form on a pack
+    (the document mask, ``is_causal`` across documents, bidirectional), the causal form on a plain
+    batch, and both through Ulysses (heads divide by cp)."""
+    pack, plain = _batches(rows=2)
+    decoder = functools.partial(functools.partial, auto_cp.decoder)
+    cases = [(decoder("documents"), pack), (decoder("causal"), pack), (decoder("bidirectional"), pack),
+             (decoder("causal"), plain), (decoder("documents"), pack, ULYSSES), (decoder("causal"), plain, ULYSSES)]
+    results = run_on_ranks(auto_cp.cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    styles = [{line.split(": ")[1].split(",")[0] for line in case["lines"]} for case in results[0]]
+    assert styles == [{"allgather"}] * 4 + [{"ulysses"}] * 2, styles
+
+
+def test_decoder_training_matches_single_device_cp4():
+    """cp 4 (every rank holds pieces of every document): the document mask on a pack; Ulysses
+    asked for with 2 key/value heads goes to the all-gather, saying why."""
+    pack, plain = _batches(rows=1)
+    cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
+             (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES)]
+    results = run_on_ranks(auto_cp.cp_steps, 4, cases)
+    _assert_steps(results, cases)
+    assert all("allgather" in line and "ulysses needs heads divisible by cp=4 (query 4, key/value 2)" in line
+               for line in results[0][1]["lines"]), results[0][1]["lines"]
+
+
+def test_hf_llama_sdpa_training_matches_single_device():
+    """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
+    plain, GQA: no line of CP code in the model."""
+    pytest.importorskip("transformers")
+    pack = auto_cp.packed_batch([6, 10, 8, 8])
+    plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
+    cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), batch) for batch in (pack, plain)]
+    results = run_on_ranks(auto_cp.cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    assert all("documents, causal" in line for line in results[0][0]["lines"]), results[0][0]["lines"]
+
