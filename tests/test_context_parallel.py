@@ -255,6 +255,16 @@ def test_decoder_training_matches_single_device_cp4():
                for line in results[0][1]["lines"]), results[0][1]["lines"]
 
 
+def test_packs_change_between_steps():
+    """One compiled model over packs of new document lengths and sizes (32, 24, 40, 40 tokens):
+    the layout comes in as inputs, so new lengths need no recompile and a new size takes
+    Dynamo's automatic dynamic shapes; every step is the single-device step."""
+    packs = [[6, 10, 8, 8], [4, 12, 8], [20, 4, 8, 8], [16, 16, 8]]
+    steps = run_on_ranks(auto_cp.cp_varying_steps, 2, functools.partial(auto_cp.decoder, "documents"), packs)[0]
+    for got, want, err in steps:
+        assert abs(got - want) <= 1e-4 * abs(want) and err < 1e-4, steps
+
+
 def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA: no line of CP code in the model."""

@@ -152,3 +152,28 @@ def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = 
     return {"loss": combine_losses(loss, group).item(),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "lines": [r.line() for r in cp_inductor.report().varlen]}
+
+
+def cp_varying_steps(rank: int, cp: int, make_model, packs: list) -> list:
+    """Training steps of one compiled model over packs of the given document lengths (new lengths
+    and sizes each step): per step, the combined loss, the single-device loss, and the largest
+    relative error of the summed gradients."""
+    import torch.distributed as dist
+
+    from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
+
+    torch._dynamo.reset()
+    model = make_model()
+    compiled = torch.compile(model, backend="cp_inductor", options={"cp_inductor.context_parallel": dist.group.WORLD})
+    out = []
+    for lengths in packs:
+        batch = packed_batch(lengths)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(**shard_batch(batch))
+        loss.backward()
+        sum_gradients(model)
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        want_loss, want = reference_step(model, batch)
+        err = max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in want.items())
+        out.append((combine_losses(loss).item(), want_loss, err))
+    return out
