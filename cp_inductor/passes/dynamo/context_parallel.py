@@ -29,6 +29,7 @@ detection), read by ``analysis/mask_analysis``.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +86,11 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
     """(the index of the first input shard_batch made, the position_ids input if the graph reads
     it, the layout)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    found = [(i, node, shard_of(x), key_of(x)) for i, (node, x) in enumerate(zip(placeholders, example_inputs))
-             if shard_of(x) is not None]
+    found: list[tuple[int, torch.fx.Node, BatchShard, str | None]] = []
+    for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+        shard = shard_of(x)
+        if shard is not None:
+            found.append((i, node, shard, key_of(x)))
     if not found:
         raise ContextParallelError(
             "context_parallel: no input of this graph was made by cp_inductor.parallel.shard_batch; call the "
@@ -139,7 +143,7 @@ def _check_call(node: torch.fx.Node, shard: BatchShard) -> dict:
 def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard) -> list[torch.fx.Node]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = torch._guards.detect_fake_mode([value(n) for n in placeholders if value(n) is not None])
-    added = []
+    added: list[torch.fx.Node] = []
     with gm.graph.inserting_after(placeholders[-1]):
         for name, tensor in reversed(list(zip(INPUT_NAMES, shard.inputs()))):
             node = gm.graph.placeholder(name)
@@ -222,7 +226,7 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
-def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, object]:
+def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
     gm = _own_copy(gm)
     calls = _attention_calls(gm)
     index, positions, shard = _layout_input(gm, example_inputs)
