@@ -42,7 +42,7 @@ from ...parallel.ulysses import gather_heads, scatter_heads
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import mask_analysis
 from ..analysis.op_schema import value
-from ..record import DYNAMO, InputsPass
+from ..record import DYNAMO, InputsPass, size_text
 from .sdpa_calls import SDPA, erase_dead, sdpa_args
 
 NAME = "context_parallel"
@@ -165,6 +165,16 @@ def style_of(args: dict, cp: int, cfg) -> tuple[str, str]:
     return ALLGATHER, "set by config"
 
 
+def traffic(args: dict, cp: int) -> dict[str, int]:
+    """Bytes each rank receives per style, forward (the backward moves as many): the all-gather's
+    K and V from the other ranks; Ulysses' q, k, v and output blocks from the other ranks."""
+    q, k, v = (value(args[name]) for name in ("query", "key", "value"))
+    def size(t) -> int:
+        return t.numel() * t.element_size()
+    return {ALLGATHER: (cp - 1) * (size(k) + size(v)),
+            ULYSSES: (cp - 1) * (2 * size(q) + size(k) + size(v)) // cp}
+
+
 def _plan(g: torch.fx.Graph, plans: dict, key, semantics: Semantics, doc_ids, query_positions, key_positions, q,
           keys_per_query: int):
     """The shard plan of ``key`` (made once per graph): (ids, plan tensors, meta)."""
@@ -242,8 +252,10 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         name = node.name
         style, why = style_of(args, shard.cp, cfg)
         _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp)
+        moved = ", ".join(f"{s} {size_text(n)}" for s, n in traffic(args, shard.cp).items())
         record_varlen(VarlenRoute(
-            attention=name, style=style, lengths="proven", layout="cp", path="document_shard", reason=why,
+            attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
+            reason=f"{why}; received per rank, forward: {moved}",
             detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment where it runs)"))
     gm.graph.lint()
     gm.recompile()
