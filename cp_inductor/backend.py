@@ -43,7 +43,7 @@ def _split_options(options: dict | None) -> tuple[dict, dict]:
             if name not in known:
                 raise RuntimeError(f"unknown cp_inductor option {key!r}; known: {sorted(known)}")
             if name == "context_parallel" and not isinstance(value, str):  # a mesh or group: its name
-                value = group_of(value).group_name
+                value = "" if value is None or value is False else group_of(value).group_name
             ours[name] = value
         else:
             inductor[key] = value
@@ -140,7 +140,9 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         record_varlen(route)
     # A warm AOTAutograd cache serves the compile without running our passes: the report of the
     # cold compile is stored beside it and replayed (report_cache.py).
-    journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, options), mark())
+    # (our options by the snapshot's digest: a mesh option's repr holds an address)
+    inductor_options = {k: v for k, v in (options or {}).items() if not k.startswith(OPTION_PREFIX)}
+    journal = _Journal(report_cache.key(gm, example_inputs, cfg, mode, inductor_options), mark())
     with torch._functorch.config.patch(engine.functorch_patches(hooks)):
         compiled = compile_fx(
             gm,

@@ -51,6 +51,12 @@ class TestLayout(TestCase):
         assert torch.equal(shard.key_positions[0].sort().values, torch.arange(16))  # every place once
         assert shard_of(local["position_ids"].clone()) is None  # the layout belongs to that tensor
 
+    def test_mask_with_documents_is_refused(self):
+        """HF reads documents from restarting positions only without an attention_mask."""
+        batch = {**auto_cp.packed_batch([6, 10]), "attention_mask": torch.ones(1, 16, dtype=torch.long)}
+        with fake_pg(2) as group, pytest.raises(ValueError, match="drop attention_mask"):
+            shard_batch(batch, group)
+
     def test_padding_is_refused(self):
         batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
         with fake_pg(2) as group, pytest.raises(ValueError, match="no padding"):
@@ -190,6 +196,23 @@ class TestRefused:
         q = torch.randn(1, 8, 2, 8)
         _refused(dropped, q, q.clone(), q.clone(), match="has dropout")
 
+    def test_attention_in_a_checkpointed_region(self):
+        def checkpointed(q, k, v, position_ids):
+            def body(q, k, v):
+                return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), is_causal=True)
+            return torch.utils.checkpoint.checkpoint(body, q, k, v, use_reentrant=False)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(checkpointed, q, q.clone(), q.clone(), match="inside the subgraph .* is not taken yet")
+
+    def test_attention_written_out(self):
+        def eager(q, k, v, position_ids):
+            q, k, v = _rotated(q, k, v, position_ids)
+            return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(eager, q, q.clone(), q.clone(), match="attention written out")
+
     def test_positions_not_from_shard_batch(self):
         seen = {}
 
@@ -256,13 +279,15 @@ def test_decoder_training_matches_single_device_cp4():
 
 
 def test_packs_change_between_steps():
-    """One compiled model over packs of new document lengths and sizes (32, 24, 40, 40 tokens):
-    the layout comes in as inputs, so new lengths need no recompile and a new size takes
-    Dynamo's automatic dynamic shapes; every step is the single-device step."""
-    packs = [[6, 10, 8, 8], [4, 12, 8], [20, 4, 8, 8], [16, 16, 8]]
+    """One compiled model over packs of new document lengths and sizes (32, 24, 40, 40, 48 tokens):
+    the layout comes in as inputs, so new lengths need no recompile and new sizes share the one
+    graph Dynamo's automatic dynamic shapes make at the second size; every step is the
+    single-device step."""
+    packs = [[6, 10, 8, 8], [4, 12, 8], [20, 4, 8, 8], [16, 16, 8], [8, 8, 16, 16]]
     steps = run_on_ranks(auto_cp.cp_varying_steps, 2, functools.partial(auto_cp.decoder, "documents"), packs)[0]
-    for got, want, err in steps:
+    for got, want, err, _ in steps:
         assert abs(got - want) <= 1e-4 * abs(want) and err < 1e-4, steps
+    assert [graphs for *_, graphs in steps] == [1, 2, 2, 2, 2], steps
 
 
 def test_hf_llama_sdpa_training_matches_single_device():

@@ -149,12 +149,19 @@ def shard_batch(batch: dict, mesh=None) -> dict:
         positions = torch.arange(tokens, device=device).expand(size, tokens)
     positions = positions.expand(size, tokens).long()
     doc_ids = document_ids(positions.cpu())
+    if mask is not None and bool((doc_ids[:, -1] > 0).any()):
+        # HF reads documents from the position ids only without a mask: with one, the whole row
+        # attends causally, which the model without the mask (what this rank runs) would not do
+        raise ValueError("an attention_mask with position ids that restart: HF transformers then attends across "
+                         "the documents; drop attention_mask to attend within them")
     places = plan_places(doc_ids, cp).to(device)
     mine = places[rank]
     out = {}
     full = dict(batch)
     full["position_ids"] = positions
     labels = batch.get("labels")
+    if labels is not None and not _per_token(labels, size, tokens):
+        raise ValueError(f"labels of shape {tuple(labels.shape)} are not one per token ([B, T]): not a language-model batch")
     if labels is not None and batch.get("shift_labels") is None:
         full["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((size, 1), IGNORE_INDEX)], dim=1)
     if labels is not None and batch.get("num_items_in_batch") is None:

@@ -156,13 +156,14 @@ def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = 
 
 def cp_varying_steps(rank: int, cp: int, make_model, packs: list) -> list:
     """Training steps of one compiled model over packs of the given document lengths (new lengths
-    and sizes each step): per step, the combined loss, the single-device loss, and the largest
-    relative error of the summed gradients."""
+    and sizes each step): per step, the combined loss, the single-device loss, the largest
+    relative error of the summed gradients, and how many graphs Dynamo had compiled by then."""
     import torch.distributed as dist
 
     from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = make_model()
     compiled = torch.compile(model, backend="cp_inductor", options={"cp_inductor.context_parallel": dist.group.WORLD})
     out = []
@@ -175,5 +176,5 @@ def cp_varying_steps(rank: int, cp: int, make_model, packs: list) -> list:
         got = {n: p.grad.clone() for n, p in model.named_parameters()}
         want_loss, want = reference_step(model, batch)
         err = max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in want.items())
-        out.append((combine_losses(loss).item(), want_loss, err))
+        out.append((combine_losses(loss).item(), want_loss, err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return out

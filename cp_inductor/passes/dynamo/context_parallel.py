@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
 from ...parallel.batch import BatchShard, key_of, shard_of
@@ -43,7 +44,8 @@ from ...reporting import VarlenRoute, record_varlen
 from ..analysis import mask_analysis
 from ..analysis.op_schema import value
 from ..record import DYNAMO, InputsPass, size_text
-from .sdpa_calls import SDPA, erase_dead, sdpa_args
+from . import varlen_calls
+from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 NAME = "context_parallel"
 _FLEX = torch.ops.higher_order.flex_attention
@@ -76,15 +78,35 @@ def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in SDPA or n.target is _FLEX)]
 
 
+def _untaken(gm: torch.fx.GraphModule, tokens) -> str | None:
+    """An attention this pass does not take yet, which the program would then compute over this
+    rank's tokens alone: a call inside a subgraph (an activation-checkpointed region's body), a
+    packed-sequence (varlen) or FA4 call, or attention spelled as a softmax over ``[.., T, T]``
+    scores (HF's ``eager``)."""
+    for name, module in gm.named_modules():
+        if module is not gm and isinstance(module, torch.fx.GraphModule) and _attention_calls(module):
+            return f"an attention call inside the subgraph {name} (an activation-checkpointed region?)"
+    packed = [c.name for c in varlen_calls.find(gm)] + [r.attention for r in varlen_calls.fa4_calls(gm)]
+    if packed:
+        return f"a packed-sequence or FA4 attention call ({packed[0]})"
+    for n in gm.graph.nodes if tokens is not None else ():
+        if n.op in ("call_function", "call_method") and "softmax" in str(n.target):
+            scores = value(n.args[0]) if n.args else None
+            if isinstance(scores, torch.Tensor) and scores.dim() >= 2 and all(
+                    statically_known_true(s == tokens) for s in scores.shape[-2:]):
+                return f"attention written out ({n.name}: a softmax over [.., T, T] scores)"
+    return None
+
+
 def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
     if not cfg.context_parallel:
         return "no CP group given (options={'cp_inductor.context_parallel': mesh})"
-    return None if _attention_calls(gm) else "no attention call"
+    return None  # a graph with no attention at all is left as it is by apply
 
 
-def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node | None, BatchShard]:
-    """(the index of the first input shard_batch made, the position_ids input if the graph reads
-    it, the layout)."""
+def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node, torch.fx.Node | None, BatchShard] | None:
+    """(the index of the first input shard_batch made, its node, the position_ids input if the
+    graph reads it, the layout), or None where the graph reads none."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found: list[tuple[int, torch.fx.Node, BatchShard, str | None]] = []
     for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
@@ -92,13 +114,11 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
         if shard is not None:
             found.append((i, node, shard, key_of(x)))
     if not found:
-        raise ContextParallelError(
-            "context_parallel: no input of this graph was made by cp_inductor.parallel.shard_batch; call the "
-            "compiled model with the batch shard_batch returns (it says where each token sits)")
+        return None
     if len({id(shard) for _, _, shard, _ in found}) > 1:
         raise ContextParallelError("context_parallel: the inputs come from more than one shard_batch call")
     positions = next((node for _, node, _, key in found if key == "position_ids"), None)
-    return found[0][0], positions, found[0][2]
+    return found[0][0], found[0][1], positions, found[0][2]
 
 
 def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node | None) -> Semantics:
@@ -124,30 +144,38 @@ def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node | None)
     return Semantics(DOCUMENTS, facts.causal)
 
 
-def _check_call(node: torch.fx.Node, shard: BatchShard) -> dict:
+def _check_call(node: torch.fx.Node, tokens) -> dict:
     if node.target is _FLEX:
         raise ContextParallelError(f"context_parallel: flex_attention ({node.name}) is not taken yet; use SDPA")
     args = sdpa_args(node)
     if args.get("dropout_p") not in (None, 0, 0.0):
         raise ContextParallelError(f"context_parallel: attention {node.name} has dropout")
     q, k = value(args["query"]), value(args["key"])
-    local = shard.query_positions.shape[1]
-    if q is None or k is None or q.dim() != 4 or q.shape[2] != local or k.shape[2] != local:
+    # compared without a guard: under dynamic shapes both are the batch's symbolic length
+    if q is None or k is None or q.dim() != 4 or not all(statically_known_true(t.shape[2] == tokens) for t in (q, k)):
         shapes = [tuple(t.shape) if t is not None else None for t in (q, k)]
         raise ContextParallelError(
-            f"context_parallel: attention {node.name} is not self-attention over this rank's {local} tokens "
+            f"context_parallel: attention {node.name} is not self-attention over this rank's {tokens} tokens "
             f"(query, key shapes {shapes}): cross attention or another sequence is not taken")
     return args
 
 
-def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard) -> list[torch.fx.Node]:
+def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard, batch_input: torch.fx.Node) -> list[torch.fx.Node]:
+    """The layout's inputs, their example values sized by the batch input's (symbolic) sizes."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = torch._guards.detect_fake_mode([value(n) for n in placeholders if value(n) is not None])
+    like = value(batch_input)
+    fake_mode = torch._guards.detect_fake_mode([like])
+    rows, tokens = like.shape[:2]
+    shapes = ((rows, tokens * shard.cp), (rows, tokens), (rows, tokens * shard.cp))
     added: list[torch.fx.Node] = []
     with gm.graph.inserting_after(placeholders[-1]):
-        for name, tensor in reversed(list(zip(INPUT_NAMES, shard.inputs()))):
+        for name, tensor, shape in reversed(list(zip(INPUT_NAMES, shard.inputs(), shapes))):
             node = gm.graph.placeholder(name)
-            node.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+            if fake_mode is not None:
+                with fake_mode:
+                    node.meta["example_value"] = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+            else:
+                node.meta["example_value"] = tensor
             node._dynamo_source = None  # type: ignore[attr-defined]  # no user variable (AOTAutograd asks)
             added.insert(0, node)
     return added
@@ -169,8 +197,10 @@ def traffic(args: dict, cp: int) -> dict[str, int]:
     """Bytes each rank receives per style, forward (the backward moves as many): the all-gather's
     K and V from the other ranks; Ulysses' q, k, v and output blocks from the other ranks."""
     q, k, v = (value(args[name]) for name in ("query", "key", "value"))
-    def size(t) -> int:
-        return t.numel() * t.element_size()
+
+    def size(t) -> int:  # at the sizes' hints where they are symbolic (the report only)
+        n = t.numel()
+        return (n if isinstance(n, int) else int(n.node.hint or 0)) * t.element_size()
     return {ALLGATHER: (cp - 1) * (size(k) + size(v)),
             ULYSSES: (cp - 1) * (2 * size(q) + size(k) + size(v)) // cp}
 
@@ -237,21 +267,43 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
+    layout = _layout_input(gm, example_inputs)
+    tokens = value(layout[1]).shape[1] if layout is not None else None
+    calls, untaken = _attention_calls(gm), _untaken(gm, tokens)
+    if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
+        return gm, example_inputs, _unchanged
+    if layout is None:
+        raise ContextParallelError(
+            "context_parallel: no input of this graph was made by cp_inductor.parallel.shard_batch; call the "
+            "compiled model with the batch shard_batch returns (it says where each token sits), in one graph "
+            "from its inputs to the attention calls")
+    if untaken is not None:
+        raise ContextParallelError(f"context_parallel: {untaken} is not taken yet; computing it over this "
+                                   "rank's tokens alone would change the answer")
     gm = _own_copy(gm)
+    layout = _layout_input(gm, example_inputs)  # the copy's nodes
+    assert layout is not None  # (found on the original)
+    index, batch_input, positions, shard = layout
     calls = _attention_calls(gm)
-    index, positions, shard = _layout_input(gm, example_inputs)
     if shard.group_name != cfg.context_parallel:
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
-    checked = [(node, _check_call(node, shard)) for node in calls]
+    checked = [(node, _check_call(node, tokens)) for node in calls]
     semantics = [(node, args, _semantics(node, args, positions)) for node, args in checked]
-    inputs = _add_inputs(gm, shard)
+    inputs = _add_inputs(gm, shard, batch_input)
     plans: dict = {}
     for node, args, meaning in semantics:
         name = node.name
+        repeated = (args["key"], args["value"])
+        heads = value(args["query"]).shape[1]
+        k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
+        if k is not None and v is not None:
+            args = {**args, "key": k, "value": v}
         style, why = style_of(args, shard.cp, cfg)
         _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp)
+        for x in repeated:
+            erase_dead(gm.graph, x)
         moved = ", ".join(f"{s} {size_text(n)}" for s, n in traffic(args, shard.cp).items())
         record_varlen(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
@@ -260,6 +312,10 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     gm.graph.lint()
     gm.recompile()
     return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
+
+
+def _unchanged(compiled):
+    return compiled
 
 
 def _supplier(index: int, group_name: str):
