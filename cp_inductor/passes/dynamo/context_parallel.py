@@ -2,10 +2,12 @@
 model becomes attention of this rank's tokens over the whole sequence.
 
 With ``options={"cp_inductor.context_parallel": mesh}`` the model runs on this rank's share of the
-batch (``cp_inductor.parallel.shard_batch``: head-tail per document), so every op but attention
-computes what it computes on the full batch. Each attention call then reads the keys and values of
-every rank (K/V all-gather, GQA as is) and the layout ``shard_batch`` kept: the documents of the full
-rows and each token's place in its row, added as graph inputs and handed in on every call::
+batch (``cp_inductor.parallel.shard_batch``: head-tail per document). It is the user's promise that
+attention is the model's only op that mixes tokens (no convolution or scan over the sequence);
+attention it cannot take fails the compile. Each attention call then reads the keys and values of
+every rank and the layout ``shard_batch`` kept: the documents of the full rows and each token's
+place in its row, added as graph inputs and handed in on every call. K/V all-gather (the default;
+K/V heads HF repeats for SDPA gathered un-repeated)::
 
     mask = (ids[b, kv] == ids[b, q]) & (kv <= q)        # ids = cumsum(diff(position_ids) != 1), HF's
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask)          # or is_causal=True, no mask
@@ -16,14 +18,17 @@ rows and each token's place in its row, added as graph inputs and handed in on e
 
 (``doc_ids``, ``query_positions``, ``key_positions``: the new inputs; one document per row where
 the model's call is causal or bidirectional without a mask; the plan made once per kind of
-call.) The attention op is the document-mask lowering of torch's flex CP: FA4 varlen over each
-query segment's document prefix, reading the gathered keys in place, where it runs.
+call.) ``context_parallel_style="ulysses"`` (heads divisible by cp): q, k, v all-to-all'ed to
+every token of this rank's heads, the same op over them (queries and keys at ``key_positions``),
+the output all-to-all'ed back. The attention op is the document-mask lowering of torch's flex CP:
+FA4 varlen over each query segment's document prefix, reading the keys in place, where it runs.
 
 What it proves per call, else the compile fails naming the call (computing this rank's tokens
-alone would change the answer): SDPA (flex attention and varlen calls are not taken yet), no
-dropout, query and key length this rank's token count, and a mask that is none, causal, or "same
-document and causal" over the documents of the position ids ``shard_batch`` made (HF's packed
-detection), read by ``analysis/mask_analysis``.
+alone would change the answer): SDPA in the graph itself (flex attention, varlen and FA4 calls,
+calls in activation-checkpointed bodies and attention written out as a softmax over ``[T, T]``
+scores are refused for now), no dropout, query and key length this rank's token count, and a mask
+that is none, causal, or "same document and causal" over the documents of the position ids
+``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
 """
 
 from __future__ import annotations
