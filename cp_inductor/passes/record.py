@@ -87,16 +87,9 @@ class Verdicts:
     def record(self, name: str, reason: str | None) -> None:
         self._reasons[name] = reason
 
-    def decided(self, name: str) -> bool:
-        return name in self._reasons
-
     def applies(self, name: str) -> bool:
-        """Whether ``name`` was decided and applies."""
+        """Whether ``name`` was decided and applies (the engine's ``excludes``)."""
         return name in self._reasons and self._reasons[name] is None
-
-    def reason(self, name: str) -> str | None:
-        """Why ``name`` does not apply (None: it applies). ``name`` must have been decided."""
-        return self._reasons[name]
 
 
 class RegionWhyNot(Protocol):
