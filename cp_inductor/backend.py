@@ -22,7 +22,7 @@ from .config_snapshot import ConfigSnapshot, snapshot
 from .passes import engine
 from .passes.hook_pass import CPGraphPass
 from .lowerings import fa4_functions
-from .parallel.batch import group_of
+from .batch_layout import group_of
 from .passes.observe import timed
 from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected, record_varlen,
                         replay, since)

@@ -14,7 +14,8 @@ from expecttest import TestCase
 from helpers import fake_pg
 
 from cp_inductor.config_snapshot import snapshot
-from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch, shard_of
+from cp_inductor.batch_layout import shard_of
+from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch
 from cp_inductor.passes import engine
 from cp_inductor.testing import auto_cp
 from cp_inductor.testing.launch import run_on_ranks

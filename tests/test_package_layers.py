@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "cp_inductor"
 # Lowest first. What a pass needs sits below it; the table, the engine and the backend on top.
 LAYERS = [
     {"config"},
-    {"config_snapshot", "reporting"},
+    {"config_snapshot", "reporting", "batch_layout"},
     {"lowerings"},
     {"parallel", "passes/analysis"},
     {"passes/editing", "passes/record", "passes/guard", "passes/observe"},

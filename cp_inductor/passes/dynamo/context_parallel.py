@@ -43,8 +43,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
-from ...parallel.batch import BatchShard, key_of, shard_of
-from ...parallel.ulysses import gather_heads, scatter_heads
+from ...batch_layout import BatchShard, key_of, shard_of
+from ...lowerings.cp_collectives import gather_heads, scatter_heads
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import mask_analysis
 from ..analysis.op_schema import value

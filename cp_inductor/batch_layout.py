@@ -1,0 +1,66 @@
+"""Where a batch cut for context parallelism sits: the record ``parallel.shard_batch`` keeps beside
+the tensors it returns, and the CP group of a mesh. Apart from the helpers in ``parallel/`` so that
+the backend's context-parallel pass reads it without loading them."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class BatchShard:
+    """Where this rank's tokens sit in the full batch (tensors on the batch's device)."""
+
+    cp: int
+    rank: int
+    group_name: str
+    doc_ids: torch.Tensor  # [B, T] int64: each token's document in its row (the full batch)
+    query_positions: torch.Tensor  # [B, T_local] int64: the local tokens' places in their row
+    key_positions: torch.Tensor  # [B, cp * T_local] int64: every rank's local tokens' places, rank after rank
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the compiled CP program takes beside the model's own inputs."""
+        return self.doc_ids, self.query_positions, self.key_positions
+
+
+_SHARDS: dict[int, tuple[weakref.ref, BatchShard, str]] = {}
+
+
+def remember(tensor: torch.Tensor, shard: BatchShard, key: str) -> None:
+    at = id(tensor)
+    _SHARDS[at] = (weakref.ref(tensor), shard, key)
+    weakref.finalize(tensor, _SHARDS.pop, at, None)
+
+
+def _entry(tensor):
+    entry = _SHARDS.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+    return entry if entry is not None and entry[0]() is tensor else None
+
+
+def shard_of(tensor) -> BatchShard | None:
+    """The layout :func:`shard_batch` cut ``tensor`` (that very tensor) with, or None."""
+    entry = _entry(tensor)
+    return entry[1] if entry is not None else None
+
+
+def key_of(tensor) -> str | None:
+    """Which entry of the batch :func:`shard_batch` returned ``tensor`` as, or None."""
+    entry = _entry(tensor)
+    return entry[2] if entry is not None else None
+
+
+def group_of(mesh) -> dist.ProcessGroup:
+    """The CP process group of ``mesh``: a 1-d DeviceMesh, a ProcessGroup, or None (the world)."""
+    if mesh is None:
+        return dist.group.WORLD
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    if hasattr(mesh, "get_group"):
+        if mesh.ndim != 1:
+            raise ValueError(f"context parallelism takes a 1-d mesh (the CP dim), got {mesh.ndim} dims: pass mesh['cp']")
+        return mesh.get_group()
+    raise TypeError(f"expected a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")

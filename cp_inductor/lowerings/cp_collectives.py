@@ -1,0 +1,36 @@
+"""Ulysses' all-to-alls of heads as differentiable functions of the functional collectives:
+``parallel/ulysses`` runs them, and the context-parallel pass emits them into the Dynamo graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+
+def scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
+    """Sequence-sharded ``x`` -> all heads' full sequence for this rank's head block, BHSD."""
+    if layout == "bshd":
+        b, s_l, h, d = x.shape
+        # [cp, B, S_l, H/cp, D]: chunk j holds head block j, sent to rank j.
+        send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        # recv chunk j is source rank j's sequence slice: sequence = (rank, local position).
+        return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
+    b, h, s_l, d = x.shape
+    send = x.reshape(b, cp, h // cp, s_l, d).transpose(0, 1).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
+
+
+def gather_heads(out: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
+    """BHSD output for this rank's head block -> sequence-sharded output in ``layout``."""
+    b, h_l, s, d = out.shape
+    s_l = s // cp
+    if layout == "bshd":
+        send = out.reshape(b, h_l, cp, s_l, d).permute(2, 0, 3, 1, 4).contiguous()
+        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        # recv chunk j is head block j of this rank's sequence slice.
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, s_l, cp * h_l, d)
+    send = out.reshape(b, h_l, cp, s_l, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    return recv.transpose(0, 1).reshape(b, cp * h_l, s_l, d)
