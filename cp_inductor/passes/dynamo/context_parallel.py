@@ -324,8 +324,8 @@ def _unchanged(compiled):
 
 
 def _supplier(index: int, group_name: str):
-    """``compiled`` wrapped to hand in, after the program's inputs, the layout of the batch whose
-    ``position_ids`` is input ``index``."""
+    """``compiled`` wrapped to hand in, after the program's inputs, the layout of the batch input
+    ``index`` (a tensor ``shard_batch`` returned) belongs to."""
     def supply(compiled):
         def with_layout(*args):
             shard = shard_of(args[index])
