@@ -570,6 +570,8 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     """:meth:`Engine.run_hook` of the pipeline's engine; a function, not a bound method: our hook
     pass holds it in Inductor's config, which Inductor deep-copies (an engine holds modules)."""
     ENGINE.run_hook(hook, graph, cfg, only)
+
+
 __all__ = ["ENGINE", "HOOKS", "Engine", "analyze", "backward_routes", "canonicalize", "decide", "functorch_patches",
            "hooks_with_passes", "hooks_with_work", "inductor_patch_keys", "rewrite_graph", "run_dynamo_passes",
-           "run_hook"]
+           "run_hook", "run_input_passes"]
