@@ -45,14 +45,14 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(1) - 1
 
 
-def _row_places(doc_row: list[int], cp: int) -> list[list[int]]:
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` the label each token predicts: the next one's (the last predicts nothing)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def _row_places(doc_row: torch.Tensor, cp: int) -> list[list[int]]:
     """Per rank, its places in one row (in row order): pieces r and 2cp-1-r of every document."""
-    lengths, run = [], 0
-    for i, d in enumerate(doc_row):
-        run += 1
-        if i + 1 == len(doc_row) or doc_row[i + 1] != d:
-            lengths.append(run)
-            run = 0
+    lengths = torch.unique_consecutive(doc_row, return_counts=True)[1]
     places: list[list[int]] = [[] for _ in range(cp)]
     for piece in plan_pack(lengths, cp, "document"):
         places[piece.rank].extend(range(piece.start, piece.end))
@@ -62,7 +62,7 @@ def _row_places(doc_row: list[int], cp: int) -> list[list[int]]:
 def plan_places(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     """``[cp, B, T // cp]`` int64: each rank's places in each row. Raises ValueError where the
     ranks would hold different numbers of tokens of a row."""
-    rows = [_row_places(row, cp) for row in doc_ids.tolist()]
+    rows = [_row_places(row, cp) for row in doc_ids]
     counts = {len(places) for row in rows for places in row}
     if len(counts) != 1:
         raise ValueError(
@@ -106,7 +106,7 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     if labels is not None and not _per_token(labels, size, tokens):
         raise ValueError(f"labels of shape {tuple(labels.shape)} are not one per token ([B, T]): not a language-model batch")
     if labels is not None and batch.get("shift_labels") is None:
-        full["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((size, 1), IGNORE_INDEX)], dim=1)
+        full["shift_labels"] = shift_labels(labels)
     if labels is not None and batch.get("num_items_in_batch") is None:
         out["num_items_in_batch"] = (full["shift_labels"] != IGNORE_INDEX).sum()
     for key, value in full.items():

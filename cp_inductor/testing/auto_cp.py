@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel import batch as cp_batch
 from ..parallel.batch import IGNORE_INDEX
 
 
@@ -79,10 +80,9 @@ class Decoder(nn.Module):
         for block in self.blocks:
             h = block(h, position_ids)
         logits = self.head(self.norm(h)).float()
-        if shift_labels is None:
-            shift_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-        loss = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != IGNORE_INDEX).sum()
+        targets = shift_labels if shift_labels is not None else cp_batch.shift_labels(labels)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
         return loss / count
 
 
@@ -131,50 +131,48 @@ def cp_steps(rank: int, cp: int, cases: list) -> list:
     return [cp_step(rank, cp, *case) for case in cases]
 
 
+def _compiled(make_model, options: dict | None = None):
+    """A fresh ``make_model()`` and its compile under cp_inductor with the world as the CP group."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    model = make_model()
+    return model, torch.compile(model, backend="cp_inductor",
+                                options={"cp_inductor.context_parallel": dist.group.WORLD, **(options or {})})
+
+
+def _train_step(model, compiled, batch: dict) -> tuple[float, dict]:
+    """One step on this rank's share of ``batch``: the loss combined over the ranks and the
+    parameter gradients summed over them."""
+    model.zero_grad(set_to_none=True)
+    loss = _loss(compiled(**cp_batch.shard_batch(batch)))
+    loss.backward()
+    cp_batch.sum_gradients(model)
+    return cp_batch.combine_losses(loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None) -> dict:
     """One training step of ``make_model()`` on this rank's share, compiled with the CP group:
     the loss and gradients combined over the ranks, and the report's lines."""
-    import torch.distributed as dist
-
     import cp_inductor
-    from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
 
-    torch._dynamo.reset()
     cp_inductor.clear_report()
-    model = make_model()
-    group = dist.group.WORLD
-    compiled = torch.compile(model, backend="cp_inductor",
-                             options={"cp_inductor.context_parallel": group, **(options or {})})
-    local = shard_batch(batch, group)
-    loss = _loss(compiled(**local))
-    loss.backward()
-    sum_gradients(model, group)
-    return {"loss": combine_losses(loss, group).item(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "lines": [r.line() for r in cp_inductor.report().varlen]}
+    model, compiled = _compiled(make_model, options)
+    loss, grads = _train_step(model, compiled, batch)
+    return {"loss": loss, "grads": grads, "lines": [r.line() for r in cp_inductor.report().varlen]}
 
 
 def cp_varying_steps(rank: int, cp: int, make_model, packs: list) -> list:
     """Training steps of one compiled model over packs of the given document lengths (new lengths
     and sizes each step): per step, the combined loss, the single-device loss, the largest
     relative error of the summed gradients, and how many graphs Dynamo had compiled by then."""
-    import torch.distributed as dist
-
-    from cp_inductor.parallel.batch import combine_losses, shard_batch, sum_gradients
-
-    torch._dynamo.reset()
+    model, compiled = _compiled(make_model)
     torch._dynamo.utils.counters.clear()
-    model = make_model()
-    compiled = torch.compile(model, backend="cp_inductor", options={"cp_inductor.context_parallel": dist.group.WORLD})
     out = []
     for lengths in packs:
         batch = packed_batch(lengths)
-        model.zero_grad(set_to_none=True)
-        loss = compiled(**shard_batch(batch))
-        loss.backward()
-        sum_gradients(model)
-        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loss, got = _train_step(model, compiled, batch)
         want_loss, want = reference_step(model, batch)
         err = max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in want.items())
-        out.append((combine_losses(loss).item(), want_loss, err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+        out.append((loss, want_loss, err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return out

@@ -254,9 +254,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantic
     erase_dead(g, mask)
 
 
-def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` on a graph of its own: Dynamo reads its graph's placeholders after the backend
-    returns (one per input it passes), so the inputs we add must not reach it."""
+def _own_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
+    """``gm`` on a graph of its own, and its nodes by the original's: Dynamo reads its graph's
+    placeholders after the backend returns (one per input it passes), so the inputs we add must
+    not reach it."""
     graph = torch.fx.Graph()
     nodes: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, nodes))
@@ -268,7 +269,7 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for name in ("_param_name_to_source",):  # what AOTAutograd reads of a Dynamo graph module
         if hasattr(gm, name):
             setattr(copy, name, getattr(gm, name))
-    return copy
+    return copy, nodes
 
 
 def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
@@ -285,11 +286,10 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     if untaken is not None:
         raise ContextParallelError(f"context_parallel: {untaken} is not taken yet; computing it over this "
                                    "rank's tokens alone would change the answer")
-    gm = _own_copy(gm)
-    layout = _layout_input(gm, example_inputs)  # the copy's nodes
-    assert layout is not None  # (found on the original)
+    gm, nodes = _own_copy(gm)
     index, batch_input, positions, shard = layout
-    calls = _attention_calls(gm)
+    batch_input, positions = nodes[batch_input], nodes.get(positions) if positions is not None else None
+    calls = [nodes[n] for n in calls]
     if shard.group_name != cfg.context_parallel:
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
