@@ -32,10 +32,15 @@ from bench_thd import lengths_for
 HQ = 32
 
 
+def pack_lengths(layout: str, tokens: int, head_dim: int) -> list[int]:
+    """The documents of one row: 8 random ones per pack (seeded by T + D), one for dense."""
+    return lengths_for("random", tokens, seed=tokens + head_dim) if layout == "thd" else [tokens]
+
+
 def thd_providers(tokens, heads_kv, head_dim, causal):
     import cp_inductor.lowerings.fa4_attention  # noqa: F401 - registers the ops (ours and FA4's)
 
-    lengths = lengths_for("random", tokens, seed=tokens + head_dim)
+    lengths = pack_lengths("thd", tokens, head_dim)
     q, k, v, cu, m = vp.pack(lengths, HQ, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
     scale = head_dim ** -0.5
     ops = torch.ops.cp_inductor
@@ -98,7 +103,8 @@ def main() -> int:
                         ms, errors = measure(inputs, calls, a.rounds, a.iters)
                         best = min(ms, key=ms.get)
                         row = {"layout": layout, "tokens": tokens, "heads_q": HQ, "heads_kv": heads_kv, "head_dim": head_dim,
-                               "causal": causal, "dtype": "bfloat16", "ms": ms, "rel_err": errors}
+                               "causal": causal, "dtype": "bfloat16", "ms": ms, "rel_err": errors,
+                               "lengths": pack_lengths(layout, tokens, head_dim)}
                         rows.append(row)
                         cells = " ".join(f"{ms.get(p, float('nan')):8.3f}" for p in ("program", "cudnn", "fa4"))
                         print(f"{layout:>6} {tokens:>6} {heads_kv:>3} {head_dim:>3} {'causal' if causal else 'full':>6} | {cells} | "
@@ -122,7 +128,7 @@ def write_map(path: str, rows: list) -> None:
     fresh = {tuple(r[k] for k in keys) for r in rows}
     kept = [r for r in old["rows"] if tuple(r[k] for k in keys) not in fresh]
     data = {"source": "benchmarks/bench_providers.py", "device": torch.cuda.get_device_name(), "arch": f"sm{major}{minor}",
-            "torch": torch.__version__, "rows": kept + [{k: r[k] for k in (*keys, "ms")} for r in rows]}
+            "torch": torch.__version__, "rows": kept + [{k: r[k] for k in (*keys, "ms", "lengths")} for r in rows]}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 

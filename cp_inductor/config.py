@@ -70,10 +70,15 @@ uniform_thd: str = "proven"
 # DeviceMesh or a ProcessGroup); the batch comes from cp_inductor.parallel.shard_batch over the same
 # mesh, and every self-attention call attends over every rank's tokens (docs/passes/context_parallel.md).
 context_parallel: str = ""
-# ... how each attention call goes over the ranks: "allgather" (K/V all-gathered: any heads, GQA as
-# is) or "ulysses" (all-to-all of heads: query and key/value heads divisible by cp; a call where they
-# are not goes to the all-gather, the report says why).
-context_parallel_style: str = "allgather"
+# ... how each attention call goes over the ranks: "auto" (the style of least predicted compute +
+# communication, passes/analysis/context_parallel_cost.py; the all-gather where the device has no
+# measured costs), "allgather" (K/V all-gathered: any heads, GQA as is) or "ulysses" (all-to-all of
+# heads: query heads divisible by cp, K/V heads repeated up to a multiple of cp where fewer; a call
+# it cannot take goes to the all-gather, the report says why).
+context_parallel_style: str = "auto"
+# ... price the styles with the tables measured on this device (its name, e.g. "NVIDIA H200")
+# rather than the compile's: planning for another machine, and the CPU tests.
+context_parallel_cost_device: str = ""
 
 # Which kernel runs each attention call the backend lowers (packed calls, equal-length packs'
 # dense call, the dense calls of CP regions): "auto" (the fastest in the measured cost map,

@@ -98,7 +98,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
             lines.append(f"input {n.name}")
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-            if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like")):
+            if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -106,11 +106,12 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
     return "\n".join(lines)
 
 
-def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None):
+def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None, **options):
     seen = {}
 
     def backend(gm, example_inputs):
-        gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs, snapshot({"context_parallel": name}))
+        gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs,
+                                                             snapshot({"context_parallel": name, **options}))
         seen["gm"] = gm
         return supply(gm.forward)
 
@@ -154,6 +155,23 @@ document_shard_attention_default = document_shard_attention(q_1, all_gather_tens
 zeros_like = zeros_like(cp_doc_ids)
 document_shard_plan_default = document_shard_plan(zeros_like, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, zeros_like, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
+
+
+    def test_ulysses_repeats_key_value_heads_up_to_cp(self):
+        """Ulysses at cp 4 with 2 K/V heads: each K/V head repeated twice (query head h then reads
+        repeated head h, the one its group had), q, k, v scattered by heads over every rank's
+        tokens; the plan's queries and keys are all tokens, rank after rank."""
+        q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+        summary = _rewritten(_attention, q, k, k.clone(), cp=4, context_parallel_style="ulysses")
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
+repeat_interleave = repeat_interleave(k_1, 2)
+repeat_interleave_1 = repeat_interleave(v, 2)
+scatter_heads = scatter_heads(q_1, 'bhsd', 4, cp)
+scatter_heads_1 = scatter_heads(repeat_interleave, 'bhsd', 4, cp)
+scatter_heads_2 = scatter_heads(repeat_interleave_1, 'bhsd', 4, cp)
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_key_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(scatter_heads, scatter_heads_1, scatter_heads_2, [7 plan tensors], getitem_18, cp_doc_ids, cp_key_positions, cp_key_positions, 0.3535533905932738, True)
+gather_heads = gather_heads(getitem_19, 'bhsd', 4, cp)""")
 
 
 def _refused(fn, *args, match: str):
@@ -247,6 +265,11 @@ def _assert_steps(results, cases):
 ULYSSES = {"cp_inductor.context_parallel_style": "ulysses"}
 
 
+def _style(line: str) -> str:
+    """The style a report line of the pass names ("...: <style>, ...")."""
+    return line.split(": ")[1].split(",")[0]
+
+
 def _batches(rows: int) -> tuple[dict, dict]:
     pack = auto_cp.packed_batch([6, 10, 8, 8], rows=rows)
     plain = {k: v for k, v in auto_cp.packed_batch([32], rows=rows).items() if k != "position_ids"}
@@ -263,19 +286,19 @@ def test_decoder_training_matches_single_device_cp2():
              (decoder("causal"), plain), (decoder("documents"), pack, ULYSSES), (decoder("causal"), plain, ULYSSES)]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
-    styles = [{line.split(": ")[1].split(",")[0] for line in case["lines"]} for case in results[0]]
+    styles = [{_style(line) for line in case["lines"]} for case in results[0]]
     assert styles == [{"allgather"}] * 4 + [{"ulysses"}] * 2, styles
 
 
 def test_decoder_training_matches_single_device_cp4():
     """cp 4 (every rank holds pieces of every document): the document mask on a pack; Ulysses
-    asked for with 2 key/value heads goes to the all-gather, saying why."""
+    with 2 key/value heads, each repeated to one per rank."""
     pack, plain = _batches(rows=1)
     cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
              (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES)]
     results = run_on_ranks(auto_cp.cp_steps, 4, cases)
     _assert_steps(results, cases)
-    assert all("allgather" in line and "ulysses needs heads divisible by cp=4 (query 4, key/value 2)" in line
+    assert all(_style(line) == "ulysses" and "key/value heads repeated to 4" in line
                for line in results[0][1]["lines"]), results[0][1]["lines"]
 
 

@@ -46,9 +46,10 @@ from ...lowerings import document_attention  # noqa: F401 - registers the ops it
 from ...batch_layout import BatchShard, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads
 from ...reporting import VarlenRoute, record_varlen
-from ..analysis import mask_analysis
+from ..analysis import context_parallel_cost, mask_analysis
+from ..analysis.context_parallel_cost import ALLGATHER, ULYSSES
 from ..analysis.op_schema import value
-from ..record import DYNAMO, InputsPass, size_text
+from ..record import DYNAMO, InputsPass
 from . import varlen_calls
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
@@ -56,8 +57,6 @@ NAME = "context_parallel"
 _FLEX = torch.ops.higher_order.flex_attention
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
-ALLGATHER, ULYSSES = "allgather", "ulysses"
-STYLES = (ALLGATHER, ULYSSES)
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
     ULYSSES: "all-to-all of heads, every token of this rank's heads",
@@ -186,28 +185,37 @@ def _add_inputs(gm: torch.fx.GraphModule, shard: BatchShard, batch_input: torch.
     return added
 
 
-def style_of(args: dict, cp: int, cfg) -> tuple[str, str]:
-    """(the style this call goes over the ranks by, why)."""
-    if cfg.context_parallel_style not in STYLES:
-        raise ContextParallelError(f"context_parallel_style={cfg.context_parallel_style!r}: expected one of {STYLES}")
-    if cfg.context_parallel_style == ULYSSES:
-        hq, hkv = value(args["query"]).shape[1], value(args["key"]).shape[1]
-        if hq % cp or hkv % cp:
-            return ALLGATHER, f"ulysses needs heads divisible by cp={cp} (query {hq}, key/value {hkv})"
-        return ULYSSES, "set by config"
-    return ALLGATHER, "set by config"
+def _call_of(args: dict, causal: bool) -> context_parallel_cost.Call:
+    q, k = value(args["query"]), value(args["key"])
+    b, hq, s_l, d = (_hint(x) for x in q.shape)
+    return context_parallel_cost.Call(b, s_l, hq, _hint(k.shape[1]), d, causal, q.element_size(),
+                                      str(q.dtype).removeprefix("torch."))
 
 
-def traffic(args: dict, cp: int) -> dict[str, int]:
-    """Bytes each rank receives per style, forward (the backward moves as many): the all-gather's
-    K and V from the other ranks; Ulysses' q, k, v and output blocks from the other ranks."""
-    q, k, v = (value(args[name]) for name in ("query", "key", "value"))
+def _hint(n) -> int:  # a size at its hint where it is symbolic (the cost model only)
+    return n if isinstance(n, int) else int(n.node.hint or 0)
 
-    def size(t) -> int:  # at the sizes' hints where they are symbolic (the report only)
-        n = t.numel()
-        return (n if isinstance(n, int) else int(n.node.hint or 0)) * t.element_size()
-    return {ALLGATHER: (cp - 1) * (size(k) + size(v)),
-            ULYSSES: (cp - 1) * (2 * size(q) + size(k) + size(v)) // cp}
+
+def _priced_on(device: torch.device, cfg) -> str:
+    if cfg.context_parallel_cost_device:
+        return cfg.context_parallel_cost_device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, cfg) -> tuple[str, str, int]:
+    """(the style this call goes over the ranks by, why, the K/V heads it sends)."""
+    call = _call_of(args, semantics.causal)
+    key = (semantics, call.heads_q)
+    if key not in works:  # one layout, priced once per kind of call
+        ids = shard.doc_ids if semantics.documents == DOCUMENTS else torch.zeros_like(shard.doc_ids)
+        works[key] = context_parallel_cost.work(ids, shard.key_positions, shard.cp, semantics.causal, call.heads_q)
+    try:
+        style, why = context_parallel_cost.choose(call, works[key], shard.cp, _priced_on(value(args["query"]).device, cfg),
+                                                  cfg.context_parallel_style)
+    except ValueError as e:
+        raise ContextParallelError(str(e)) from None
+    kv_heads = context_parallel_cost.ulysses_kv_heads(call, shard.cp)[0] if style == ULYSSES else call.heads_kv
+    return style, why, kv_heads
 
 
 def _plan(g: torch.fx.Graph, plans: dict, key, semantics: Semantics, doc_ids, query_positions, key_positions, q,
@@ -226,7 +234,7 @@ def _plan(g: torch.fx.Graph, plans: dict, key, semantics: Semantics, doc_ids, qu
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, inputs,
-             plans: dict, group_name: str, cp: int) -> None:
+             plans: dict, group_name: str, cp: int, kv_heads: int) -> None:
     g = gm.graph
     doc_ids, query_positions, key_positions = inputs
     q = args["query"]
@@ -234,7 +242,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantic
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
     with g.inserting_before(node):
         if style == ULYSSES:  # every rank's tokens (rank after rank: at key_positions) of this rank's heads
-            q, k, v = (g.call_function(scatter_heads, (args[name], "bhsd", cp, group_name)) for name in ("query", "key", "value"))
+            k, v = args["key"], args["value"]
+            repeat = kv_heads // value(k).shape[1]
+            if repeat > 1:  # fewer K/V heads than ranks: each rank its copy (grouping kept: q head h reads h // (Hq / kv_heads))
+                k, v = (g.call_method("repeat_interleave", (x, repeat), {"dim": 1}) for x in (k, v))
+            q, k, v = (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)) for x in (args["query"], k, v))
             ids, parts, meta = _plan(g, plans, (style, semantics), semantics, doc_ids, key_positions, key_positions, q, 1)
             positions = (key_positions, key_positions)
         else:
@@ -298,6 +310,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     semantics = [(node, args, _semantics(node, args, positions)) for node, args in checked]
     inputs = _add_inputs(gm, shard, batch_input)
     plans: dict = {}
+    works: dict = {}
     for node, args, meaning in semantics:
         name = node.name
         repeated = (args["key"], args["value"])
@@ -305,14 +318,13 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
-        style, why = style_of(args, shard.cp, cfg)
-        _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp)
+        style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
+        _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp, kv_heads)
         for x in repeated:
             erase_dead(gm.graph, x)
-        moved = ", ".join(f"{s} {size_text(n)}" for s, n in traffic(args, shard.cp).items())
         record_varlen(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
-            reason=f"{why}; received per rank, forward: {moved}",
+            reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment where it runs)"))
     gm.graph.lint()
     gm.recompile()

@@ -1,0 +1,253 @@
+"""What each context-parallel style would cost one rank for one attention call, and the cheapest.
+
+The context-parallel pass (``passes/dynamo/context_parallel.py``) asks, per attention call, with
+the layout ``shard_batch`` made for the batch the compile sees::
+
+    work(style)    = query-key pairs the slowest rank computes, query heads it holds, rounds
+    compute_ms     = pairs x heads / rate(head_dim, mask, GQA, document length)
+                     + (rounds - 1) x ROUND_MS
+    comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
+    total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
+
+* ``allgather``: this rank's queries (its head-tail pieces of every document) over the keys of
+  every rank, all query heads; forward two all-gathers (K, V), backward two reduce-scatters.
+  A rank's pieces of one document are separate segments, run as separate rounds.
+* ``ulysses``: every token, this rank's ``Hq / cp`` heads; four all-to-alls forward (q, k, v,
+  out) and four backward. K/V heads are repeated up to ``lcm(Hkv, cp)`` where ``Hkv`` is not a
+  multiple of cp (possible while that divides ``Hq``). The tokens arrive rank after rank, so a
+  document's pieces make up to ``2 cp - 1`` rounds.
+
+``rate`` is read from the attention-provider cost map (``cost_data/attention_providers_*.json``,
+the kernel the shard op runs: FA4 varlen): every row of the call's head_dim, mask, GQA class and
+dtype gives pairs x heads per ms at its work-weighted document length; the rate at the call's
+length is interpolated in log2 of it. Latencies and bandwidths are read from
+``cost_data/collectives_*.json`` (measured; the machine's name picks the file). Where a device has
+no tables the styles are not priced and ``auto`` keeps the all-gather.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ALLGATHER, ULYSSES, RING = "allgather", "ulysses", "ring"
+STYLES = (ALLGATHER, ULYSSES)
+DATA = Path(__file__).resolve().parents[2] / "cost_data"
+# Each round past the first: one more FA4 launch forward and backward over every query row (the
+# rows of other rounds read no key) and a select of out and lse. Small next to the attention at
+# long sequences; see docs/passes/context_parallel.md for how it was set.
+ROUND_MS = 0.05
+COLLECTIVES = {  # per style: (op, which tensor's local bytes, how many of them) forward + backward
+    ALLGATHER: (("all_gather", "kv", 2), ("reduce_scatter", "kv", 2)),
+    ULYSSES: (("all_to_all", "q", 4), ("all_to_all", "kv", 4)),
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call as this rank sees it before the rewrite (local tokens)."""
+
+    batch: int
+    tokens: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    itemsize: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Work:
+    pairs: int  # query-key pairs of the slowest rank, per query head
+    heads: int  # query heads of a rank
+    length: float  # work-weighted document length
+    rounds: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    style: str
+    compute_ms: float
+    comm_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comm_ms
+
+    def describe(self) -> str:
+        return f"{self.style} {self.total_ms:.2f} ms (compute {self.compute_ms:.2f} + comm {self.comm_ms:.2f})"
+
+
+def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
+    """K/V heads Ulysses sends (``Hkv`` or its repeat up to ``lcm(Hkv, cp)``), or None and why not."""
+    if call.heads_q % cp:
+        return None, f"ulysses needs query heads divisible by cp={cp} (query {call.heads_q})"
+    heads = math.lcm(call.heads_kv, cp)
+    if call.heads_q % heads:
+        return None, (f"ulysses needs key/value heads divisible by cp={cp} or repeatable to a multiple of it "
+                      f"that divides the query heads (query {call.heads_q}, key/value {call.heads_kv})")
+    return heads, None
+
+
+# --- work, from the layout ----------------------------------------------------------------------
+
+
+def _runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of each row: its document's first place and length ([B, T] each)."""
+    rows, tokens = ids.shape
+    place = torch.arange(tokens).expand(rows, tokens)
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.cummax(torch.where(new, place, 0), 1).values
+    end = torch.flip(torch.cummin(torch.flip(torch.where(torch.roll(new, -1, 1) | (place == tokens - 1), place, tokens),
+                                             [1]), 1).values, [1])
+    return start, end + 1 - start
+
+
+def _rounds(ids: torch.Tensor, places: torch.Tensor) -> int:
+    """Most segments (runs of consecutive places) of one document among ``places`` of a row."""
+    doc = ids.gather(1, places)
+    new = torch.ones_like(places, dtype=torch.bool)
+    new[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (places[:, 1:] != places[:, :-1] + 1)
+    return max(int(torch.unique(doc[r][new[r]], return_counts=True)[1].max()) for r in range(doc.shape[0]))
+
+
+def work(doc_ids: torch.Tensor, key_positions: torch.Tensor, cp: int, causal: bool, heads_q: int) -> dict[str, Work]:
+    """Per style, the slowest rank's work for one call over these documents (``doc_ids`` [B, T]
+    of the full rows; ``key_positions`` [B, T]: every rank's tokens' places, rank after rank)."""
+    ids, places = doc_ids.cpu().long(), key_positions.cpu().long()
+    start, length = _runs(ids)
+    place = torch.arange(ids.shape[1]).expand_as(ids)
+    pairs = (place - start + 1) if causal else length  # keys each query reads
+    local = places.shape[1] // cp
+    per_rank = [int(pairs.gather(1, places[:, r * local:(r + 1) * local]).sum()) for r in range(cp)]
+    weight = pairs.double()
+    doc_length = float((weight * length).sum() / weight.sum())
+    gathered = max(_rounds(ids, places[:, r * local:(r + 1) * local]) for r in range(cp))
+    return {ALLGATHER: Work(max(per_rank), heads_q, doc_length, gathered),
+            ULYSSES: Work(int(pairs.sum()), heads_q // cp, doc_length, _rounds(ids, places))}
+
+
+# --- the measured tables ------------------------------------------------------------------------
+
+
+@functools.cache
+def _tables(kind: str) -> tuple[dict, ...]:
+    return tuple(json.loads(p.read_text()) for p in sorted(DATA.glob(f"{kind}_*.json")))
+
+
+def tables_for(device_name: str) -> tuple[dict | None, dict | None]:
+    """The attention-provider map and the collectives table measured on ``device_name``."""
+    def find(kind):
+        return next((t for t in _tables(kind) if t.get("device") == device_name), None)
+    return find("attention_providers"), find("collectives")
+
+
+def _weighted_length(lengths: list[int], causal: bool) -> tuple[float, float]:
+    """(pairs of one row's documents, their work-weighted length)."""
+    weights = [n * (n + 1) / 2 if causal else n * n for n in lengths]
+    return sum(weights), sum(w * n for w, n in zip(weights, lengths)) / sum(weights)
+
+
+def rate(providers: dict, call: Call, length: float, provider: str = "fa4") -> float | None:
+    """Pairs x query heads per ms of ``provider`` at documents of ``length``, interpolated in
+    log2 of the length between the map's rows of the call's class (None: no such row)."""
+    points = []
+    for r in providers["rows"]:
+        if (r["head_dim"] != call.head_dim or r["causal"] != call.causal or r["dtype"] != call.dtype
+                or (r["heads_q"] == r["heads_kv"]) != (call.heads_q == call.heads_kv)
+                or provider not in r["ms"] or "lengths" not in r):
+            continue
+        pairs, at = _weighted_length(r["lengths"], call.causal)
+        points.append((math.log2(at), pairs * r["heads_q"] / r["ms"][provider]))
+    if not points:
+        return None
+    points.sort()
+    x = math.log2(max(length, 1.0))
+    i = bisect.bisect_left([p[0] for p in points], x)
+    if i == 0 or i == len(points):
+        return points[min(i, len(points) - 1)][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else (y0 + y1) / 2
+
+
+def collective_ms(collectives: dict, op: str, bytes_leaving: float) -> float:
+    """``latency + bytes / bus bandwidth``: the op's bandwidth from its row, the latency the mean
+    over the timed rows (ms - bytes / bandwidth) of any op."""
+    busbw = {r["op"]: r["busbw_gbps"] for r in collectives["rows"] if "busbw_gbps" in r}
+    timed = [r for r in collectives["rows"] if "ms" in r and r["op"] in busbw]
+    latency = sum(r["ms"] - _leaving(r) / (busbw[r["op"]] * 1e6) for r in timed) / len(timed)
+    return latency + bytes_leaving / (busbw[op] * 1e6)
+
+
+def _leaving(row: dict) -> float:
+    return row["mib_per_rank"] * 2**20 * (row["ranks"] - 1) / row["ranks"]
+
+
+def _comm_ms(collectives: dict, style: str, call: Call, cp: int, kv_heads: int) -> float:
+    local = call.batch * call.tokens * call.head_dim * call.itemsize
+    size = {"q": local * call.heads_q, "kv": local * kv_heads}
+    total = 0.0
+    for op, tensor, count in COLLECTIVES[style]:
+        leaving = size[tensor] * (cp - 1) if op != "all_to_all" else size[tensor] * (cp - 1) / cp
+        total += count * collective_ms(collectives, op, leaving)
+    return total
+
+
+# --- the choice ---------------------------------------------------------------------------------
+
+
+def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> tuple[dict[str, Estimate | str], str]:
+    """Per style its estimate, or why it cannot take the call or cannot be priced; and which tables."""
+    providers, collectives = tables_for(device_name)
+    out: dict[str, Estimate | str] = {}
+    if providers is None or collectives is None:
+        why = f"no measured costs for {device_name}"
+        return {style: why for style in STYLES}, why
+    kv_heads, why_not = ulysses_kv_heads(call, cp)
+    for style in STYLES:
+        if style == ULYSSES and kv_heads is None:
+            out[style] = why_not
+            continue
+        w = works[style]
+        speed = rate(providers, call, w.length)
+        if speed is None:
+            out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
+            continue
+        compute = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS
+        comm = _comm_ms(collectives, style, call, cp, call.heads_kv if style == ALLGATHER else kv_heads)
+        out[style] = Estimate(style, compute, comm)
+    return out, f"measured on {device_name}"
+
+
+def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str) -> tuple[str, str]:
+    """(style, why: the forced style or the priced candidates, cheapest first)."""
+    priced, tables = estimates(call, works, cp, device_name)
+    kv_heads, why_not = ulysses_kv_heads(call, cp)
+    able = [s for s in STYLES if not (s == ULYSSES and kv_heads is None)]
+    ranked = sorted((e for e in priced.values() if isinstance(e, Estimate)), key=lambda e: e.total_ms)
+    listing = " < ".join(e.describe() for e in ranked)
+    unpriced = "; ".join(f"{s}: {why}" for s, why in priced.items() if isinstance(why, str) and s in able)
+    notes = [x for x in (listing, unpriced) if x]
+    if why_not:
+        notes.append(why_not)
+    if kv_heads and kv_heads != call.heads_kv and ULYSSES in able:
+        notes.append(f"ulysses: key/value heads repeated to {kv_heads}")
+    notes.append(f"{RING}: not offered by this pass yet")
+    detail = "; ".join(notes)
+    if forced != "auto":
+        if forced not in STYLES:
+            raise ValueError(f"context_parallel_style={forced!r}: expected auto or one of {STYLES}")
+        if forced in able:
+            return forced, f"set by config; {detail}"
+        return ALLGATHER, f"context_parallel_style={forced} cannot take it; {detail}"
+    if not ranked:
+        return ALLGATHER, f"auto, {tables}: the default; {detail}"
+    return ranked[0].style, f"auto, predicted ({tables}): {detail}"

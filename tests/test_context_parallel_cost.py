@@ -1,0 +1,102 @@
+"""The cost model the context-parallel pass chooses a style by (passes/analysis/context_parallel_cost.py):
+the work it counts from a layout, the measured tables it reads, the choice and its report text."""
+
+from __future__ import annotations
+
+import torch
+from expecttest import TestCase
+
+from cp_inductor.parallel.batch import plan_places
+from cp_inductor.passes.analysis import context_parallel_cost as cost
+
+H200 = "NVIDIA H200"
+
+
+def _layout(lengths: list[int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's document ids and every rank's places, rank after rank (as shard_batch keeps them)."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    return ids, plan_places(ids, cp).transpose(0, 1).reshape(1, -1)
+
+
+class TestWork(TestCase):
+    def test_one_causal_document_over_two_ranks(self):
+        """8 tokens, cp 2: rank 0 holds places 0,1 and 6,7 (1+2+7+8 = 18 causal pairs), rank 1
+        places 2-5 (3+4+5+6 = 18). Rank 0's two pieces are two rounds; Ulysses sees the tokens
+        rank after rank (0,1,6,7,2,3,4,5): three runs of the one document, three rounds."""
+        ids, places = _layout([8], cp=2)
+        works = cost.work(ids, places, 2, causal=True, heads_q=4)
+        self.assertEqual(works[cost.ALLGATHER], cost.Work(pairs=18, heads=4, length=8.0, rounds=2))
+        self.assertEqual(works[cost.ULYSSES], cost.Work(pairs=36, heads=2, length=8.0, rounds=3))
+
+    def test_documents_bidirectional(self):
+        """Documents of 4 and 12 tokens, bidirectional: each query reads its whole document; the
+        work-weighted length is (16 * 4 + 144 * 12) / 160."""
+        ids, places = _layout([4, 12], cp=2)
+        works = cost.work(ids, places, 2, causal=False, heads_q=4)
+        self.assertEqual(works[cost.ULYSSES].pairs, 4 * 4 + 12 * 12)
+        self.assertEqual(works[cost.ALLGATHER].pairs, (4 * 4 + 12 * 12) // 2)  # head-tail halves each document
+        self.assertAlmostEqual(works[cost.ULYSSES].length, (16 * 4 + 144 * 12) / 160)
+
+
+class TestTables(TestCase):
+    def test_collective_model_reproduces_the_timed_rows(self):
+        """latency + bytes / bus bandwidth against each timed all-to-all of the H200 table."""
+        _, collectives = cost.tables_for(H200)
+        for row in (r for r in collectives["rows"] if "ms" in r):
+            leaving = row["mib_per_rank"] * 2**20 * (row["ranks"] - 1) / row["ranks"]
+            self.assertLess(abs(cost.collective_ms(collectives, row["op"], leaving) - row["ms"]), 0.06, row)
+
+    def test_rate_at_a_measured_row_is_that_row(self):
+        """Interpolation passes through the map's own points: the FA4 time of a measured THD
+        pack is its pairs x heads over the rate at its length."""
+        providers, _ = cost.tables_for(H200)
+        row = next(r for r in providers["rows"] if r["layout"] == "thd" and r["tokens"] == 32768
+                   and r["head_dim"] == 128 and r["heads_kv"] == 8 and r["causal"])
+        pairs, length = cost._weighted_length(row["lengths"], True)
+        call = cost.Call(1, row["tokens"], 32, 8, 128, True, 2, "bfloat16")
+        self.assertAlmostEqual(pairs * 32 / cost.rate(providers, call, length), row["ms"]["fa4"], places=6)
+
+    def test_no_tables_for_a_device(self):
+        self.assertEqual(cost.tables_for("cpu"), (None, None))
+
+
+class TestChoice(TestCase):
+    def test_ulysses_kv_heads(self):
+        """K/V heads repeated up to a multiple of cp where that still divides the query heads."""
+        def heads(hq, hkv, cp):
+            return cost.ulysses_kv_heads(cost.Call(1, 1024, hq, hkv, 128, True, 2, "bfloat16"), cp)
+
+        self.assertEqual(heads(16, 4, 8), (8, None))
+        self.assertEqual(heads(32, 8, 4), (8, None))
+        self.assertEqual(heads(6, 2, 4)[0], None)
+        self.assertIn("query heads divisible by cp=4", heads(6, 2, 4)[1])
+        self.assertEqual(heads(8, 3, 2)[0], None)  # lcm(3, 2) = 6 does not divide 8
+
+    def _choose(self, lengths, cp, hq, hkv, forced="auto", device=H200):
+        ids, places = _layout(lengths, cp)
+        call = cost.Call(1, sum(lengths) // cp, hq, hkv, 128, True, 2, "bfloat16")
+        return cost.choose(call, cost.work(ids, places, cp, True, hq), cp, device, forced)
+
+    def test_gqa_goes_to_the_all_gather(self):
+        """GQA 4:1 at T64K cp 2: the all-gather moves K and V (8 heads of 32), Ulysses q, k, v and
+        out: the same compute, half the bytes."""
+        self.assertExpectedInline(self._choose([65536], 2, 32, 8)[1], """\
+auto, predicted (measured on NVIDIA H200): allgather 101.73 ms (compute 100.06 + comm 1.68) < ulysses 103.72 ms (compute 100.11 + comm 3.62); ring: not offered by this pass yet""")
+
+    def test_mha_at_cp8_goes_to_ulysses(self):
+        """MHA at T128K cp 8: the all-gather brings 7 ranks' K and V of every head; Ulysses 7/8 of
+        four tensors of this rank's tokens."""
+        style, why = self._choose([131072], 8, 32, 32)
+        self.assertEqual(style, cost.ULYSSES, why)
+        self.assertExpectedInline(why, """\
+auto, predicted (measured on NVIDIA H200): ulysses 103.40 ms (compute 98.87 + comm 4.53) < allgather 113.02 ms (compute 98.22 + comm 14.80); ring: not offered by this pass yet""")
+
+    def test_forced_style_it_cannot_take(self):
+        style, why = self._choose([4096], 4, 6, 2, forced="ulysses")
+        self.assertEqual(style, cost.ALLGATHER)
+        self.assertTrue(why.startswith("context_parallel_style=ulysses cannot take it; allgather"), why)
+        self.assertIn("ulysses needs query heads divisible by cp=4 (query 6)", why)
+
+    def test_unpriced_device_keeps_the_all_gather(self):
+        self.assertExpectedInline(self._choose([4096], 2, 32, 8, device="cpu")[1], """\
+auto, no measured costs for cpu: the default; allgather: no measured costs for cpu; ulysses: no measured costs for cpu; ring: not offered by this pass yet""")
