@@ -18,9 +18,10 @@ K/V heads HF repeats for SDPA gathered un-repeated)::
 
 (``doc_ids``, ``query_positions``, ``key_positions``: the new inputs; one document per row where
 the model's call is causal or bidirectional without a mask; the plan made once per kind of
-call.) ``context_parallel_style="ulysses"`` (heads divisible by cp): q, k, v all-to-all'ed to
-every token of this rank's heads, the same op over them (queries and keys at ``key_positions``),
-the output all-to-all'ed back. The attention op is the document-mask lowering of torch's flex CP:
+call.) Ulysses (query heads divisible by cp): q, k, v (K/V heads repeated up to a multiple of cp
+where fewer) all-to-all'ed to every token of this rank's heads, the same op over them (queries
+and keys at ``key_positions``), the output all-to-all'ed back. Which one, per call:
+``analysis/context_parallel_cost`` (``context_parallel_style``: auto, or forced). The attention op is the document-mask lowering of torch's flex CP:
 FA4 varlen over each query segment's document prefix, reading the keys in place, where it runs.
 
 What it proves per call, else the compile fails naming the call (computing this rank's tokens
