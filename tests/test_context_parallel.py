@@ -98,7 +98,8 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
             lines.append(f"input {n.name}")
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-            if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat")):
+            if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
+                                                      "checkpoint")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -106,7 +107,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
     return "\n".join(lines)
 
 
-def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None, **options):
+def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None, bodies: bool = False, **options):
     seen = {}
 
     def backend(gm, example_inputs):
@@ -120,6 +121,9 @@ def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None, **options):
         local = shard_batch(batch or {"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long),
                                       "position_ids": POSITIONS}, group)
         torch.compile(fn, backend=backend)(*args, local["position_ids"])
+    if bodies:  # the outer graph, its one checkpointed body, and the outer graph's code
+        body = next(m for n, m in seen["gm"].named_children() if isinstance(m, torch.fx.GraphModule))
+        return _summary(seen["gm"], name), _summary(body, name), seen["gm"].code
     return _summary(seen["gm"], name)
 
 
@@ -136,11 +140,11 @@ input l_v_
 input cp_doc_ids
 input cp_query_positions
 input cp_key_positions
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
 contiguous = contiguous(k_1)
 all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
 contiguous_1 = contiguous(v)
 all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
-document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_18, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
     def test_is_causal_attends_across_documents(self):
@@ -164,14 +168,52 @@ document_shard_attention_default = document_shard_attention(transpose, all_gathe
         q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
         summary = _rewritten(_attention, q, k, k.clone(), cp=4, context_parallel_style="ulysses")
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_key_positions, cp_key_positions, False, True)
 repeat_interleave = repeat_interleave(k_1, 2)
 repeat_interleave_1 = repeat_interleave(v, 2)
 scatter_heads = scatter_heads(q_1, 'bhsd', 4, cp)
 scatter_heads_1 = scatter_heads(repeat_interleave, 'bhsd', 4, cp)
 scatter_heads_2 = scatter_heads(repeat_interleave_1, 'bhsd', 4, cp)
-document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_key_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(scatter_heads, scatter_heads_1, scatter_heads_2, [7 plan tensors], getitem_18, cp_doc_ids, cp_key_positions, cp_key_positions, 0.3535533905932738, True)
 gather_heads = gather_heads(getitem_19, 'bhsd', 4, cp)""")
+
+
+    def test_checkpointed_body_is_rewritten_inside(self):
+        """Attention inside an activation-checkpointed body (``torch.utils.checkpoint``, as HF's
+        gradient checkpointing calls it): the plan is made once outside, its tensors and the
+        layout become inputs of the body (recomputed with it in the backward, the all-gathers
+        too), and the mask, no longer read, is no longer passed in or built."""
+        def checkpointed(q, k, v, position_ids):
+            def body(q, k, v, mask):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            q, k, v = _rotated(q, k, v, position_ids)
+            return torch.utils.checkpoint.checkpoint(body, q, k, v, auto_cp.document_mask(position_ids), use_reentrant=False)
+
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        outer, body, code = _rewritten(checkpointed, q, k, k.clone(), bodies=True)
+        self.assertNotIn("tril", code)  # the mask is not built
+        self.assertExpectedInline("\n".join(line for line in outer.splitlines() if "checkpoint" in line), """\
+tag_activation_checkpoint = tag_activation_checkpoint(wrap_body_0_cp, q_1, k_1, v, cp_doc_ids, getitem_12, getitem_13, getitem_14, getitem_15, getitem_16, getitem_17, getitem_18, getitem_19, cp_query_positions, cp_key_positions)""")
+        self.assertExpectedInline(body, """\
+input q_1
+input k_1
+input v
+input cp_doc_ids
+input cp_plan_0
+input cp_plan_1
+input cp_plan_2
+input cp_plan_3
+input cp_plan_4
+input cp_plan_5
+input cp_plan_6
+input cp_plan_meta
+input cp_query_positions
+input cp_key_positions
+contiguous = contiguous(k_1)
+all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
+contiguous_1 = contiguous(v)
+all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
+document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], cp_plan_meta, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
 
 def _refused(fn, *args, match: str):
@@ -214,15 +256,6 @@ class TestRefused:
 
         q = torch.randn(1, 8, 2, 8)
         _refused(dropped, q, q.clone(), q.clone(), match="has dropout")
-
-    def test_attention_in_a_checkpointed_region(self):
-        def checkpointed(q, k, v, position_ids):
-            def body(q, k, v):
-                return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), is_causal=True)
-            return torch.utils.checkpoint.checkpoint(body, q, k, v, use_reentrant=False)
-
-        q = torch.randn(1, 8, 2, 8)
-        _refused(checkpointed, q, q.clone(), q.clone(), match="inside the subgraph .* is not taken yet")
 
     def test_attention_written_out(self):
         def eager(q, k, v, position_ids):
@@ -316,12 +349,16 @@ def test_packs_change_between_steps():
 
 def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
-    plain, GQA: no line of CP code in the model."""
+    plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a
+    checkpointed body): no line of CP code in the model."""
     pytest.importorskip("transformers")
     pack = auto_cp.packed_batch([6, 10, 8, 8])
     plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
     cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), batch) for batch in (pack, plain)]
+    cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack))
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     assert all("documents, causal" in line for line in results[0][0]["lines"]), results[0][0]["lines"]
+    checkpointed = results[0][2]["lines"]
+    assert len(checkpointed) == 2 and all("tag_activation_checkpoint" in line for line in checkpointed), checkpointed
 

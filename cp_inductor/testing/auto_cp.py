@@ -104,14 +104,18 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
-def hf_llama(attn: str = "sdpa", kv_heads: int = 2) -> nn.Module:
-    """A tiny HF transformers ``LlamaForCausalLM`` (random weights, seed 0)."""
+def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False) -> nn.Module:
+    """A tiny HF transformers ``LlamaForCausalLM`` (random weights, seed 0), each decoder layer
+    activation-checkpointed where ``checkpointing`` (HF's own switch)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=kv_heads, head_dim=8, attn_implementation=attn, use_cache=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def _loss(out) -> torch.Tensor:

@@ -96,6 +96,11 @@ def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
     return heads, None
 
 
+def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
+    """The K/V heads ``style`` moves and attends with, None where it cannot take the call."""
+    return call.heads_kv if style == ALLGATHER else ulysses_kv_heads(call, cp)[0]
+
+
 # --- work, from the layout ----------------------------------------------------------------------
 
 
@@ -211,10 +216,10 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
     if providers is None or collectives is None:
         why = f"no measured costs for {device_name}"
         return {style: why for style in STYLES}, why
-    kv_heads, why_not = ulysses_kv_heads(call, cp)
     for style in STYLES:
-        if style == ULYSSES and kv_heads is None:
-            out[style] = why_not
+        kv_heads = sent_kv_heads(call, style, cp)
+        if kv_heads is None:
+            out[style] = ulysses_kv_heads(call, cp)[1] or ""
             continue
         w = works[style]
         speed = rate(providers, call, w.length)
@@ -222,7 +227,7 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
             out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
             continue
         compute = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS
-        comm = _comm_ms(collectives, style, call, cp, call.heads_kv if style == ALLGATHER else kv_heads)
+        comm = _comm_ms(collectives, style, call, cp, kv_heads)
         out[style] = Estimate(style, compute, comm)
     return out, f"measured on {device_name}"
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -56,7 +56,9 @@ from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 NAME = "context_parallel"
 _FLEX = torch.ops.higher_order.flex_attention
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
+LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
@@ -83,14 +85,88 @@ def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in SDPA or n.target is _FLEX)]
 
 
+@dataclass
+class Site:
+    """An attention call, the graph module holding it, and where that is a checkpointed body
+    (``torch.utils.checkpoint``, HF's gradient checkpointing), the call of it in the outer graph."""
+
+    node: torch.fx.Node
+    module: torch.fx.GraphModule
+    region: torch.fx.Node | None = None
+    threaded: dict = field(default_factory=dict)  # outer node -> the body's input for it
+
+    def _inputs(self) -> list[torch.fx.Node]:
+        return [n for n in self.module.graph.nodes if n.op == "placeholder"]
+
+    def outer(self, n):
+        """What a body input is in the outer graph (anything else as it is)."""
+        if self.region is None or not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.graph is not self.module.graph:
+            return n
+        return self.region.args[1 + self._inputs().index(n)]
+
+    def thread(self, n: torch.fx.Node, name: str) -> torch.fx.Node:
+        """Outer node ``n`` as the body sees it (a new input ``name`` of the body, once)."""
+        if self.region is None:
+            return n
+        if n not in self.threaded:
+            with self.module.graph.inserting_after(self._inputs()[-1]):
+                inner = self.module.graph.placeholder(name)
+            if "example_value" in n.meta:
+                inner.meta["example_value"] = n.meta["example_value"]
+            self.region.args = (*self.region.args, n)
+            self.threaded[n] = inner
+        return self.threaded[n]
+
+    def drop_if_unread(self, n) -> None:
+        """A body input nothing reads any more, and the outer nodes only it read."""
+        if self.region is None or not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.users:
+            return
+        args = list(self.region.args)
+        outer = args.pop(1 + self._inputs().index(n))
+        self.region.args = tuple(args)
+        self.module.graph.erase_node(n)
+        erase_dead(self.region.graph, outer)
+
+
+def _checkpoints(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The outer graph's checkpointed calls whose body holds attention."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _CHECKPOINT
+            and _attention_calls(getattr(gm, n.args[0].target))]
+
+
+def _sites(gm: torch.fx.GraphModule) -> list[Site]:
+    """Every attention call of ``gm`` (our copy) in the outer graph's order; each checkpointed
+    body that holds one becomes a copy of its own (Dynamo's stays as it was)."""
+    sites = [Site(n, gm) for n in _attention_calls(gm)]
+    for region in _checkpoints(gm):
+        attr = region.args[0]
+        body = getattr(gm, attr.target)
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(body.graph, {}))
+        name = f"{attr.target}_cp"
+        gm.add_submodule(name, torch.fx.GraphModule(body, graph))
+        with gm.graph.inserting_before(region):
+            attr_copy = gm.graph.get_attr(name)
+        attr_copy.meta.update(attr.meta)
+        region.update_arg(0, attr_copy)
+        if not attr.users:
+            gm.graph.erase_node(attr)
+            gm.delete_submodule(attr.target)
+        body = getattr(gm, name)
+        sites += [Site(n, body, region) for n in _attention_calls(body)]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(sites, key=lambda site: order[site.region or site.node])
+
+
 def _untaken(gm: torch.fx.GraphModule, tokens) -> str | None:
     """An attention this pass does not take yet, which the program would then compute over this
-    rank's tokens alone: a call inside a subgraph (an activation-checkpointed region's body), a
-    packed-sequence (varlen) or FA4 call, or attention spelled as a softmax over ``[.., T, T]``
-    scores (HF's ``eager``)."""
+    rank's tokens alone: a call inside a subgraph other than a checkpointed body of the graph
+    itself, a packed-sequence (varlen) or FA4 call, or attention spelled as a softmax over
+    ``[.., T, T]`` scores (HF's ``eager``)."""
+    bodies = {n.args[0].target for n in _checkpoints(gm)}
     for name, module in gm.named_modules():
-        if module is not gm and isinstance(module, torch.fx.GraphModule) and _attention_calls(module):
-            return f"an attention call inside the subgraph {name} (an activation-checkpointed region?)"
+        if module is not gm and isinstance(module, torch.fx.GraphModule) and _attention_calls(module) and name not in bodies:
+            return f"an attention call inside the subgraph {name} (of a higher-order op other than checkpoint, or nested)"
     packed = [c.name for c in varlen_calls.find(gm)] + [r.attention for r in varlen_calls.fa4_calls(gm)]
     if packed:
         return f"a packed-sequence or FA4 attention call ({packed[0]})"
@@ -126,8 +202,8 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
     return found[0][0], found[0][1], positions, found[0][2]
 
 
-def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node | None) -> Semantics:
-    mask = args.get("attn_mask")
+def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> Semantics:
+    node, mask = site.node, site.outer(args.get("attn_mask"))
     if mask is None:
         return Semantics(ONE_DOCUMENT, bool(args.get("is_causal")))
     if not isinstance(mask, torch.fx.Node):
@@ -142,7 +218,7 @@ def _semantics(node: torch.fx.Node, args: dict, positions: torch.fx.Node | None)
             "(documents from position ids, causal or not, are)")
     if facts.doc_ids is None:
         return Semantics(ONE_DOCUMENT, facts.causal)
-    if positions is None or mask_analysis.reset_leaf(facts) is not positions:
+    if positions is None or site.outer(mask_analysis.reset_leaf(facts)) is not positions:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
             "position ids shard_batch made: their places in the full rows are not known")
@@ -215,29 +291,36 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
                                                   cfg.context_parallel_style)
     except ValueError as e:
         raise ContextParallelError(str(e)) from None
-    kv_heads = context_parallel_cost.ulysses_kv_heads(call, shard.cp)[0] if style == ULYSSES else call.heads_kv
+    kv_heads = context_parallel_cost.sent_kv_heads(call, style, shard.cp)
+    assert kv_heads is not None, (style, call)  # choose() returns a style that takes the call
     return style, why, kv_heads
 
 
-def _plan(g: torch.fx.Graph, plans: dict, key, semantics: Semantics, doc_ids, query_positions, key_positions, q,
-          keys_per_query: int):
-    """The shard plan of ``key`` (made once per graph): (ids, plan tensors, meta)."""
+def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inputs, anchor: torch.fx.Node):
+    """The shard plan of one kind of call, made once per graph (before ``anchor``, its first
+    reader): (ids, plan tensors, meta, query positions, key positions). Ulysses' queries are
+    every rank's tokens, like its keys."""
+    key = (style, semantics)
     if key not in plans:
-        ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
-        sizes = [g.call_function(torch.ops.aten.sym_size.int, (q, d)) for d in (0, 2)]
-        keys = g.call_function(operator.mul, (sizes[1], keys_per_query)) if keys_per_query != 1 else sizes[1]
-        plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
-                               (ids, query_positions, key_positions, False, semantics.causal, sizes[0], sizes[1], keys))
-        parts = g.call_function(operator.getitem, (plan, 0))
-        plans[key] = (ids, [g.call_function(operator.getitem, (parts, i)) for i in range(7)],
-                      g.call_function(operator.getitem, (plan, 1)))
+        doc_ids, query_positions, key_positions = inputs
+        if style == ULYSSES:
+            query_positions = key_positions
+        with g.inserting_before(anchor):
+            ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
+            rows, queries, keys = (g.call_function(torch.ops.aten.sym_size.int, (x, d))
+                                   for x, d in ((query_positions, 0), (query_positions, 1), (key_positions, 1)))
+            plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
+                                   (ids, query_positions, key_positions, False, semantics.causal, rows, queries, keys))
+            parts = g.call_function(operator.getitem, (plan, 0))
+            plans[key] = (ids, *(g.call_function(operator.getitem, (parts, i)) for i in range(7)),
+                          g.call_function(operator.getitem, (plan, 1)), query_positions, key_positions)
     return plans[key]
 
 
-def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, inputs,
-             plans: dict, group_name: str, cp: int, kv_heads: int) -> None:
-    g = gm.graph
-    doc_ids, query_positions, key_positions = inputs
+def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, layout: list,
+             group_name: str, cp: int, kv_heads: int) -> None:
+    """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``."""
+    ids, *parts, meta, query_positions, key_positions = layout
     q = args["query"]
     scale = args.get("scale")
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
@@ -248,15 +331,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict, semantic
             if repeat > 1:  # fewer K/V heads than ranks: each rank its copy (grouping kept: q head h reads h // (Hq / kv_heads))
                 k, v = (g.call_method("repeat_interleave", (x, repeat), {"dim": 1}) for x in (k, v))
             q, k, v = (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)) for x in (args["query"], k, v))
-            ids, parts, meta = _plan(g, plans, (style, semantics), semantics, doc_ids, key_positions, key_positions, q, 1)
-            positions = (key_positions, key_positions)
         else:
             k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
                     for name in ("key", "value"))
-            ids, parts, meta = _plan(g, plans, (style, semantics), semantics, doc_ids, query_positions, key_positions, q, cp)
-            positions = (query_positions, key_positions)
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (q, k, v, parts, meta, ids, *positions, scale, semantics.causal))
+                                    (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal))
         out = g.call_function(operator.getitem, (attention, 0))
         if style == ULYSSES:
             out = g.call_function(gather_heads, (out, "bhsd", cp, group_name))
@@ -288,7 +367,7 @@ def _own_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torc
 def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
     layout = _layout_input(gm, example_inputs)
     tokens = value(layout[1]).shape[1] if layout is not None else None
-    calls, untaken = _attention_calls(gm), _untaken(gm, tokens)
+    calls, untaken = _attention_calls(gm) + _checkpoints(gm), _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
         return gm, example_inputs, _unchanged
     if layout is None:
@@ -302,33 +381,37 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     gm, nodes = _own_copy(gm)
     index, batch_input, positions, shard = layout
     batch_input, positions = nodes[batch_input], nodes.get(positions) if positions is not None else None
-    calls = [nodes[n] for n in calls]
     if shard.group_name != cfg.context_parallel:
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
-    checked = [(node, _check_call(node, tokens)) for node in calls]
-    semantics = [(node, args, _semantics(node, args, positions)) for node, args in checked]
+    sites = _sites(gm)
+    checked = [(site, _check_call(site.node, tokens)) for site in sites]
+    semantics = [(site, args, _semantics(site, args, positions)) for site, args in checked]
     inputs = _add_inputs(gm, shard, batch_input)
     plans: dict = {}
     works: dict = {}
-    for node, args, meaning in semantics:
-        name = node.name
+    for site, args, meaning in semantics:
+        name = site.node.name if site.region is None else f"{site.region.name}/{site.node.name}"  # checkpointed
         repeated = (args["key"], args["value"])
         heads = value(args["query"]).shape[1]
         k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
         style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
-        _rewrite(gm, node, args, meaning, style, inputs, plans, shard.group_name, shard.cp, kv_heads)
+        layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)
+        _rewrite(site.module.graph, site.node, args, meaning, style, [site.thread(n, name) for n, name in zip(layout_nodes, LAYOUT_NAMES)],
+                 shard.group_name, shard.cp, kv_heads)
         for x in repeated:
-            erase_dead(gm.graph, x)
+            erase_dead(site.module.graph, x)
+        site.drop_if_unread(args.get("attn_mask"))
         record_varlen(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment where it runs)"))
-    gm.graph.lint()
-    gm.recompile()
+    for module in {id(m): m for m in (gm, *(site.module for site in sites))}.values():
+        module.graph.lint()
+        module.recompile()
     return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
 
 
