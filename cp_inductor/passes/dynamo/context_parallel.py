@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -51,12 +51,12 @@ from ..analysis import context_parallel_cost, mask_analysis
 from ..analysis.context_parallel_cost import ALLGATHER, ULYSSES
 from ..analysis.op_schema import value
 from ..record import DYNAMO, InputsPass
-from . import varlen_calls
+from . import checkpoint_body, varlen_calls
+from .checkpoint_body import CheckpointBody
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 NAME = "context_parallel"
 _FLEX = torch.ops.higher_order.flex_attention
-_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
@@ -88,50 +88,34 @@ def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 @dataclass
 class Site:
     """An attention call, the graph module holding it, and where that is a checkpointed body
-    (``torch.utils.checkpoint``, HF's gradient checkpointing), the call of it in the outer graph."""
+    (``torch.utils.checkpoint``, HF's gradient checkpointing), the region it is the body of."""
 
     node: torch.fx.Node
     module: torch.fx.GraphModule
-    region: torch.fx.Node | None = None
-    threaded: dict = field(default_factory=dict)  # outer node -> the body's input for it
+    body: CheckpointBody | None = None
 
-    def _inputs(self) -> list[torch.fx.Node]:
-        return [n for n in self.module.graph.nodes if n.op == "placeholder"]
+    @property
+    def region(self) -> torch.fx.Node | None:
+        return self.body.hop if self.body is not None else None
 
     def outer(self, n):
-        """What a body input is in the outer graph (anything else as it is)."""
-        if self.region is None or not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.graph is not self.module.graph:
-            return n
-        return self.region.args[1 + self._inputs().index(n)]
+        """What ``n`` is in the outer graph."""
+        return self.body.outer(n) if self.body is not None else n
 
     def thread(self, n: torch.fx.Node, name: str) -> torch.fx.Node:
-        """Outer node ``n`` as the body sees it (a new input ``name`` of the body, once)."""
-        if self.region is None:
-            return n
-        if n not in self.threaded:
-            with self.module.graph.inserting_after(self._inputs()[-1]):
-                inner = self.module.graph.placeholder(name)
-            if "example_value" in n.meta:
-                inner.meta["example_value"] = n.meta["example_value"]
-            self.region.args = (*self.region.args, n)
-            self.threaded[n] = inner
-        return self.threaded[n]
+        """Outer node ``n`` as the call's graph sees it."""
+        return self.body.input_for(n, name) if self.body is not None else n
 
     def drop_if_unread(self, n) -> None:
         """A body input nothing reads any more, and the outer nodes only it read."""
-        if self.region is None or not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.users:
-            return
-        args = list(self.region.args)
-        outer = args.pop(1 + self._inputs().index(n))
-        self.region.args = tuple(args)
-        self.module.graph.erase_node(n)
-        erase_dead(self.region.graph, outer)
+        outer = self.body.drop_unread(n) if self.body is not None else None
+        if outer is not None:
+            erase_dead(outer.graph, outer)
 
 
 def _checkpoints(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The outer graph's checkpointed calls whose body holds attention."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _CHECKPOINT
-            and _attention_calls(getattr(gm, n.args[0].target))]
+    return [n for n in checkpoint_body.regions(gm) if _attention_calls(getattr(gm, n.args[0].target))]
 
 
 def _sites(gm: torch.fx.GraphModule) -> list[Site]:
@@ -152,8 +136,8 @@ def _sites(gm: torch.fx.GraphModule) -> list[Site]:
         if not attr.users:
             gm.graph.erase_node(attr)
             gm.delete_submodule(attr.target)
-        body = getattr(gm, name)
-        sites += [Site(n, body, region) for n in _attention_calls(body)]
+        body = CheckpointBody(region, getattr(gm, name))
+        sites += [Site(n, body.gm, body) for n in _attention_calls(body.gm)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(sites, key=lambda site: order[site.region or site.node])
 

@@ -47,6 +47,8 @@ from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
 from ..record import DYNAMO, CallPass
+from . import checkpoint_body
+from .checkpoint_body import CheckpointBody
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 aten = torch.ops.aten
@@ -57,17 +59,6 @@ PACKED = {"fa4": "fa4_varlen", "cudnn": "cudnn_ragged"}
 DENSE_CAUSAL = "sdpa_is_causal"
 
 _FLEX = torch.ops.higher_order.flex_attention
-
-
-@dataclass
-class CheckpointBody:
-    """An activation-checkpointed region (``torch.utils.checkpoint``: HF's gradient
-    checkpointing) holding attention calls: the outer graph's ``tag_activation_checkpoint`` call,
-    its body, and the values of the outer graph our rewrite handed the body as new inputs."""
-
-    hop: torch.fx.Node
-    gm: torch.fx.GraphModule
-    inputs: dict = field(default_factory=dict)  # outer node -> the body's placeholder for it
 
 
 @dataclass
@@ -157,14 +148,14 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
             calls.append(MaskedCall(node, args, analysis_reason=reason, body=body))
             continue
         if body is not None and args.get("flex"):  # the mask_mod's tables as the outer graph has them
-            outer = tuple(_outer(body, b) for b in args["mask_buffers"])
+            outer = tuple(body.outer(b) for b in args["mask_buffers"])
             constants = tuple(id(operator.attrgetter(n.target)(args["mask_mod"])) for n in args["mask_mod"].graph.nodes
                               if n.op == "get_attr")
             sizes = (tuple(value(args["query"]).shape), tuple(value(args["key"]).shape))
             args["attn_mask"] = (args["mask_mod"].code, constants, sizes, outer)  # one plan for the regions sharing them
             args["outer_buffers"] = outer
         elif body is not None:  # the mask as the outer graph computes it
-            args["attn_mask"] = _outer(body, args["attn_mask"])
+            args["attn_mask"] = body.outer(args["attn_mask"])
         mask = args["attn_mask"]
         if mask not in facts:
             facts[mask] = _read_mask(args)
@@ -181,16 +172,12 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     return sorted(calls, key=lambda c: order[c.body.hop] if c.body is not None else order[c.node])
 
 
-_CHECKPOINT = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-
-
 def _attention_nodes(gm: torch.fx.GraphModule):
     """(the GraphModule holding it, node, its CheckpointBody or None) for every node of ``gm``
     and of the bodies of its activation-checkpointed regions."""
     for node in gm.graph.nodes:
         yield gm, node, None
-    hops = [n for n in gm.graph.nodes if _CHECKPOINT is not None and n.op == "call_function" and n.target is _CHECKPOINT
-            and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "get_attr"]
+    hops = checkpoint_body.regions(gm)
     readers = collections.Counter(hop.args[0].target for hop in hops)
     for hop in hops:
         body = getattr(gm, hop.args[0].target)
@@ -207,41 +194,12 @@ def _body_reason(args: dict, body: CheckpointBody) -> str | None:
     if any(m.op != "placeholder" for m in masks):
         return "a mask built inside an activation-checkpointed region (not lowered yet)"
     placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
-    if len(body.hop.args) != len(placeholders) + 1 or not all(isinstance(_outer(body, m), torch.fx.Node) for m in masks):
+    if len(body.hop.args) != len(placeholders) + 1 or not all(isinstance(body.outer(m), torch.fx.Node) for m in masks):
         return "an activation-checkpointed region whose inputs are not its call's arguments one to one"
     q = value(args["query"])
     if not isinstance(q, torch.Tensor) or not all(isinstance(d, int) for d in q.shape):
         return "symbolic sizes inside an activation-checkpointed region (not lowered yet)"
     return None
-
-
-def _outer(body: CheckpointBody, placeholder: torch.fx.Node):
-    """The outer graph's argument a placeholder of ``body`` receives."""
-    placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
-    return body.hop.args[1 + placeholders.index(placeholder)]
-
-
-def _body_input(body: CheckpointBody, outer: torch.fx.Node | None):
-    """``outer`` (a node of the outer graph) as an input of ``body``: a new placeholder, and the
-    checkpoint call's new last argument (None stays None)."""
-    if outer is None:
-        return None
-    if outer not in body.inputs:
-        graph = body.gm.graph
-        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(last):
-            body.inputs[outer] = graph.placeholder(f"cp_{outer.name}")
-        body.hop.args = (*body.hop.args, outer)
-    return body.inputs[outer]
-
-
-def _drop_unread_input(body: CheckpointBody, placeholder: torch.fx.Node) -> None:
-    """A placeholder of ``body`` nothing reads any more, and its argument in the checkpoint call."""
-    if placeholder.users:
-        return
-    index = [n for n in body.gm.graph.nodes if n.op == "placeholder"].index(placeholder)
-    body.hop.args = body.hop.args[: 1 + index] + body.hop.args[2 + index:]
-    body.gm.graph.erase_node(placeholder)
 
 
 def why_not(call: MaskedCall, cfg) -> str | None:
@@ -604,7 +562,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             call.shared["plan"] = _plan(gm, call)
         ids, positions, cu, meta = call.shared["plan"]
         if call.body is not None:  # the plan is the outer graph's: handed to the body as inputs
-            ids, positions, cu, meta = (_body_input(call.body, x) for x in (ids, positions, cu, meta))
+            ids, positions, cu, meta = (call.body.input_for(x) for x in (ids, positions, cu, meta))
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
                                         (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
@@ -633,7 +591,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             g.erase_node(module)
     if call.body is not None:  # the body no longer takes the mask; the outer graph no longer builds it
         for mask in body_masks:
-            _drop_unread_input(call.body, mask)
+            call.body.drop_unread(mask)
         erase_dead(gm.graph, a["attn_mask"])
         call.body.gm.recompile()
 
