@@ -47,7 +47,7 @@ from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
 from ..record import DYNAMO, CallPass
-from . import checkpoint_body
+from . import checkpoint_body, flex_calls
 from .checkpoint_body import CheckpointBody
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
@@ -58,7 +58,6 @@ KEPT = "kept"
 PACKED = {"fa4": "fa4_varlen", "cudnn": "cudnn_ragged"}
 DENSE_CAUSAL = "sdpa_is_causal"
 
-_FLEX = torch.ops.higher_order.flex_attention
 
 
 @dataclass
@@ -97,19 +96,6 @@ class MaskedCall:
                            detail, self.path, reason, layout="mask")
 
 
-def _flex_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict | None:
-    """A flex_attention call's arguments under SDPA's names, its mask_mod and buffers as the
-    mask, or None for another call."""
-    if node.op != "call_function" or node.target is not _FLEX:
-        return None
-    q, k, v, score_mod, block_mask, scale, options, score_buffers, mask_buffers = node.args[:9]
-    mask_mod = getattr(gm, block_mask[-1].target) if isinstance(block_mask[-1], torch.fx.Node) else None
-    body = getattr(gm, score_mod.target) if isinstance(score_mod, torch.fx.Node) else None
-    return {"query": q, "key": k, "value": v, "scale": scale, "attn_mask": (block_mask[-1], tuple(mask_buffers)),
-            "mask_mod": mask_mod, "mask_buffers": tuple(mask_buffers), "score_mod": body, "score_buffers": score_buffers,
-            "flex": True}
-
-
 def _read_mask(args):
     """What the mask computes, or why it is kept (also where the reader itself fails: a mask we
     cannot read is a mask we keep)."""
@@ -136,7 +122,7 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
     facts: dict[object, mask_analysis.DocumentMask | str] = {}
     shared: dict[object, dict] = {}
     for owner, node, body in _attention_nodes(gm):
-        args = _flex_args(owner, node)
+        args = flex_calls.flex_args(owner, node)
         if args is None and node.op == "call_function" and node.target in SDPA:
             args = sdpa_args(node)
             if not isinstance(args.get("attn_mask"), torch.fx.Node):
@@ -339,43 +325,15 @@ def _position_reason(call: MaskedCall, node, axis: int, rank: int) -> str | None
 
 
 def _flex_reason(call: MaskedCall) -> str | None:
-    a = call.args
-    body = a["score_mod"]
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"] if body is not None else []
-    output = next((n for n in body.graph.nodes if n.op == "output"), None) if body is not None else None
-    if not placeholders or output is None or output.args[0] is not placeholders[0] or a["score_buffers"]:
-        return "a score_mod that changes the scores"
-    if any(u.target is not operator.getitem or (u.args[1] != 0 and not _unread(u)) for u in call.node.users):
-        return "the program reads the log-sum-exp"
+    reason = flex_calls.call_reason(call.args, call.node)
+    if reason is not None:
+        return reason
     facts = call.facts
     assert facts is not None and facts.traced is not None  # (why_not read the mask; the analysis keeps its trace)
     indices = [n for n in facts.traced.graph.nodes if n.op == "placeholder"][:4]  # b, h, q_idx, kv_idx
     if facts.doc_ids is not None and set(indices) & _above(facts.doc_ids):
         return "document ids computed from the mask_mod's indices"
     return None
-
-
-# What may read flex's log-sum-exp for it to count as unread when the readers are dead: views,
-# casts and arithmetic that write nothing (HF scales it by ln 2 and casts it).
-_PURE_METHODS = ("to", "transpose", "view", "reshape", "float", "type_as", "contiguous", "unsqueeze", "squeeze",
-                 "permute", "expand", "flatten", "clone", "detach", "mul", "add", "sub", "div", "exp", "log",
-                 "__mul__", "__add__", "__sub__", "__truediv__", "__neg__")
-_PURE_FUNCTIONS = (operator.getitem, operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
-                   torch.mul, torch.add, torch.sub, torch.div, torch.exp, torch.log)
-
-
-def _unread(node: torch.fx.Node) -> bool:
-    """Whether nothing but dead pure ops read ``node`` (HF's flex path on CUDA asks for the
-    log-sum-exp, which flex scales by ln 2 and HF casts and returns as its attention weights,
-    which the decoder layer drops). A write (``copy_``, ``out=``) keeps it read."""
-    def pure(u):
-        if "out" in u.kwargs:
-            return False
-        if u.op == "call_method":
-            return u.target in _PURE_METHODS
-        return u.op == "call_function" and u.target in _PURE_FUNCTIONS
-
-    return all(pure(u) and _unread(u) for u in node.users)
 
 
 def _above(node: torch.fx.Node) -> set:
@@ -572,23 +530,13 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         call.path = PACKED[call.provider]
     body_masks = _mask_inputs(call) if call.body is not None else []
     if a.get("flex"):  # (out, lse): the readers of out read ours; what reads lse is dead
-        out.meta["example_value"] = value(call.node)[0]
-        for user in list(call.node.users):
-            if user.args[1] == 0:
-                user.replace_all_uses_with(out)
-            _erase_unread(g, user)
+        flex_calls.replace(call.node, out)
     else:
         out.meta["example_value"] = value(call.node)
         call.node.replace_all_uses_with(out)
-    # flex's score_mod and mask_mod: graph attributes the call alone read (a checkpointed
-    # region's lint fails on one left behind)
-    modules = [x for x in (call.node.args[3], call.node.args[4][-1]) if isinstance(x, torch.fx.Node)] if a.get("flex") else []
-    g.erase_node(call.node)
+        g.erase_node(call.node)
     for dead in (a["key"], a["value"], *a.get("mask_buffers", ()), a["attn_mask"] if call.body is None and not a.get("flex") else None):
         erase_dead(g, dead)
-    for module in modules:
-        if not module.users:
-            g.erase_node(module)
     if call.body is not None:  # the body no longer takes the mask; the outer graph no longer builds it
         for mask in body_masks:
             call.body.drop_unread(mask)
@@ -636,12 +584,6 @@ def _bounds(call: MaskedCall) -> dict:
     """The ops' ``bounds`` keyword where the ids are a table of document starts or ends."""
     assert call.facts is not None  # (a lowered call)
     return {"bounds": document_attention.BOUNDS[call.facts.bound]} if call.facts.bound else {}
-
-
-def _erase_unread(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    for user in list(node.users):
-        _erase_unread(graph, user)
-    graph.erase_node(node)
 
 
 PASS = CallPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, finds=find)
