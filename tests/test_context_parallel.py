@@ -107,8 +107,11 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
     return "\n".join(lines)
 
 
+_LAST: dict = {}  # the graph module the last _rewritten made
+
+
 def _rewritten(fn, *args, cp: int = 2, rank: int = 0, batch=None, bodies: bool = False, **options):
-    seen = {}
+    seen = _LAST
 
     def backend(gm, example_inputs):
         gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs,
@@ -216,6 +219,24 @@ all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
 document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], cp_plan_meta, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
 
+    def test_flex_block_mask_built_in_the_graph(self):
+        """flex attention whose BlockMask the compiled code builds from the position ids (same
+        document, causal): the same gathered shard attention as SDPA's document mask; nothing
+        reads the BlockMask any more (its construction is dead code for AOTAutograd to drop)."""
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+
+        def flex(q, k, v, position_ids):
+            return auto_cp.flex_documents(*_rotated(q, k, v, position_ids), position_ids)
+
+        with torch.no_grad():  # (torch has no flex backward on CPU)
+            summary = _rewritten(flex, q, k, k.clone())
+        code = _LAST["gm"].code
+        self.assertNotIn("flex_attention", code)
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "document" in line), """\
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_17, cp_doc_ids, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
+
+
 def _refused(fn, *args, match: str):
     with pytest.raises(Exception, match=match):
         _rewritten(fn, *args)
@@ -249,6 +270,22 @@ class TestRefused:
 
         q = torch.randn(1, 8, 2, 8)
         _refused(other_ids, q, q.clone(), q.clone(), match="not the resets of the position ids")
+
+    def test_flex_tables_from_outside_the_graph(self):
+        """A flex mask_mod reading a document table the graph takes as an input (HF transformers
+        builds flex's BlockMask before a graph break): what the table holds is not known."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def flex(q, k, v, table, position_ids):
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (table[b, q_idx] == table[b, kv_idx]) & (q_idx >= kv_idx)
+            q, k, v = _rotated(q, k, v, position_ids)
+            return flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 1, None, 8, 8, device="cpu"))
+
+        q = torch.randn(1, 8, 2, 8)
+        with torch.no_grad():
+            _refused(flex, q, q.clone(), q.clone(), torch.zeros(1, 8, dtype=torch.long),
+                     match="come in as inputs of this graph")
 
     def test_dropout(self):
         def dropped(q, k, v, position_ids):
@@ -333,6 +370,21 @@ def test_decoder_training_matches_single_device_cp4():
     _assert_steps(results, cases)
     assert all(_style(line) == "ulysses" and "key/value heads repeated to 4" in line
                for line in results[0][1]["lines"]), results[0][1]["lines"]
+
+
+def test_flex_forward_matches_single_device():
+    """flex attention with its BlockMask built in the model (same document, causal) at cp 2,
+    forward only (torch has no flex backward on CPU; training numerics run on the GPU): the
+    combined loss is the single-device loss."""
+    pack, _ = _batches(rows=2)
+    cases = [(functools.partial(auto_cp.decoder, "flex"), pack), (functools.partial(auto_cp.decoder, "flex"), pack, ULYSSES)]
+    results = run_on_ranks(auto_cp.cp_forwards, 2, cases)
+    for (make, batch, *_), got in zip(cases, results[0]):
+        with torch.no_grad():
+            want = make()(**batch).item()
+        assert abs(got["loss"] - want) <= 1e-5 * abs(want), (got["loss"], want, got["lines"])
+        assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
+    assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
 
 
 def test_packs_change_between_steps():

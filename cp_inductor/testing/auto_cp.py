@@ -36,6 +36,20 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
 
 
+def flex_documents(q, k, v, position_ids: torch.Tensor) -> torch.Tensor:
+    """flex attention, same document and causal, its BlockMask built here from the positions (a
+    model that builds it in its own forward; HF and torchtitan build it outside)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(same_document_causal, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, mask: str):
         super().__init__()
@@ -55,6 +69,8 @@ class Block(nn.Module):
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         if self.mask == "documents":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids), enable_gqa=True)
+        elif self.mask == "flex":
+            out = flex_documents(q, k, v, position_ids)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.mask == "causal", enable_gqa=True)
         h = h + self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -164,6 +180,21 @@ def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = 
     model, compiled = _compiled(make_model, options)
     loss, grads = _train_step(model, compiled, batch)
     return {"loss": loss, "grads": grads, "lines": [r.line() for r in cp_inductor.report().varlen]}
+
+
+def cp_forwards(rank: int, cp: int, cases: list) -> list:
+    """Per ``(make_model, batch[, options])``: the loss of one forward (no gradients: flex has no
+    CPU backward to trace) on this rank's share, combined over the ranks, and the report's lines."""
+    import cp_inductor
+
+    out = []
+    for make_model, batch, *options in cases:
+        cp_inductor.clear_report()
+        _, compiled = _compiled(make_model, *options)
+        with torch.no_grad():
+            loss = cp_batch.combine_losses(_loss(compiled(**cp_batch.shard_batch(batch)))).item()
+        out.append({"loss": loss, "lines": [r.line() for r in cp_inductor.report().varlen]})
+    return out
 
 
 def cp_varying_steps(rank: int, cp: int, make_model, packs: list) -> list:

@@ -538,14 +538,25 @@ def _resets_of(doc_ids) -> torch.fx.Node | None:
 
 def reset_leaf(facts: DocumentMask) -> torch.fx.Node | None:
     """The Dynamo graph's input whose resets are ``facts``' documents (``ids = cumsum(diff(p) != 1)``,
-    HF's packed-sequence detection of ``p = position_ids``), or None."""
+    HF's packed-sequence detection of ``p = position_ids``), or None. A table handed to a flex
+    mask_mod (HF builds the ids outside it) is read where the Dynamo graph computes it."""
     if facts.doc_ids is None or facts.traced is None:
         return None
-    p = _resets_of(facts.doc_ids)
+    return _reset_input(facts.doc_ids, facts.traced)
+
+
+def _reset_input(ids: torch.fx.Node, traced: mask_graph.Traced, hops: int = 1) -> torch.fx.Node | None:
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if ids.op == "placeholder":
+        leaf = traced.leaves[placeholders.index(ids)]
+        if hops == 0 or not isinstance(leaf, torch.fx.Node) or leaf.op not in ("call_function", "call_method"):
+            return None
+        producers = mask_graph.trace(leaf)
+        return _reset_input(producers.output, producers, hops - 1) if not isinstance(producers, str) else None
+    p = _resets_of(ids)
     if not isinstance(p, torch.fx.Node) or p.op != "placeholder":
         return None
-    placeholders = [n for n in facts.traced.graph.nodes if n.op == "placeholder"]
-    return facts.traced.leaves[placeholders.index(p)]
+    return traced.leaves[placeholders.index(p)]
 
 
 def _axis_of(x) -> int | None:

@@ -47,18 +47,16 @@ def _dummy(node: torch.fx.Node):
     return torch.zeros(shape, dtype=v.dtype, device=v.device)
 
 
-def trace(node: torch.fx.Node) -> Traced | str:
-    """The aten graph computing ``node`` from the leaves it reads, or why it cannot be had."""
-    graph = node.graph
-    above = Walk([node], lambda n: () if _leaf(n) else n.all_input_nodes, limit=MAX_NODES)
-    nodes = set(above)
-    if len(nodes) >= MAX_NODES:
+def _copy_producers(nodes: list, sub: torch.fx.Graph, env: dict) -> list[torch.fx.Node] | str:
+    """The ops of ``nodes``' graph computing them, copied into ``sub`` (``env``: theirs by the
+    graph's), their leaves as new placeholders; the leaves, or why it cannot be had."""
+    graph = nodes[0].graph
+    above = set(Walk(nodes, lambda n: () if _leaf(n) else n.all_input_nodes, limit=MAX_NODES))
+    if len(above) >= MAX_NODES:
         return f"the mask is built by more than {MAX_NODES} ops"
-    sub = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
     leaves: list[torch.fx.Node] = []
     for n in graph.nodes:
-        if n not in nodes:
+        if n not in above:
             continue
         if _leaf(n):
             env[n] = sub.placeholder(f"leaf_{len(leaves)}")
@@ -67,8 +65,48 @@ def trace(node: torch.fx.Node) -> Traced | str:
             env[n] = sub.node_copy(n, lambda a: env[a])
         else:
             return f"the mask reads {n.op} {n.target}"
+    return leaves
+
+
+def trace(node: torch.fx.Node) -> Traced | str:
+    """The aten graph computing ``node`` from the leaves it reads, or why it cannot be had."""
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    leaves = _copy_producers([node], sub, env)
+    if isinstance(leaves, str):
+        return leaves
     sub.output(env[node])
-    return trace_module(torch.fx.GraphModule(graph.owning_module, sub), leaves, [_dummy(n) for n in leaves])
+    return trace_module(torch.fx.GraphModule(node.graph.owning_module, sub), leaves, [_dummy(n) for n in leaves])
+
+
+def trace_mask_mod_with_tables(mask_mod: torch.fx.GraphModule, buffers, device: torch.device) -> Traced | str:
+    """:func:`trace_mask_mod` with the ops of the Dynamo graph that compute its tables traced in
+    too (its leaves: the graph's inputs), so that a table the graph builds (HF's document ids from
+    the position ids, its ``cache_position`` arange) reads as what it computes."""
+    tables = [b for b in buffers if isinstance(b, torch.fx.Node)]
+    if len(tables) != len(buffers) or not tables:
+        return trace_mask_mod(mask_mod, buffers, device)
+    sub = torch.fx.Graph()
+    indices = [sub.placeholder(f"index_{i}") for i in range(4)]
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    leaves = _copy_producers(tables, sub, env)
+    if isinstance(leaves, str):
+        return leaves
+    inner = [n for n in mask_mod.graph.nodes if n.op == "placeholder"]
+    mapped = {p: x for p, x in zip(inner, [*indices, *(env[b] for b in tables)])}
+    sub.output(sub.graph_copy(mask_mod.graph, mapped))
+    attrs = {n.target: _attr(mask_mod, n.target) for n in mask_mod.graph.nodes if n.op == "get_attr"}
+    attrs.update({n.target: _attr(tables[0].graph.owning_module, n.target) for n in leaves if n.op == "get_attr"})
+    module = torch.fx.GraphModule(attrs, sub)
+    # the indices' leaves stay None (they stand for themselves), as trace_mask_mod's do
+    index = [torch.zeros([2 + i if d == i else 1 for d in range(4)], dtype=torch.int32, device=device) for i in range(4)]
+    return trace_module(module, [None] * 4 + leaves, index + [_dummy(n) for n in leaves], "fake")
+
+
+def _attr(module: torch.nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def trace_mask_mod(mask_mod: torch.fx.GraphModule, buffers, device: torch.device) -> Traced | str:

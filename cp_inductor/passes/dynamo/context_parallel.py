@@ -47,16 +47,16 @@ from ...lowerings import document_attention  # noqa: F401 - registers the ops it
 from ...batch_layout import BatchShard, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads
 from ...reporting import VarlenRoute, record_varlen
-from ..analysis import context_parallel_cost, mask_analysis
+from ..analysis import context_parallel_cost, mask_analysis, mask_graph
+from ..analysis.graph_walk import Walk
 from ..analysis.context_parallel_cost import ALLGATHER, ULYSSES
 from ..analysis.op_schema import value
 from ..record import DYNAMO, InputsPass
-from . import checkpoint_body, varlen_calls
+from . import checkpoint_body, flex_calls, varlen_calls
 from .checkpoint_body import CheckpointBody
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 NAME = "context_parallel"
-_FLEX = torch.ops.higher_order.flex_attention
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
@@ -82,7 +82,7 @@ class Semantics:
 
 
 def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in SDPA or n.target is _FLEX)]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in SDPA or n.target is flex_calls.FLEX)]
 
 
 @dataclass
@@ -186,33 +186,60 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
     return found[0][0], found[0][1], positions, found[0][2]
 
 
+def _flex_mask(site: Site, args: dict) -> mask_analysis.DocumentMask:
+    """What a flex call's mask_mod computes over the tables it reads (as the outer graph has them)."""
+    traced = mask_graph.trace_mask_mod_with_tables(args["mask_mod"], tuple(site.outer(b) for b in args["mask_buffers"]),
+                                                   value(args["query"]).device)
+    if isinstance(traced, str):
+        raise mask_analysis.NotAMask(traced)
+    facts = mask_analysis.analyze_mask_mod(traced)
+    indices = [n for n in traced.graph.nodes if n.op == "placeholder"][:4]  # b, h, q_idx, kv_idx
+    if facts.doc_ids is not None and set(indices) & set(Walk([facts.doc_ids], lambda n: n.all_input_nodes)):
+        raise mask_analysis.NotAMask("document ids computed from the mask_mod's indices")
+    return facts
+
+
+def _inputs_hint(site: Site, args: dict, positions) -> str:
+    """Where a flex mask_mod reads tables this graph takes as inputs: why they cannot be read."""
+    tables = [site.outer(b) for b in args.get("mask_buffers", ())]
+    if any(isinstance(t, torch.fx.Node) and t.op == "placeholder" and t is not positions for t in tables):
+        return ("; its mask_mod reads tables that come in as inputs of this graph, made in another (HF transformers "
+                "builds flex's BlockMask before a graph break), so what they hold is not known here")
+    return ""
+
+
 def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> Semantics:
     node, mask = site.node, site.outer(args.get("attn_mask"))
     if mask is None:
         return Semantics(ONE_DOCUMENT, bool(args.get("is_causal")))
-    if not isinstance(mask, torch.fx.Node):
+    if not isinstance(mask, (torch.fx.Node, tuple)):
         raise ContextParallelError(f"context_parallel: attention {node.name} takes a mask that is not a tensor of the graph")
     try:
-        facts = mask_analysis.analyze(mask)
+        facts = _flex_mask(site, args) if args.get("flex") else mask_analysis.analyze(mask)
     except mask_analysis.NotAMask as e:
         raise ContextParallelError(f"context_parallel: attention {node.name}'s mask is not one it can shard: {e}") from None
     if facts.mapped or facts.bound or facts.window >= 0 or facts.positions is not None:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is not taken yet "
-            "(documents from position ids, causal or not, are)")
+            f"(documents from position ids, causal or not, are){_inputs_hint(site, args, positions)}")
     if facts.doc_ids is None:
         return Semantics(ONE_DOCUMENT, facts.causal)
     if positions is None or site.outer(mask_analysis.reset_leaf(facts)) is not positions:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
-            "position ids shard_batch made: their places in the full rows are not known")
+            f"position ids shard_batch made: their places in the full rows are not known{_inputs_hint(site, args, positions)}")
     return Semantics(DOCUMENTS, facts.causal)
 
 
-def _check_call(node: torch.fx.Node, tokens) -> dict:
-    if node.target is _FLEX:
-        raise ContextParallelError(f"context_parallel: flex_attention ({node.name}) is not taken yet; use SDPA")
-    args = sdpa_args(node)
+def _check_call(site: Site, tokens) -> dict:
+    node = site.node
+    args = flex_calls.flex_args(site.module, node)
+    if args is not None:
+        reason = flex_calls.call_reason(args, node)
+        if reason is not None:
+            raise ContextParallelError(f"context_parallel: flex_attention {node.name}: {reason}")
+    else:
+        args = sdpa_args(node)
     if args.get("dropout_p") not in (None, 0, 0.0):
         raise ContextParallelError(f"context_parallel: attention {node.name} has dropout")
     q, k = value(args["query"]), value(args["key"])
@@ -323,11 +350,20 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Sema
         out = g.call_function(operator.getitem, (attention, 0))
         if style == ULYSSES:
             out = g.call_function(gather_heads, (out, "bhsd", cp, group_name))
+    if args.get("flex"):  # (out, lse), lse unread (_check_call)
+        flex_calls.replace(node, out)
+        return
     out.meta["example_value"] = value(node)
     node.replace_all_uses_with(out)
-    mask = args.get("attn_mask")
     g.erase_node(node)
-    erase_dead(g, mask)
+    erase_dead(g, args.get("attn_mask"))
+
+
+def _mask_inputs(args: dict, site: Site) -> list:
+    """What a call's mask came in by: SDPA's mask, flex's BlockMask tensors and mask_mod tables."""
+    if args.get("flex"):
+        return [*site.node.args[4][:-1], *args["mask_buffers"]]
+    return [args.get("attn_mask")]
 
 
 def _own_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
@@ -370,7 +406,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
     sites = _sites(gm)
-    checked = [(site, _check_call(site.node, tokens)) for site in sites]
+    checked = [(site, _check_call(site, tokens)) for site in sites]
     semantics = [(site, args, _semantics(site, args, positions)) for site, args in checked]
     inputs = _add_inputs(gm, shard, batch_input)
     plans: dict = {}
@@ -383,12 +419,14 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
         style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
+        masks = _mask_inputs(args, site)
         layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)
         _rewrite(site.module.graph, site.node, args, meaning, style, [site.thread(n, name) for n, name in zip(layout_nodes, LAYOUT_NAMES)],
                  shard.group_name, shard.cp, kv_heads)
         for x in repeated:
             erase_dead(site.module.graph, x)
-        site.drop_if_unread(args.get("attn_mask"))
+        for mask in masks:  # inputs of a checkpointed body nothing reads now
+            site.drop_if_unread(mask)
         record_varlen(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
             reason=why,
