@@ -99,7 +99,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
-                                                      "checkpoint")):
+                                                      "checkpoint", "tokens_at", "argsort")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -167,18 +167,25 @@ document_shard_attention_default = document_shard_attention(transpose, all_gathe
     def test_ulysses_repeats_key_value_heads_up_to_cp(self):
         """Ulysses at cp 4 with 2 K/V heads: each K/V head repeated twice (query head h then reads
         repeated head h, the one its group had), q, k, v scattered by heads over every rank's
-        tokens; the plan's queries and keys are all tokens, rank after rank."""
+        tokens, which arrive rank after rank and are put in row order (``argsort`` of their
+        places), so that each document is one segment of one FA4 call; the output goes back to
+        rank order and to this rank's tokens."""
         q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
         summary = _rewritten(_attention, q, k, k.clone(), cp=4, context_parallel_style="ulysses")
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
-document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_key_positions, cp_key_positions, False, True)
+argsort = argsort(cp_key_positions)
+document_shard_plan_default = document_shard_plan(cp_doc_ids, None, None, False, True)
 repeat_interleave = repeat_interleave(k_1, 2)
 repeat_interleave_1 = repeat_interleave(v, 2)
 scatter_heads = scatter_heads(q_1, 'bhsd', 4, cp)
+tokens_at = tokens_at(scatter_heads, argsort)
 scatter_heads_1 = scatter_heads(repeat_interleave, 'bhsd', 4, cp)
+tokens_at_1 = tokens_at(scatter_heads_1, argsort)
 scatter_heads_2 = scatter_heads(repeat_interleave_1, 'bhsd', 4, cp)
-document_shard_attention_default = document_shard_attention(scatter_heads, scatter_heads_1, scatter_heads_2, [7 plan tensors], getitem_18, cp_doc_ids, cp_key_positions, cp_key_positions, 0.3535533905932738, True)
-gather_heads = gather_heads(getitem_19, 'bhsd', 4, cp)""")
+tokens_at_2 = tokens_at(scatter_heads_2, argsort)
+document_shard_attention_default = document_shard_attention(tokens_at, tokens_at_1, tokens_at_2, [7 plan tensors], getitem_18, cp_doc_ids, None, None, 0.3535533905932738, True)
+tokens_at_3 = tokens_at(getitem_19, cp_key_positions)
+gather_heads = gather_heads(tokens_at_3, 'bhsd', 4, cp)""")
 
 
     def test_checkpointed_body_is_rewritten_inside(self):

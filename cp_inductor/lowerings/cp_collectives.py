@@ -34,3 +34,10 @@ def gather_heads(out: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor
     send = out.reshape(b, h_l, cp, s_l, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = funcol.all_to_all_single_autograd(send, None, None, group)
     return recv.transpose(0, 1).reshape(b, cp * h_l, s_l, d)
+
+
+def tokens_at(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` with token ``t`` of each row taken from slot ``slots[b, t]`` (``[B, T]``):
+    Ulysses' tokens, gathered rank after rank, put in row order and back."""
+    b, h, t, d = x.shape
+    return x.gather(2, slots[:, None, :, None].expand(b, h, t, d))

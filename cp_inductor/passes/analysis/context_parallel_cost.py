@@ -5,7 +5,7 @@ the layout ``shard_batch`` made for the batch the compile sees::
 
     work(style)    = query-key pairs the slowest rank computes, query heads it holds, rounds
     compute_ms     = pairs x heads / rate(head_dim, mask, GQA, document length)
-                     + (rounds - 1) x ROUND_MS
+                     + (rounds - 1) x ROUND_MS [+ Ulysses' row-order copies]
     comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
     total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
 
@@ -14,8 +14,9 @@ the layout ``shard_batch`` made for the batch the compile sees::
   A rank's pieces of one document are separate segments, run as separate rounds.
 * ``ulysses``: every token, this rank's ``Hq / cp`` heads; four all-to-alls forward (q, k, v,
   out) and four backward. K/V heads are repeated up to ``lcm(Hkv, cp)`` where ``Hkv`` is not a
-  multiple of cp (possible while that divides ``Hq``). The tokens arrive rank after rank, so a
-  document's pieces make up to ``2 cp - 1`` rounds.
+  multiple of cp (possible while that divides ``Hq``). The tokens arrive rank after rank and are
+  put in row order (one round), which copies q, k, v and out, and their gradients, once more:
+  ``+ bytes read and written / PERMUTE_GBPS``.
 
 ``rate`` is read from the attention-provider cost map (``cost_data/attention_providers_*.json``,
 the kernel the shard op runs: FA4 varlen): every row of the call's head_dim, mask, GQA class and
@@ -43,6 +44,8 @@ DATA = Path(__file__).resolve().parents[2] / "cost_data"
 # rows of other rounds read no key) and a select of out and lse. Small next to the attention at
 # long sequences; see docs/passes/context_parallel.md for how it was set.
 ROUND_MS = 0.05
+# Effective copy bandwidth (bytes read + written per ms x 1e-6) of Ulysses' row-order gathers.
+PERMUTE_GBPS = 4000.0
 COLLECTIVES = {  # per style: (op, which tensor's local bytes, how many of them) forward + backward
     ALLGATHER: (("all_gather", "kv", 2), ("reduce_scatter", "kv", 2)),
     ULYSSES: (("all_to_all", "q", 4), ("all_to_all", "kv", 4)),
@@ -137,7 +140,7 @@ def work(doc_ids: torch.Tensor, key_positions: torch.Tensor, cp: int, causal: bo
     doc_length = float((weight * length).sum() / weight.sum())
     gathered = max(_rounds(ids, places[:, r * local:(r + 1) * local]) for r in range(cp))
     return {ALLGATHER: Work(max(per_rank), heads_q, doc_length, gathered),
-            ULYSSES: Work(int(pairs.sum()), heads_q // cp, doc_length, _rounds(ids, places))}
+            ULYSSES: Work(int(pairs.sum()), heads_q // cp, doc_length, _rounds(ids, places.sort(dim=1).values))}
 
 
 # --- the measured tables ------------------------------------------------------------------------
@@ -196,6 +199,16 @@ def _leaving(row: dict) -> float:
     return row["mib_per_rank"] * 2**20 * (row["ranks"] - 1) / row["ranks"]
 
 
+def _permute_ms(style: str, call: Call, cp: int, kv_heads: int) -> float:
+    """Ulysses' row-order gathers: q, k, v and out forward, their gradients backward, each read
+    and written once, over every token of this rank's heads."""
+    if style != ULYSSES:
+        return 0.0
+    tokens = call.batch * call.tokens * cp * call.head_dim * call.itemsize
+    moved = 2 * 2 * (2 * tokens * call.heads_q // cp + 2 * tokens * kv_heads // cp)
+    return moved / (PERMUTE_GBPS * 1e6)
+
+
 def _comm_ms(collectives: dict, style: str, call: Call, cp: int, kv_heads: int) -> float:
     local = call.batch * call.tokens * call.head_dim * call.itemsize
     size = {"q": local * call.heads_q, "kv": local * kv_heads}
@@ -226,7 +239,7 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
         if speed is None:
             out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
             continue
-        compute = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS
+        compute = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)
         comm = _comm_ms(collectives, style, call, cp, kv_heads)
         out[style] = Estimate(style, compute, comm)
     return out, f"measured on {device_name}"

@@ -45,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
 from ...batch_layout import BatchShard, key_of, shard_of
-from ...lowerings.cp_collectives import gather_heads, scatter_heads
+from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
@@ -58,7 +58,8 @@ from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
 
 NAME = "context_parallel"
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
-LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions")
+LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions",
+                "cp_row_order", "cp_key_places")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
@@ -309,29 +310,37 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
 
 def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inputs, anchor: torch.fx.Node):
     """The shard plan of one kind of call, made once per graph (before ``anchor``, its first
-    reader): (ids, plan tensors, meta, query positions, key positions). Ulysses' queries are
-    every rank's tokens, like its keys."""
+    reader): (ids, plan tensors, meta, query positions, key positions, row order, key places).
+    Ulysses' tokens are every rank's, put in row order first (``row order``: the slot of each
+    place; ``key places``: the place of each slot, to put them back), so that each document is one
+    segment read in one FA4 call (several would take a call each); its positions are the index
+    (None)."""
     key = (style, semantics)
     if key not in plans:
         doc_ids, query_positions, key_positions = inputs
-        if style == ULYSSES:
-            query_positions = key_positions
         with g.inserting_before(anchor):
             ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
-            rows, queries, keys = (g.call_function(torch.ops.aten.sym_size.int, (x, d))
-                                   for x, d in ((query_positions, 0), (query_positions, 1), (key_positions, 1)))
+            order = places = None
+            if style == ULYSSES:
+                places = key_positions
+                order = g.call_function(torch.argsort, (places,), {"dim": 1})
+                query_positions = key_positions = None
+                sizes = ((doc_ids, 0), (doc_ids, 1), (doc_ids, 1))
+            else:
+                sizes = ((query_positions, 0), (query_positions, 1), (key_positions, 1))
+            rows, queries, keys = (g.call_function(torch.ops.aten.sym_size.int, size) for size in sizes)
             plan = g.call_function(torch.ops.cp_inductor.document_shard_plan.default,
                                    (ids, query_positions, key_positions, False, semantics.causal, rows, queries, keys))
             parts = g.call_function(operator.getitem, (plan, 0))
             plans[key] = (ids, *(g.call_function(operator.getitem, (parts, i)) for i in range(7)),
-                          g.call_function(operator.getitem, (plan, 1)), query_positions, key_positions)
+                          g.call_function(operator.getitem, (plan, 1)), query_positions, key_positions, order, places)
     return plans[key]
 
 
 def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, layout: list,
              group_name: str, cp: int, kv_heads: int) -> None:
     """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``."""
-    ids, *parts, meta, query_positions, key_positions = layout
+    ids, *parts, meta, query_positions, key_positions, order, places = layout
     q = args["query"]
     scale = args.get("scale")
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
@@ -341,15 +350,16 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Sema
             repeat = kv_heads // value(k).shape[1]
             if repeat > 1:  # fewer K/V heads than ranks: each rank its copy (grouping kept: q head h reads h // (Hq / kv_heads))
                 k, v = (g.call_method("repeat_interleave", (x, repeat), {"dim": 1}) for x in (k, v))
-            q, k, v = (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)) for x in (args["query"], k, v))
+            q, k, v = (g.call_function(tokens_at, (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)), order))
+                       for x in (args["query"], k, v))
         else:
             k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
                     for name in ("key", "value"))
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
                                     (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal))
         out = g.call_function(operator.getitem, (attention, 0))
-        if style == ULYSSES:
-            out = g.call_function(gather_heads, (out, "bhsd", cp, group_name))
+        if style == ULYSSES:  # back to rank order (slot j holds place key_positions[j]), then to this rank's tokens
+            out = g.call_function(gather_heads, (g.call_function(tokens_at, (out, places)), "bhsd", cp, group_name))
     if args.get("flex"):  # (out, lse), lse unread (_check_call)
         flex_calls.replace(node, out)
         return
