@@ -24,6 +24,7 @@ from common import device_ms, write_rows
 
 STYLES = ("allgather", "ulysses", "auto")
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself
+COST_DEVICE = ""  # --cost-device: price with another machine's tables (default: this one's)
 
 
 def _fake_group(rank: int, cp: int):
@@ -39,7 +40,8 @@ def _compiled(fn, style: str):
     cp_inductor.clear_report()
     torch._dynamo.reset()
     return torch.compile(fn, backend="cp_inductor", options={
-        "cp_inductor.context_parallel": dist.group.WORLD, "cp_inductor.context_parallel_style": style})
+        "cp_inductor.context_parallel": dist.group.WORLD, "cp_inductor.context_parallel_style": style,
+        "cp_inductor.context_parallel_cost_device": COST_DEVICE})
 
 
 def _chosen() -> tuple[str, str]:
@@ -69,7 +71,8 @@ def _predicted(args, local: dict, cp: int, causal_only: bool) -> dict:
     ids = torch.zeros_like(shard.doc_ids) if causal_only else shard.doc_ids
     call = cost.Call(1, local["position_ids"].shape[1], args.heads, args.kv_heads, args.head_dim, True, 2, "bfloat16")
     works = cost.work(ids, shard.key_positions, cp, True, args.heads)
-    priced, _ = cost.estimates(call, works, cp, torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
+    here = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    priced, _ = cost.estimates(call, works, cp, COST_DEVICE or here)
     return {s: e for s, e in priced.items() if isinstance(e, cost.Estimate)}
 
 
@@ -191,9 +194,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cost-device", default="", help='price with the tables of this device, e.g. "NVIDIA H200"')
     args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, COST_DEVICE
+    DEVICE, COST_DEVICE = args.device, args.cost_device
     rows = []
     print(f"{'level':>9} {'T':>7} {'docs':>4} {'cp':>3} {'style':>9} {'chosen':>9} {'ms':>9} "
           f"{'pred / 1cp':>10} {'meas/pred':>6} {'GiB':>6}  (attention: predicted compute; model: single-device / cp)")

@@ -7,4 +7,9 @@ source benchmarks/gpu_fa4_install.sh
 level=${1:-attention}
 cd benchmarks
 timeout "${BENCH_S:-540}" python3 bench_auto_cp.py --level "$level" --cp 2 4 8 --tokens ${TOKENS:-65536} --docs 1 16 \
-  --iters 5 --json "$out/auto_cp_$level.json" 2>&1 | grep -v "Warning\|warn" | tee "$out/auto_cp_$level.log" | tail -40
+  --iters 5 ${COST_DEVICE:+--cost-device "$COST_DEVICE"} --json "$out/auto_cp_$level.json" 2>&1 | grep -v "Warning\|warn" | tee "$out/auto_cp_$level.log" | tail -40
+if [ -n "$GPU_ONE" ]; then  # the one-GPU regression tests with FA4 installed
+  cd ..
+  timeout 240 python3 -m pytest -q -n 8 tests/test_gpu_one.py -p no:cacheprovider -W ignore -rf --tb=line 2>&1 \
+    | tee "$out/gpu_one_fa4.log" | grep -E "passed|failed|^FAILED|^E " | head -30
+fi
