@@ -4,8 +4,9 @@ The context-parallel pass (``passes/dynamo/context_parallel.py``) asks, per atte
 the layout ``shard_batch`` made for the batch the compile sees::
 
     work(style)    = query-key pairs the slowest rank computes, query heads it holds, rounds
-    compute_ms     = pairs x heads / rate(head_dim, mask, GQA, document length)
+    model_ms       = pairs x heads / rate(head_dim, mask, GQA, document length)
                      + (rounds - 1) x ROUND_MS [+ Ulysses' row-order copies]
+    compute_ms     = slope(style) x model_ms + intercept(style)   (calibration(): measured)
     comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
     total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
 
@@ -97,6 +98,23 @@ def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
         return None, (f"ulysses needs key/value heads divisible by cp={cp} or repeatable to a multiple of it "
                       f"that divides the query heads (query {call.heads_q}, key/value {call.heads_kv})")
     return heads, None
+
+
+@functools.cache
+def calibration() -> dict[str, tuple[float, float]]:
+    """Per style (slope, intercept ms) of the measured one-rank compute against the model's
+    terms: a least-squares line through ``cost_data/context_parallel_styles.json``'s rows. The
+    slope is the style's kernel efficiency against the provider map's; the intercept its costs per
+    call (the plan's host read, FA4's launches, the extra round's full-size passes)."""
+    rows = json.loads((DATA / "context_parallel_styles.json").read_text())["rows"]
+    fits = {}
+    for style in STYLES:
+        points = [(r["model_ms"], r["measured_ms"]) for r in rows if r["style"] == style]
+        n, sx, sy = len(points), sum(x for x, _ in points), sum(y for _, y in points)
+        sxx, sxy = sum(x * x for x, _ in points), sum(x * y for x, y in points)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx) if n > 1 else 1.0
+        fits[style] = (slope, (sy - slope * sx) / n if n else 0.0)
+    return fits
 
 
 def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
@@ -239,7 +257,9 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
         if speed is None:
             out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
             continue
-        compute = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)
+        slope, intercept = calibration()[style]
+        compute = slope * (w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)) \
+            + intercept
         comm = _comm_ms(collectives, style, call, cp, kv_heads)
         out[style] = Estimate(style, compute, comm)
     return out, f"measured on {device_name}"
