@@ -42,8 +42,9 @@ ALLGATHER, ULYSSES, RING = "allgather", "ulysses", "ring"
 STYLES = (ALLGATHER, ULYSSES)
 DATA = Path(__file__).resolve().parents[2] / "cost_data"
 # Each round past the first: one more FA4 launch forward and backward over every query row (the
-# rows of other rounds read no key) and a select of out and lse. Small next to the attention at
-# long sequences; see docs/passes/context_parallel.md for how it was set.
+# rows of other rounds read no key) and a select of out and lse. A first guess, kept because the
+# calibration was fitted over the model with it: what a round really costs is in calibration()'s
+# lines (docs/passes/context_parallel.md).
 ROUND_MS = 0.05
 # Effective copy bandwidth (bytes read + written per ms x 1e-6) of Ulysses' row-order gathers.
 PERMUTE_GBPS = 4000.0
