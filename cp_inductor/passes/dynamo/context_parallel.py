@@ -128,7 +128,10 @@ def _sites(gm: torch.fx.GraphModule) -> list[Site]:
         body = getattr(gm, attr.target)
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(body.graph, {}))
-        name = f"{attr.target}_cp"
+        name, copies = f"{attr.target}_cp", 0
+        while hasattr(gm, name):  # a body two regions share: a copy each (they get inputs of their own)
+            copies += 1
+            name = f"{attr.target}_cp{copies}"
         gm.add_submodule(name, torch.fx.GraphModule(body, graph))
         with gm.graph.inserting_before(region):
             attr_copy = gm.graph.get_attr(name)
