@@ -244,6 +244,30 @@ document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions
 document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_17, cp_doc_ids, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
 
 
+def test_ulysses_call_is_one_round_per_document():
+    """The op Ulysses' rewrite calls: every token in row order, positions the index (None): one
+    segment and one round per document, and the packed path (reference kernels standing in for
+    FA4) gives the dense mask's output and gradients."""
+    from cp_inductor.lowerings import document_attention
+    from cp_inductor.lowerings.varlen_attention import reference_kernels
+
+    ids = document_ids(POSITIONS)
+    tokens = ids.shape[1]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, tokens, 8, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (torch.randn(1, 2, tokens, 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    with reference_kernels():
+        plan, meta = torch.ops.cp_inductor.document_shard_plan(ids, None, None, False, True, 1, tokens, tokens)
+        out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, ids, None, None, 0.25, True)[0]
+    # segments, rounds, packable: the three documents, one round, the packed path (not the dense one)
+    assert (int(meta[0]), int(meta[1]), int(meta[4])) == (3, 1, 1), meta
+    want = document_attention._shard_dense(q, k, v, ids, None, None, 0.25, True)
+    grad = torch.randn_like(out)
+    for got_t, want_t in zip((out, *torch.autograd.grad(out, (q, k, v), grad)),
+                             (want, *torch.autograd.grad(want, (q, k, v), grad))):
+        torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
+
+
 def _refused(fn, *args, match: str):
     with pytest.raises(Exception, match=match):
         _rewritten(fn, *args)
