@@ -268,6 +268,40 @@ def test_ulysses_call_is_one_round_per_document():
         torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_ulysses_call_matches_fp32():
+    """The same op on FA4 (bf16, one GPU): output and every gradient against fp32 dense attention
+    under the documents' causal mask, within 2x the error of the dense bf16 computation."""
+    from cp_inductor.lowerings import document_attention, fa4_attention
+
+    missing = fa4_attention.unavailable(torch.device("cuda"), torch.bfloat16, 128)
+    if missing:
+        pytest.skip(missing)
+    tokens, d = 4096, 128
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([1000, 77, 2000, 1019]))[None].cuda()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, tokens, d, generator=g).cuda()
+    k, v = (torch.randn(1, 2, tokens, d, generator=g).cuda() for _ in range(2))
+    grad = torch.randn(1, 8, tokens, d, generator=g).cuda()
+
+    def run(fn, dtype):
+        ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*ins)
+        return [out, *torch.autograd.grad(out, ins, grad.to(dtype))]
+
+    def dense(q, k, v):
+        return document_attention._shard_dense(q, k, v, ids, None, None, d ** -0.5, True)
+
+    def ours(q, k, v):
+        plan, meta = torch.ops.cp_inductor.document_shard_plan(ids, None, None, False, True, 1, tokens, tokens)
+        return torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, ids, None, None, d ** -0.5, True)[0]
+
+    want, base, got = run(dense, torch.float32), run(dense, torch.bfloat16), run(ours, torch.bfloat16)
+    for name, x, ref, b in zip(("out", "dq", "dk", "dv"), got, want, base):
+        err, err_base = (float((y.float() - ref).norm() / ref.norm()) for y in (x, b))
+        assert err < max(2 * err_base, 5e-3), (name, err, err_base)
+
+
 def _refused(fn, *args, match: str):
     with pytest.raises(Exception, match=match):
         _rewritten(fn, *args)
