@@ -39,7 +39,7 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
 }
 mode=${1:-tests}
 if { [ "$mode" = tests ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
-  timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
+  timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py tests/test_context_parallel.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
 cd benchmarks
