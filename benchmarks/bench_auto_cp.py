@@ -7,7 +7,9 @@ compute). Prints tables, writes JSON.
   ``is_causal`` on one document) fwd+bwd, beside the cost model's predicted compute for it
   (``passes/analysis/context_parallel_cost.py``) and the style ``auto`` chose;
 - ``--level model``: HF transformers' Llama training step, beside the single-device step on the
-  full batch under default Inductor (whose time / cp is what perfect CP would give one rank).
+  full batch under cp_inductor without CP (its time / cp is what perfect CP would give one rank).
+
+The styles are compiled first, then timed in alternating rounds (``--rounds`` x ``--iters``).
 
     python benchmarks/bench_auto_cp.py --level attention --cp 2 4 8 --tokens 65536 --docs 1 16 --json out.json
 """
@@ -15,12 +17,13 @@ compute). Prints tables, writes JSON.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import device_ms, write_rows
+from common import alternating_rounds, device_ms, write_rows
 
 STYLES = ("allgather", "ulysses", "auto")
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself
@@ -38,7 +41,6 @@ def _compiled(fn, style: str):
     import cp_inductor
 
     cp_inductor.clear_report()
-    torch._dynamo.reset()
     return torch.compile(fn, backend="cp_inductor", options={
         "cp_inductor.context_parallel": dist.group.WORLD, "cp_inductor.context_parallel_style": style,
         "cp_inductor.context_parallel_cost_device": COST_DEVICE})
@@ -98,25 +100,45 @@ def attention_rank(args, cp: int, tokens: int, docs: int) -> list[dict]:
 
         q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
         predicted = _predicted(args, local, cp, docs <= 1)
+        arms, chosen = {}, {}
+        torch._dynamo.reset()
         for style in STYLES:
             fn = _compiled(attention, style)
 
-            def step():
+            def step(fn=fn):
                 torch.autograd.grad(fn(q, k, v, positions).sum(), (q, k, v))
 
-            _reset_peak()
-            ms = device_ms(step, args.iters)
-            chosen, line = _chosen()
-            guess = predicted.get(chosen)
+            step()
+            arms[style], chosen[style] = step, _chosen()
+        rows = []
+        for style, (ms, spread, peak) in _timed(arms, args).items():
+            picked, line = chosen[style]
+            guess = predicted.get(picked)
             rows.append({"level": "attention", "cp": cp, "rank": args.rank, "tokens": tokens, "docs": docs,
-                         "style": style, "chosen": chosen, "ms": ms,
+                         "style": style, "chosen": picked, "ms": ms, "round_ms": spread,
                          "predicted_compute_ms": guess.compute_ms if guess else None,
                          "predicted_comm_ms": guess.comm_ms if guess else None,
-                         "peak_gib": _peak_gib(), "report": line})
+                         "model_ms": guess.model_ms if guess else None,
+                         "peak_gib": peak, "report": line})
         return rows
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+def _timed(arms: dict, args) -> dict:
+    """Per arm (median ms, each round's ms, peak GiB): the arms alternate over ``args.rounds``
+    rounds of ``args.iters`` timed steps each, so drift of the clock or the host hits all alike."""
+    peaks = {}
+
+    def time_arm(name):
+        _reset_peak()
+        ms = device_ms(arms[name], args.iters, warmup=1)
+        peaks[name] = _peak_gib()
+        return [ms]
+
+    rounds = alternating_rounds(list(arms), args.rounds, time_arm)
+    return {n: (statistics.median(r), r, peaks[n]) for n, r in rounds.items()}
 
 
 def _reset_peak() -> None:
@@ -146,15 +168,17 @@ def model_rank(args, cp: int, tokens: int, docs: int, alone: float) -> list[dict
     try:
         full, _, _ = make_batch(tokens, docs, args.vocab)
         local = shard_batch({**full, "use_cache": False}, group)
+        arms, chosen = {}, {}
+        torch._dynamo.reset()
         for style in STYLES:
             model = build("sdpa", args.layers, args.heads * args.head_dim, args.heads, args.kv_heads, args.vocab)
-            compiled = _compiled(model, style)
-            _reset_peak()
-            ms = device_ms(_step(compiled, local), args.iters)
+            arms[style] = _step(_compiled(model, style), local)
+            arms[style]()
+            chosen[style] = _chosen()[0]
+        for style, (ms, spread, peak) in _timed(arms, args).items():
             rows.append({"level": "model", "cp": cp, "rank": args.rank, "tokens": tokens, "docs": docs, "style": style,
-                         "chosen": _chosen()[0], "ms": ms, "single_device_ms": alone,
-                         "peak_gib": _peak_gib()})
-            del model, compiled
+                         "chosen": chosen[style], "ms": ms, "round_ms": spread, "single_device_ms": alone,
+                         "peak_gib": peak})
         return rows
     finally:
         torch._dynamo.reset()
@@ -168,7 +192,7 @@ def single_device(args, tokens: int, docs: int) -> float:
     torch._dynamo.reset()
     model = build("sdpa", args.layers, args.heads * args.head_dim, args.heads, args.kv_heads, args.vocab)
     full, _, _ = make_batch(tokens, docs, args.vocab)
-    return device_ms(_step(torch.compile(model), {**full, "use_cache": False}), args.iters)
+    return device_ms(_step(torch.compile(model, backend="cp_inductor"), {**full, "use_cache": False}), args.iters)
 
 
 def _print(row: dict) -> None:
@@ -191,7 +215,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds the styles alternate over")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cost-device", default="", help='price with the tables of this device, e.g. "NVIDIA H200"')

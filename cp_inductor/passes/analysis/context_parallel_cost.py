@@ -81,6 +81,7 @@ class Estimate:
     style: str
     compute_ms: float
     comm_ms: float
+    model_ms: float  # the compute before calibration (what calibration() is fitted against)
 
     @property
     def total_ms(self) -> float:
@@ -104,17 +105,29 @@ def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
 @functools.cache
 def calibration() -> dict[str, tuple[float, float]]:
     """Per style (slope, intercept ms) of the measured one-rank compute against the model's
-    terms: a least-squares line through ``cost_data/context_parallel_styles.json``'s rows. The
-    slope is the style's kernel efficiency against the provider map's; the intercept its costs per
-    call (the plan's host read, FA4's launches, the extra round's full-size passes)."""
-    rows = json.loads((DATA / "context_parallel_styles.json").read_text())["rows"]
+    terms, fitted to ``cost_data/context_parallel_styles.json``'s rows
+    (``benchmarks/calibrate_context_parallel.py`` writes them). The slope is the style's kernel
+    efficiency against the provider map's; the intercept its costs per call (the plan's host read,
+    FA4's launches, the extra round's full-size passes)."""
+    return fit_lines(json.loads((DATA / "context_parallel_styles.json").read_text())["rows"])
+
+
+def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per style the line ``measured = slope x model + intercept`` of least relative error (each
+    row weighted by 1 / measured^2): the goal is a bound on measured / predicted, small calls and
+    large alike."""
     fits = {}
     for style in STYLES:
         points = [(r["model_ms"], r["measured_ms"]) for r in rows if r["style"] == style]
-        n, sx, sy = len(points), sum(x for x, _ in points), sum(y for _, y in points)
-        sxx, sxy = sum(x * x for x, _ in points), sum(x * y for x, y in points)
-        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx) if n > 1 else 1.0
-        fits[style] = (slope, (sy - slope * sx) / n if n else 0.0)
+        if len(points) < 2:
+            fits[style] = (1.0, 0.0)
+            continue
+        w = [1 / y**2 for _, y in points]
+        sw, sx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points))
+        sy, sxx = sum(wi * y for wi, (_, y) in zip(w, points)), sum(wi * x * x for wi, (x, _) in zip(w, points))
+        sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+        slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+        fits[style] = (slope, (sy - slope * sx) / sw)
     return fits
 
 
@@ -259,10 +272,8 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
             out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
             continue
         slope, intercept = calibration()[style]
-        compute = slope * (w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)) \
-            + intercept
-        comm = _comm_ms(collectives, style, call, cp, kv_heads)
-        out[style] = Estimate(style, compute, comm)
+        model = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)
+        out[style] = Estimate(style, slope * model + intercept, _comm_ms(collectives, style, call, cp, kv_heads), model)
     return out, f"measured on {device_name}"
 
 

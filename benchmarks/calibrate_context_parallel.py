@@ -1,0 +1,99 @@
+"""Calibrates the context-parallel cost model (``passes/analysis/context_parallel_cost.py``) from
+``bench_auto_cp.py --level attention`` runs: per forced style, the model's uncalibrated compute
+beside the measured one-rank compute, written as the rows of
+``cp_inductor/cost_data/context_parallel_styles.json`` that ``calibration()`` fits its line through.
+
+Rows without ``model_ms`` (older runs) get it recomputed here on the CPU: the same pack, the same
+``shard_batch`` layout on the fake group, the same tables. ``--check`` runs are held out: the line
+fitted to ``--fit`` is printed against them, not fitted to them.
+
+    python benchmarks/calibrate_context_parallel.py --fit run1.json --check run2.json [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+import bench_auto_cp as bench
+from cp_inductor.passes.analysis import context_parallel_cost as cost
+
+STYLES_JSON = cost.DATA / "context_parallel_styles.json"
+
+
+def _model_ms(row: dict, args, cache: dict) -> float:
+    from cp_inductor.parallel import shard_batch
+
+    key = (row["tokens"], row["docs"], row["cp"], row["rank"])
+    if key not in cache:
+        bench.DEVICE, bench.COST_DEVICE = "cpu", args.cost_device
+        group = bench._fake_group(row["rank"], row["cp"])
+        try:
+            local = shard_batch(bench._packed(row["tokens"], row["docs"]), group)
+            shape = argparse.Namespace(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+            cache[key] = {s: e.model_ms for s, e in bench._predicted(shape, local, row["cp"], row["docs"] <= 1).items()}
+        finally:
+            dist.destroy_process_group()
+    return cache[key][row["style"]]
+
+
+def rows_of(paths: list[str], args, cache: dict) -> list[dict]:
+    out = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            if r["level"] != "attention" or r["style"] not in cost.STYLES:
+                continue
+            model = r.get("model_ms") if r.get("chosen") == r["style"] else None
+            out.append({"style": r["style"], "tokens": r["tokens"], "documents": r["docs"], "cp": r["cp"],
+                        "heads_q": args.heads, "heads_kv": args.kv_heads, "head_dim": args.head_dim,
+                        "model_ms": round(model if model is not None else _model_ms(r, args, cache), 3),
+                        "measured_ms": round(r["ms"], 3), "run": Path(path).name})
+    return out
+
+
+def _print(rows: list[dict], fits: dict, label: str) -> float:
+    worst = 0.0
+    print(f"{label}:\n{'style':>9} {'T':>7} {'docs':>4} {'cp':>3} {'model':>8} {'measured':>9} {'predicted':>9} {'meas/pred':>9}")
+    for r in sorted(rows, key=lambda r: (r["style"], r["tokens"], r["documents"], r["cp"])):
+        slope, intercept = fits[r["style"]]
+        predicted = slope * r["model_ms"] + intercept
+        worst = max(worst, abs(r["measured_ms"] / predicted - 1))
+        print(f"{r['style']:>9} {r['tokens']:>7} {r['documents']:>4} {r['cp']:>3} {r['model_ms']:>8.2f} "
+              f"{r['measured_ms']:>9.2f} {predicted:>9.2f} {r['measured_ms'] / predicted:>9.3f}")
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fit", nargs="+", required=True, help="bench_auto_cp.py JSON runs to fit")
+    ap.add_argument("--check", nargs="*", default=[], help="runs held out: printed against the fit")
+    ap.add_argument("--cost-device", default="NVIDIA H200", help="whose tables the model was read on")
+    ap.add_argument("--measured-on", default="", help="the GPU the runs were timed on")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--write", action="store_true", help=f"replace {STYLES_JSON.name}'s rows with the --fit rows")
+    args = ap.parse_args()
+    cache: dict = {}
+    fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
+    fits = cost.fit_lines(fit_rows)
+    print("  ".join(f"{s}: {a:.3f} x model + {b:.2f} ms" for s, (a, b) in fits.items()))
+    worst = {"fitted": _print(fit_rows, fits, "fitted rows")}
+    if check_rows:
+        worst["held out"] = _print(check_rows, fits, "held-out rows")
+    print("worst |measured / predicted - 1|: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+    if args.write:
+        STYLES_JSON.write_text(json.dumps({
+            "source": "benchmarks/calibrate_context_parallel.py --fit " + " ".join(Path(p).name for p in args.fit),
+            "measured_on": args.measured_on, "tables": args.cost_device,
+            "what": "one rank's fwd+bwd of one attention call on the fake group (rotary embedding included), "
+                    "beside the uncalibrated model's compute",
+            "rows": fit_rows}, indent=1) + "\n")
+        print(f"wrote {STYLES_JSON}")
+
+
+if __name__ == "__main__":
+    main()
