@@ -5,6 +5,7 @@ it refuses, and training numerics against the single-device model on gloo."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
-                                                      "checkpoint", "tokens_at", "argsort")):
+                                                      "checkpoint", "tokens_at", "argsort", "ids_checked")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -244,6 +245,53 @@ document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions
 document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_17, cp_doc_ids, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
 
 
+def _flex_over(mask_mod, q, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device="cpu")
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _hf_flex_form(q, k, v, ids, positions, position_ids):
+    """HF transformers' packed flex mask as its decoder graph sees it: the document ids (the
+    runs of the position ids) and the positions its causal compares come in as inputs."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (positions[b, kv_idx] <= positions[b, q_idx]) & (ids[b, q_idx] == ids[b, kv_idx])
+    return _flex_over(mask_mod, *_rotated(q, k, v, position_ids))
+
+
+class TestTablesTakenIn(TestCase):
+    """A flex mask_mod whose tables the graph takes in, HF's packed form: read as the documents of
+    the position ids and causal over them, once checked on device."""
+
+    def _local(self):
+        with fake_pg(2, 0) as group:
+            return shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long), "position_ids": POSITIONS},
+                               group)["position_ids"]
+
+    def test_rewritten_after_a_device_check(self):
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        local = self._local()
+        ids = (torch.diff(local, prepend=local[:, :1] - 1) != 1).cumsum(-1)
+        with torch.no_grad():
+            summary = _rewritten(_hf_flex_form, q, k, k.clone(), ids, local.clone())
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "check" in line or "plan" in line), """\
+ids_checked = ids_checked(cp_doc_ids, l_position_ids_, (l_ids_,), (l_positions_,))
+document_shard_plan_default = document_shard_plan(ids_checked, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_16, ids_checked, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
+
+    def test_tables_that_are_not_the_positions_fail_on_device(self):
+        """One document table over the whole row while the positions restart: a device error,
+        never the attention of other documents."""
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        local = self._local()
+        with torch.no_grad(), self.assertRaisesRegex(Exception, "not the runs of the position ids"):
+            _rewritten(_hf_flex_form, q, k, k.clone(), torch.zeros_like(local), local.clone())
+        ids = (torch.diff(local, prepend=local[:, :1] - 1) != 1).cumsum(-1)
+        with torch.no_grad(), self.assertRaisesRegex(Exception, "position table is not the position ids"):
+            _rewritten(_hf_flex_form, q, k, k.clone(), ids, torch.arange(8)[None])
+
+
 def test_ulysses_call_is_one_round_per_document():
     """The op Ulysses' rewrite calls: every token in row order, positions the index (None): one
     segment and one round per document, and the packed path (reference kernels standing in for
@@ -336,20 +384,18 @@ class TestRefused:
         q = torch.randn(1, 8, 2, 8)
         _refused(other_ids, q, q.clone(), q.clone(), match="not the resets of the position ids")
 
-    def test_flex_tables_from_outside_the_graph(self):
-        """A flex mask_mod reading a document table the graph takes as an input (HF transformers
-        builds flex's BlockMask before a graph break): what the table holds is not known."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    def test_flex_tables_not_shaped_as_the_positions(self):
+        """A flex mask_mod reading a document table the graph takes in (HF transformers builds
+        flex's BlockMask before a graph break) that is not a [B, T] table beside the position
+        ids: what it holds cannot be checked against them."""
         def flex(q, k, v, table, position_ids):
             def mask_mod(b, h, q_idx, kv_idx):
-                return (table[b, q_idx] == table[b, kv_idx]) & (q_idx >= kv_idx)
-            q, k, v = _rotated(q, k, v, position_ids)
-            return flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 1, None, 8, 8, device="cpu"))
+                return (table[q_idx] == table[kv_idx]) & (q_idx >= kv_idx)
+            return _flex_over(mask_mod, *_rotated(q, k, v, position_ids))
 
         q = torch.randn(1, 8, 2, 8)
         with torch.no_grad():
-            _refused(flex, q, q.clone(), q.clone(), torch.zeros(1, 8, dtype=torch.long),
+            _refused(flex, q, q.clone(), q.clone(), torch.zeros(8, dtype=torch.long),
                      match="come in as inputs of this graph")
 
     def test_dropout(self):
@@ -438,18 +484,26 @@ def test_decoder_training_matches_single_device_cp4():
 
 
 def test_flex_forward_matches_single_device():
-    """flex attention with its BlockMask built in the model (same document, causal) at cp 2,
-    forward only (torch has no flex backward on CPU; training numerics run on the GPU): the
+    """flex attention at cp 2, forward only (torch has no flex backward on CPU; training numerics
+    run on the GPU): our decoder with its BlockMask built in the model (same document, causal),
+    all-gather and Ulysses, and HF transformers' Llama with ``flex_attention``, packed and plain
+    (HF builds the BlockMask before a graph break: its tables are checked on device): the
     combined loss is the single-device loss."""
     pack, _ = _batches(rows=2)
     cases = [(functools.partial(auto_cp.decoder, "flex"), pack), (functools.partial(auto_cp.decoder, "flex"), pack, ULYSSES)]
+    if importlib.util.find_spec("transformers") is not None:
+        hf_pack = auto_cp.packed_batch([6, 10, 8, 8])
+        hf_plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
+        cases += [(functools.partial(auto_cp.hf_llama, "flex_attention"), batch) for batch in (hf_pack, hf_plain)]
     results = run_on_ranks(auto_cp.cp_forwards, 2, cases)
     for (make, batch, *_), got in zip(cases, results[0]):
         with torch.no_grad():
-            want = make()(**batch).item()
+            want = auto_cp._loss(make()(**batch)).item()
         assert abs(got["loss"] - want) <= 1e-5 * abs(want), (got["loss"], want, got["lines"])
         assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
+    for got in results[0][2:]:  # HF's tables came in from before the graph break
+        assert all("checked on device" in line for line in got["lines"]), got["lines"]
 
 
 def test_packs_change_between_steps():

@@ -1,4 +1,5 @@
-"""Ulysses' all-to-alls of heads as differentiable functions of the functional collectives:
+"""Ulysses' all-to-alls of heads as differentiable functions of the functional collectives (and the
+device check of document tables the context-parallel pass reads, ``ids_checked``):
 ``parallel/ulysses`` runs them, and the context-parallel pass emits them into the Dynamo graph."""
 
 from __future__ import annotations
@@ -41,3 +42,24 @@ def tokens_at(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     Ulysses' tokens, gathered rank after rank, put in row order and back."""
     b, h, t, d = x.shape
     return x.gather(2, slots[:, None, :, None].expand(b, h, t, d))
+
+
+def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: tuple[torch.Tensor, ...],
+                position_tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``doc_ids``, once it is asserted on device that each of ``id_tables`` labels the runs of
+    ``positions [B, T]`` that step by one (HF transformers' packed-sequence ids: rising, and
+    changing exactly where the positions do not step by one) and each of ``position_tables``
+    holds the positions (HF's causal over positions remapped to them). The context-parallel pass
+    reads such tables as "the documents of the position ids" and "causal" where the graph does
+    not compute them (they come in from before a graph break); tables that are anything else
+    fail the step on device, never a different answer. ``doc_ids`` passes through so the checks
+    order before its readers."""
+    breaks = torch.diff(positions, dim=-1) != 1
+    for table in id_tables:
+        step = torch.diff(table, dim=-1)
+        torch._assert_async(torch.all((step >= 0) & ((step != 0) == breaks)),
+                            "context_parallel: a flex mask_mod's document table is not the runs of the position ids")
+    for table in position_tables:
+        torch._assert_async(torch.all(table == positions),
+                            "context_parallel: a flex mask_mod's position table is not the position ids")
+    return doc_ids

@@ -545,6 +545,17 @@ def reset_leaf(facts: DocumentMask) -> torch.fx.Node | None:
     return _reset_input(facts.doc_ids, facts.traced)
 
 
+def table_input(facts: DocumentMask, table: torch.fx.Node | None) -> torch.fx.Node | None:
+    """The Dynamo graph's input a table of ``facts`` (its document ids, its positions) is read
+    from as it is (a table a flex mask_mod reads at ``[b, index]`` that the graph takes in: HF
+    transformers builds them before a graph break), or None. What it holds is not known from the
+    graph: a pass that relies on it checks it on device."""
+    if table is None or facts.traced is None or table.op != "placeholder":
+        return None
+    leaf = facts.traced.leaves[[n for n in facts.traced.graph.nodes if n.op == "placeholder"].index(table)]
+    return leaf if isinstance(leaf, torch.fx.Node) and leaf.op == "placeholder" else None
+
+
 def _reset_input(ids: torch.fx.Node, traced: mask_graph.Traced, hops: int = 1) -> torch.fx.Node | None:
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if ids.op == "placeholder":

@@ -25,11 +25,19 @@ and keys at ``key_positions``), the output all-to-all'ed back. Which one, per ca
 FA4 varlen over each query segment's document prefix, reading the keys in place, where it runs.
 
 What it proves per call, else the compile fails naming the call (computing this rank's tokens
-alone would change the answer): SDPA in the graph itself (flex attention, varlen and FA4 calls,
-calls in activation-checkpointed bodies and attention written out as a softmax over ``[T, T]``
-scores are refused for now), no dropout, query and key length this rank's token count, and a mask
-that is none, causal, or "same document and causal" over the documents of the position ids
-``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
+alone would change the answer): SDPA or flex attention in the graph itself or in an
+activation-checkpointed body (varlen and FA4 calls and attention written out as a softmax over
+``[T, T]`` scores are refused for now), no dropout, query and key length this rank's token
+count, and a mask that is none, causal, or "same document and causal" over the documents of the
+position ids ``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
+Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
+BlockMask before a graph break), a ``[B, T]`` table read as the documents and one read as
+positions are taken as the runs of the position ids and the position ids, checked on device
+before the plan reads the layout (``ids_checked``: a device error otherwise)::
+
+    mask_mod = (positions[b, kv] <= positions[b, q]) & (ids[b, q] == ids[b, kv])   # HF's packed flex
+    ->
+    doc_ids = ids_checked(cp_doc_ids, position_ids, (ids,), (positions,))
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
 from ...batch_layout import BatchShard, key_of, shard_of
-from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
+from ...lowerings.cp_collectives import gather_heads, ids_checked, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
@@ -61,6 +69,7 @@ INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions",
                 "cp_row_order", "cp_key_places")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
+CHECKED = " (the mask_mod's tables checked on device against the position ids)"
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
     ULYSSES: "all-to-all of heads, every token of this rank's heads",
@@ -204,35 +213,67 @@ def _flex_mask(site: Site, args: dict) -> mask_analysis.DocumentMask:
 
 
 def _inputs_hint(site: Site, args: dict, positions) -> str:
-    """Where a flex mask_mod reads tables this graph takes as inputs: why they cannot be read."""
+    """Where a flex mask_mod reads tables this graph takes as inputs: what would let it check them."""
     tables = [site.outer(b) for b in args.get("mask_buffers", ())]
     if any(isinstance(t, torch.fx.Node) and t.op == "placeholder" and t is not positions for t in tables):
         return ("; its mask_mod reads tables that come in as inputs of this graph, made in another (HF transformers "
-                "builds flex's BlockMask before a graph break), so what they hold is not known here")
+                "builds flex's BlockMask before a graph break): a table of document ids read as it is, beside the "
+                "position ids, is checked on device; this one is not that")
     return ""
 
 
-def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> Semantics:
+@dataclass(frozen=True)
+class Checks:
+    """Tables a call's mask reads that the graph takes in, to check on device (``ids_checked``)."""
+
+    ids: torch.fx.Node | None = None  # read as the documents: must be the runs of the position ids
+    positions: torch.fx.Node | None = None  # read as positions: must be the position ids
+
+
+def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> tuple[Semantics, Checks]:
+    """What the call computes over the full rows, and the tables to check on device where the
+    graph takes them in rather than computing them from the position ids."""
     node, mask = site.node, site.outer(args.get("attn_mask"))
     if mask is None:
-        return Semantics(ONE_DOCUMENT, bool(args.get("is_causal")))
+        return Semantics(ONE_DOCUMENT, bool(args.get("is_causal"))), Checks()
     if not isinstance(mask, (torch.fx.Node, tuple)):
         raise ContextParallelError(f"context_parallel: attention {node.name} takes a mask that is not a tensor of the graph")
     try:
         facts = _flex_mask(site, args) if args.get("flex") else mask_analysis.analyze(mask)
     except mask_analysis.NotAMask as e:
         raise ContextParallelError(f"context_parallel: attention {node.name}'s mask is not one it can shard: {e}") from None
-    if facts.mapped or facts.bound or facts.window >= 0 or facts.positions is not None:
+    checks = Checks()
+    if facts.doc_ids is not None and not (positions is not None and site.outer(mask_analysis.reset_leaf(facts)) is positions):
+        checks = Checks(ids=_input_like(site, mask_analysis.table_input(facts, facts.doc_ids), positions))
+        if checks.ids is None:
+            raise ContextParallelError(
+                f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
+                f"position ids shard_batch made: their places in the full rows are not known"
+                f"{_inputs_hint(site, args, positions)}")
+    if facts.positions is not None:  # causal over a table of positions: HF's remap, within runs of +1 steps
+        table = _input_like(site, mask_analysis.table_input(facts, facts.positions), positions)
+        if table is None or facts.doc_ids is None:
+            raise ContextParallelError(
+                f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is causal over positions that "
+                f"are not the position ids shard_batch made{_inputs_hint(site, args, positions)}")
+        checks = Checks(checks.ids, table if table is not positions else None)
+    if facts.mapped or facts.bound or facts.window >= 0:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is not taken yet "
             f"(documents from position ids, causal or not, are){_inputs_hint(site, args, positions)}")
-    if facts.doc_ids is None:
-        return Semantics(ONE_DOCUMENT, facts.causal)
-    if positions is None or site.outer(mask_analysis.reset_leaf(facts)) is not positions:
-        raise ContextParallelError(
-            f"context_parallel: attention {node.name}'s documents ({facts.describe()}) are not the resets of the "
-            f"position ids shard_batch made: their places in the full rows are not known{_inputs_hint(site, args, positions)}")
-    return Semantics(DOCUMENTS, facts.causal)
+    return Semantics(DOCUMENTS if facts.doc_ids is not None else ONE_DOCUMENT, facts.causal), checks
+
+
+def _input_like(site: Site, table: torch.fx.Node | None, positions: torch.fx.Node | None) -> torch.fx.Node | None:
+    """``table`` (as the outer graph has it) where it is an integer input shaped as the position ids."""
+    table = site.outer(table)
+    return table if positions is not None and table is not None and _same_shape(table, positions) else None
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    x, y = value(a), value(b)
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim() == 2
+            and not x.is_floating_point() and all(statically_known_true(m == n) for m, n in zip(x.shape, y.shape)))
 
 
 def _check_call(site: Site, tokens) -> dict:
@@ -420,11 +461,18 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             f"{cfg.context_parallel!r}")
     sites = _sites(gm)
     checked = [(site, _check_call(site, tokens)) for site in sites]
-    semantics = [(site, args, _semantics(site, args, positions)) for site, args in checked]
+    semantics = [(site, args, *_semantics(site, args, positions)) for site, args in checked]
     inputs = _add_inputs(gm, shard, batch_input)
+    id_tables = tuple({c.ids: None for *_, c in semantics if c.ids is not None})
+    position_tables = tuple({c.positions: None for *_, c in semantics if c.positions is not None})
+    if id_tables or position_tables:  # tables the graph takes in, read as documents: checked first
+        with gm.graph.inserting_after(inputs[-1]):
+            checked_ids = gm.graph.call_function(ids_checked, (inputs[0], positions, id_tables, position_tables))
+        checked_ids.meta["example_value"] = value(inputs[0])
+        inputs[0] = checked_ids
     plans: dict = {}
     works: dict = {}
-    for site, args, meaning in semantics:
+    for site, args, meaning, checks in semantics:
         name = site.node.name if site.region is None else f"{site.region.name}/{site.node.name}"  # checkpointed
         repeated = (args["key"], args["value"])
         heads = value(args["query"]).shape[1]
@@ -443,7 +491,8 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         record_varlen(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
             reason=why,
-            detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment where it runs)"))
+            detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
+                   "(FA4 varlen per document segment where it runs)"))
     for module in {id(m): m for m in (gm, *(site.module for site in sites))}.values():
         module.graph.lint()
         module.recompile()
