@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import bench_auto_cp as bench
@@ -24,19 +25,25 @@ from cp_inductor.passes.analysis import context_parallel_cost as cost
 STYLES_JSON = cost.DATA / "context_parallel_styles.json"
 
 
-def _model_ms(row: dict, args, cache: dict) -> float:
+def _terms(row: dict, args, cache: dict) -> tuple[float, float]:
+    """The row's (model_ms, key_mib), recomputed from its shape."""
     from cp_inductor.parallel import shard_batch
+
+    from cp_inductor.batch_layout import shard_of
 
     key = (row["tokens"], row["docs"], row["cp"], row["rank"])
     if key not in cache:
-        bench.DEVICE, bench.COST_DEVICE = "cpu", args.cost_device
+        bench.DEVICE = "cpu"
         group = bench._fake_group(row["rank"], row["cp"])
         try:
-            local = shard_batch(bench._packed(row["tokens"], row["docs"]), group)
-            shape = argparse.Namespace(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-            cache[key] = {s: e.model_ms for s, e in bench._predicted(shape, local, row["cp"], row["docs"] <= 1).items()}
+            positions = shard_batch(bench._packed(row["tokens"], row["docs"]), group)["position_ids"]
         finally:
             dist.destroy_process_group()
+        shard = shard_of(positions)
+        ids = torch.zeros_like(shard.doc_ids) if row["docs"] <= 1 else shard.doc_ids
+        call = cost.Call(1, positions.shape[1], args.heads, args.kv_heads, args.head_dim, True, 2, "bfloat16")
+        cache[key] = cost.model_terms(call, cost.work(ids, shard.key_positions, row["cp"], True, args.heads), row["cp"],
+                                      args.cost_device)
     return cache[key][row["style"]]
 
 
@@ -46,22 +53,23 @@ def rows_of(paths: list[str], args, cache: dict) -> list[dict]:
         for r in json.loads(Path(path).read_text())["rows"]:
             if r["level"] != "attention" or r["style"] not in cost.STYLES:
                 continue
-            model = r.get("model_ms") if r.get("chosen") == r["style"] else None
+            model, key_mib = _terms(r, args, cache)
             out.append({"style": r["style"], "tokens": r["tokens"], "documents": r["docs"], "cp": r["cp"],
                         "heads_q": args.heads, "heads_kv": args.kv_heads, "head_dim": args.head_dim,
-                        "model_ms": round(model if model is not None else _model_ms(r, args, cache), 3),
+                        "model_ms": round(model, 3), "key_mib": round(key_mib, 3),
                         "measured_ms": round(r["ms"], 3), "run": Path(path).name})
     return out
 
 
 def _print(rows: list[dict], fits: dict, label: str) -> float:
     worst = 0.0
-    print(f"{label}:\n{'style':>9} {'T':>7} {'docs':>4} {'cp':>3} {'model':>8} {'measured':>9} {'predicted':>9} {'meas/pred':>9}")
+    print(f"{label}:\n{'style':>9} {'T':>7} {'docs':>4} {'cp':>3} {'model':>8} {'key MiB':>8} {'measured':>9} "
+          f"{'predicted':>9} {'meas/pred':>9}")
     for r in sorted(rows, key=lambda r: (r["style"], r["tokens"], r["documents"], r["cp"])):
-        slope, intercept = fits[r["style"]]
-        predicted = slope * r["model_ms"] + intercept
+        slope, per_mib, intercept = fits[r["style"]]
+        predicted = slope * r["model_ms"] + per_mib * r["key_mib"] + intercept
         worst = max(worst, abs(r["measured_ms"] / predicted - 1))
-        print(f"{r['style']:>9} {r['tokens']:>7} {r['documents']:>4} {r['cp']:>3} {r['model_ms']:>8.2f} "
+        print(f"{r['style']:>9} {r['tokens']:>7} {r['documents']:>4} {r['cp']:>3} {r['model_ms']:>8.2f} {r['key_mib']:>8.1f} "
               f"{r['measured_ms']:>9.2f} {predicted:>9.2f} {r['measured_ms'] / predicted:>9.3f}")
     return worst
 
@@ -80,7 +88,7 @@ def main() -> None:
     cache: dict = {}
     fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
     fits = cost.fit_lines(fit_rows)
-    print("  ".join(f"{s}: {a:.3f} x model + {b:.2f} ms" for s, (a, b) in fits.items()))
+    print("  ".join(f"{s}: {a:.3f} x model + {b:.4f} ms/MiB x key MiB + {c:.2f} ms" for s, (a, b, c) in fits.items()))
     worst = {"fitted": _print(fit_rows, fits, "fitted rows")}
     if check_rows:
         worst["held out"] = _print(check_rows, fits, "held-out rows")
@@ -90,7 +98,7 @@ def main() -> None:
             "source": "benchmarks/calibrate_context_parallel.py --fit " + " ".join(Path(p).name for p in args.fit),
             "measured_on": args.measured_on, "tables": args.cost_device,
             "what": "one rank's fwd+bwd of one attention call on the fake group (rotary embedding included), "
-                    "beside the uncalibrated model's compute",
+                    "beside the model's uncalibrated terms",
             "rows": fit_rows}, indent=1) + "\n")
         print(f"wrote {STYLES_JSON}")
 

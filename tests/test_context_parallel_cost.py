@@ -58,32 +58,36 @@ class TestTables(TestCase):
         call = cost.Call(1, row["tokens"], 32, 8, 128, True, 2, "bfloat16")
         self.assertAlmostEqual(pairs * 32 / cost.rate(providers, call, length), row["ms"]["fa4"], places=6)
 
-    def test_fit_is_the_least_relative_error_line(self):
-        """fit_lines minimises the summed squared relative error: moving the slope or the
-        intercept either way from the fit makes it larger."""
-        rows = [{"style": cost.ALLGATHER, "model_ms": x, "measured_ms": y}
-                for x, y in ((1.0, 5.0), (4.0, 7.5), (16.0, 19.0), (64.0, 70.0))]
-        slope, intercept = cost.fit_lines(rows)[cost.ALLGATHER]
+    def test_fit_is_the_least_relative_error_fit(self):
+        """fit_lines minimises the summed squared relative error: moving any of its three terms
+        either way from the fit makes it larger."""
+        rows = [{"style": cost.ALLGATHER, "model_ms": x, "key_mib": m, "measured_ms": y}
+                for x, m, y in ((1.0, 64.0, 5.0), (4.0, 128.0, 7.5), (16.0, 64.0, 19.0), (64.0, 256.0, 70.0), (8.0, 32.0, 9.0))]
+        fit = cost.fit_lines(rows)[cost.ALLGATHER]
 
-        def error(a, b):
-            return sum(((a * r["model_ms"] + b) / r["measured_ms"] - 1) ** 2 for r in rows)
+        def error(terms):
+            a, b, c = terms
+            return sum(((a * r["model_ms"] + b * r["key_mib"] + c) / r["measured_ms"] - 1) ** 2 for r in rows)
 
-        best = error(slope, intercept)
-        for da, db in ((0.01, 0), (-0.01, 0), (0, 0.05), (0, -0.05)):
-            self.assertGreater(error(slope + da, intercept + db), best)
+        for i, step in ((0, 0.01), (1, 0.0005), (2, 0.05)):
+            for sign in (1, -1):
+                moved = list(fit)
+                moved[i] += sign * step
+                self.assertGreater(error(moved), error(fit))
 
     def test_calibration_against_the_measured_rows(self):
-        """The per-style line through the measured one-rank compute (cost_data/context_parallel_styles.json):
-        half the rows within 5%; the worst within the scatter the same program shows between runs
-        of the small calls (docs/passes/context_parallel.md); Ulysses' slope below the
-        all-gather's (one FA4 round, where the all-gather's queries make two)."""
+        """The fit through the measured one-rank compute (cost_data/context_parallel_styles.json):
+        half the rows within 5%, every call of over 20 ms within 10% (the smaller ones are host
+        bound and vary between machines by more: docs/passes/context_parallel.md); Ulysses' slope
+        below the all-gather's (one FA4 round, where the all-gather's queries make two)."""
         rows = json.loads((cost.DATA / "context_parallel_styles.json").read_text())["rows"]
-        fits = cost.calibration()
-        errors = sorted(abs(fits[r["style"]][0] * r["model_ms"] + fits[r["style"]][1] - r["measured_ms"])
-                        / r["measured_ms"] for r in rows)
-        self.assertLess(errors[len(errors) // 2], 0.05)
-        self.assertLess(errors[-1], 0.17)
-        self.assertLess(fits[cost.ULYSSES][0], fits[cost.ALLGATHER][0])
+        errors = [(abs(cost.calibrated_ms(r["style"], r["model_ms"], r["key_mib"]) / r["measured_ms"] - 1), r)
+                  for r in rows]
+        self.assertLess(sorted(e for e, _ in errors)[len(errors) // 2], 0.05)
+        for e, r in errors:
+            if r["measured_ms"] > 20:
+                self.assertLess(e, 0.10, r)
+        self.assertLess(cost.calibration()[cost.ULYSSES][0], cost.calibration()[cost.ALLGATHER][0])
 
     def test_no_tables_for_a_device(self):
         self.assertEqual(cost.tables_for("cpu"), (None, None))
@@ -109,14 +113,14 @@ class TestChoice(TestCase):
     def test_gqa_at_cp2(self):
         """GQA 4:1 at T64K cp 2: the all-gather moves K and V (8 heads of 32), Ulysses q, k, v and
         out (more than twice the bytes), but its compute is lower (one FA4 round, measured)."""
-        self.assertExpectedInline(self._choose([65536], 2, 32, 8)[1], """auto, predicted (measured on NVIDIA H200): ulysses 91.15 ms (compute 87.53 + comm 3.62) < allgather 105.84 ms (compute 104.17 + comm 1.68); ring: not offered by this pass yet""")
+        self.assertExpectedInline(self._choose([65536], 2, 32, 8)[1], """auto, predicted (measured on NVIDIA H200): ulysses 91.45 ms (compute 87.83 + comm 3.62) < allgather 102.07 ms (compute 100.39 + comm 1.68); ring: not offered by this pass yet""")
 
     def test_mha_at_cp8_goes_to_ulysses(self):
         """MHA at T128K cp 8: the all-gather brings 7 ranks' K and V of every head; Ulysses 7/8 of
         four tensors of this rank's tokens."""
         style, why = self._choose([131072], 8, 32, 32)
         self.assertEqual(style, cost.ULYSSES, why)
-        self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 90.41 ms (compute 85.89 + comm 4.53) < allgather 117.14 ms (compute 102.34 + comm 14.80); ring: not offered by this pass yet""")
+        self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 93.75 ms (compute 89.22 + comm 4.53) < allgather 141.76 ms (compute 126.97 + comm 14.80); ring: not offered by this pass yet""")
 
     def test_forced_style_it_cannot_take(self):
         style, why = self._choose([4096], 4, 6, 2, forced="ulysses")

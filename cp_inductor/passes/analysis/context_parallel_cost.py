@@ -81,7 +81,8 @@ class Estimate:
     style: str
     compute_ms: float
     comm_ms: float
-    model_ms: float  # the compute before calibration (what calibration() is fitted against)
+    model_ms: float  # the kernel-rate term before calibration (what calibration() is fitted against)
+    key_mib: float  # the per-round passes over every key (calibration()'s second term)
 
     @property
     def total_ms(self) -> float:
@@ -103,32 +104,35 @@ def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
 
 
 @functools.cache
-def calibration() -> dict[str, tuple[float, float]]:
-    """Per style (slope, intercept ms) of the measured one-rank compute against the model's
-    terms, fitted to ``cost_data/context_parallel_styles.json``'s rows
+def calibration() -> dict[str, tuple[float, float, float]]:
+    """Per style (slope, ms per key MiB, intercept ms) of the measured one-rank compute against
+    the model's terms, fitted to ``cost_data/context_parallel_styles.json``'s rows
     (``benchmarks/calibrate_context_parallel.py`` writes them). The slope is the style's kernel
-    efficiency against the provider map's; the intercept its costs per call (the plan's host read,
-    FA4's launches, the extra round's full-size passes)."""
+    efficiency against the provider map's; the second its passes over every key per round; the
+    intercept its costs per call (the plan's host read, FA4's launches)."""
     return fit_lines(json.loads((DATA / "context_parallel_styles.json").read_text())["rows"])
 
 
-def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per style the line ``measured = slope x model + intercept`` of least relative error (each
-    row weighted by 1 / measured^2): the goal is a bound on measured / predicted, small calls and
-    large alike."""
+def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
+    """Per style ``measured = slope x model_ms + per_mib x key_mib + intercept`` of least relative
+    error (each row weighted by 1 / measured^2): the goal is a bound on measured / predicted, small
+    calls and large alike."""
     fits = {}
     for style in STYLES:
-        points = [(r["model_ms"], r["measured_ms"]) for r in rows if r["style"] == style]
-        if len(points) < 2:
-            fits[style] = (1.0, 0.0)
+        mine = [r for r in rows if r["style"] == style]
+        if len(mine) < 3:
+            fits[style] = (1.0, 0.0, 0.0)
             continue
-        w = [1 / y**2 for _, y in points]
-        sw, sx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points))
-        sy, sxx = sum(wi * y for wi, (_, y) in zip(w, points)), sum(wi * x * x for wi, (x, _) in zip(w, points))
-        sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
-        slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-        fits[style] = (slope, (sy - slope * sx) / sw)
+        terms = torch.tensor([[r["model_ms"], r["key_mib"], 1.0] for r in mine], dtype=torch.float64)
+        measured = torch.tensor([r["measured_ms"] for r in mine], dtype=torch.float64)
+        solution = torch.linalg.lstsq(terms / measured[:, None], torch.ones_like(measured)[:, None]).solution
+        fits[style] = tuple(float(x) for x in solution[:, 0])
     return fits
+
+
+def calibrated_ms(style: str, model_ms: float, key_mib: float) -> float:
+    slope, per_mib, intercept = calibration()[style]
+    return slope * model_ms + per_mib * key_mib + intercept
 
 
 def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
@@ -254,26 +258,41 @@ def _comm_ms(collectives: dict, style: str, call: Call, cp: int, kv_heads: int) 
 # --- the choice ---------------------------------------------------------------------------------
 
 
+def model_terms(call: Call, works: dict[str, Work], cp: int, device_name: str) -> dict[str, tuple[float, float] | str]:
+    """Per style the model's uncalibrated terms (model_ms, key_mib), or why it cannot take the
+    call or cannot be priced."""
+    providers, _ = tables_for(device_name)
+    if providers is None:
+        return {style: f"no measured costs for {device_name}" for style in STYLES}
+    out: dict[str, tuple[float, float] | str] = {}
+    for style in STYLES:
+        kv_heads = sent_kv_heads(call, style, cp)
+        w = works[style]
+        speed = rate(providers, call, w.length) if kv_heads is not None else None
+        if kv_heads is None:
+            out[style] = ulysses_kv_heads(call, cp)[1] or ""
+        elif speed is None:
+            out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
+        else:
+            held = kv_heads if style == ALLGATHER else kv_heads // cp
+            out[style] = (w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads),
+                          w.rounds * call.batch * call.tokens * cp * held * call.head_dim * call.itemsize / 2**20)
+    return out
+
+
 def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> tuple[dict[str, Estimate | str], str]:
     """Per style its estimate, or why it cannot take the call or cannot be priced; and which tables."""
     providers, collectives = tables_for(device_name)
-    out: dict[str, Estimate | str] = {}
     if providers is None or collectives is None:
         why = f"no measured costs for {device_name}"
         return {style: why for style in STYLES}, why
-    for style in STYLES:
+    out: dict[str, Estimate | str] = {}
+    for style, terms in model_terms(call, works, cp, device_name).items():
+        if isinstance(terms, str):
+            out[style] = terms
+            continue
         kv_heads = sent_kv_heads(call, style, cp)
-        if kv_heads is None:
-            out[style] = ulysses_kv_heads(call, cp)[1] or ""
-            continue
-        w = works[style]
-        speed = rate(providers, call, w.length)
-        if speed is None:
-            out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
-            continue
-        slope, intercept = calibration()[style]
-        model = w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads)
-        out[style] = Estimate(style, slope * model + intercept, _comm_ms(collectives, style, call, cp, kv_heads), model)
+        out[style] = Estimate(style, calibrated_ms(style, *terms), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
     return out, f"measured on {device_name}"
 
 
