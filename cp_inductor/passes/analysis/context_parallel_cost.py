@@ -126,7 +126,8 @@ def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
         terms = torch.tensor([[r["model_ms"], r["key_mib"], 1.0] for r in mine], dtype=torch.float64)
         measured = torch.tensor([r["measured_ms"] for r in mine], dtype=torch.float64)
         solution = torch.linalg.lstsq(terms / measured[:, None], torch.ones_like(measured)[:, None]).solution
-        fits[style] = tuple(float(x) for x in solution[:, 0])
+        slope, per_mib, intercept = (float(x) for x in solution[:, 0])
+        fits[style] = (slope, per_mib, intercept)
     return fits
 
 
@@ -292,6 +293,7 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
             out[style] = terms
             continue
         kv_heads = sent_kv_heads(call, style, cp)
+        assert kv_heads is not None  # model_terms gave the reason where the style cannot take the call
         out[style] = Estimate(style, calibrated_ms(style, *terms), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
     return out, f"measured on {device_name}"
 
