@@ -426,6 +426,29 @@ class TestRefused:
             torch.compile(_attention, backend=backend)(q, q, q, POSITIONS[:, :8].clone())
 
 
+    def test_positions_from_the_token_index(self):
+        """nanoGPT's positions (an arange over the tokens the model sees): under CP those are this
+        rank's tokens, whose places in the row are not their indices."""
+        def arange_positions(q, k, v, position_ids):
+            return _attention(q + torch.arange(q.shape[1])[None, :, None, None], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(arange_positions, q, q.clone(), q.clone(), match=r"arange over this rank's 8 tokens")
+
+    def test_a_table_sliced_to_the_tokens(self):
+        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``)."""
+        class Rotated(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("angles", torch.randn(64, 8))
+
+            def forward(self, q, k, v, position_ids):
+                angles = self.angles[: q.shape[1]][None, :, None, :]
+                return _attention(q * angles.cos(), k * angles.sin(), v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(Rotated(), q, q.clone(), q.clone(), match=r"the first 8 entries of the model's")
+
 # --- training numerics on gloo ------------------------------------------------------------------
 
 

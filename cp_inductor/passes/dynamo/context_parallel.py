@@ -30,7 +30,11 @@ activation-checkpointed body (varlen and FA4 calls and attention written out as 
 ``[T, T]`` scores are refused for now), no dropout, query and key length this rank's token
 count, and a mask that is none, causal, or "same document and causal" over the documents of the
 position ids ``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
-Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
+Positions the model computes from the token index (an integer ``arange`` over the tokens it
+sees, nanoGPT's; a table of its own sliced to their count, torchtitan's ``freqs_cis[:seqlen]``)
+fail the compile too wherever the graph's outputs still read them after the rewrite: under CP
+those are this rank's tokens, whose places in the row are not their indices (HF's
+``cache_position`` arange only feeds the masks the rewrite drops). Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
 BlockMask before a graph break), a ``[B, T]`` table read as the documents and one read as
 positions are taken as the runs of the position ids and the position ids, checked on device
 before the plan reads the layout (``ids_checked``: a device error otherwise)::
@@ -174,6 +178,60 @@ def _untaken(gm: torch.fx.GraphModule, tokens) -> str | None:
                     statically_known_true(s == tokens) for s in scores.shape[-2:]):
                 return f"attention written out ({n.name}: a softmax over [.., T, T] scores)"
     return None
+
+
+def _live(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes the graph's outputs read (its vmap bookkeeping, which a BlockMask built in the
+    graph leaves behind, is impure but computes nothing the outputs read)."""
+    stack = [n for n in graph.nodes if n.op == "output"]
+    live: set[torch.fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
+
+
+def _from_token_index(modules, tokens) -> str | None:
+    """A live op that gives each of this rank's tokens a value by its index among them: an
+    ``arange`` over this rank's token count (nanoGPT's positions), or a table of the model's
+    sliced to its first rows (torchtitan's ``freqs_cis[:seqlen]``). Under CP a token's place in
+    the row is not its index here; the position ids ``shard_batch`` makes say where it is."""
+    def tokens_long(x) -> bool:
+        t = value(x)
+        return isinstance(t, torch.Tensor) and t.dim() == 1 and statically_known_true(t.shape[0] == tokens)
+
+    for module in modules:
+        for n in _live(module.graph):
+            if n.op != "call_function":
+                continue
+            # integer: positions and indices (a float arange is a grid of features: rotary frequencies)
+            if (n.target in (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start) and tokens_long(n)
+                    and not value(n).is_floating_point()):
+                return f"{n.name} (arange over this rank's {tokens} tokens)"
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and _is_module_state(n.args[0]):
+                whole, part = value(n.args[0]), value(n)
+                index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+                if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor)
+                        and all(isinstance(i, slice) for i in index)):
+                    continue
+                for d, cut in enumerate(index):
+                    if (cut.start in (None, 0) and cut.step in (None, 1) and d < part.dim()
+                            and statically_known_true(part.shape[d] == tokens)
+                            and not statically_known_true(whole.shape[d] == tokens)):
+                        return f"{n.name} (the first {tokens} entries of the model's {n.args[0].name})"
+    return None
+
+
+def _is_module_state(n: torch.fx.Node) -> bool:
+    """A parameter or buffer of the model (not a tensor the call passed in)."""
+    if n.op == "get_attr":
+        return True
+    source = getattr(n, "_dynamo_source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name  # a method before torch 2.12, a property after
+    return any(part in name for part in ("buffers", "parameters", "_modules"))
 
 
 def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
@@ -443,6 +501,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     tokens = value(layout[1]).shape[1] if layout is not None else None
     calls, untaken = _attention_calls(gm) + _checkpoints(gm), _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
+        _refuse_token_index(gm.modules(), tokens)
         return gm, example_inputs, _unchanged
     if layout is None:
         raise ContextParallelError(
@@ -493,10 +552,22 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
                    "(FA4 varlen per document segment where it runs)"))
-    for module in {id(m): m for m in (gm, *(site.module for site in sites))}.values():
+    modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
+    _refuse_token_index(modules, tokens)
+    for module in modules:
         module.graph.lint()
         module.recompile()
     return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
+
+
+def _refuse_token_index(modules, tokens) -> None:
+    found = _from_token_index([m for m in modules if isinstance(m, torch.fx.GraphModule)], tokens) \
+        if tokens is not None else None
+    if found is not None:
+        raise ContextParallelError(
+            f"context_parallel: {found} gives each token a value by its index on this rank; under CP a token's "
+            "place in the full row is not its index here: compute positions from the position_ids shard_batch "
+            "makes (pass them to the model)")
 
 
 def _unchanged(compiled):
