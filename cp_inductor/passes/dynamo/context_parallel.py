@@ -32,9 +32,11 @@ count, and a mask that is none, causal, or "same document and causal" over the d
 position ids ``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
 Positions the model computes from the token index (an integer ``arange`` over the tokens it
 sees, nanoGPT's; a table of its own sliced to their count, torchtitan's ``freqs_cis[:seqlen]``)
-fail the compile too wherever the graph's outputs still read them after the rewrite: under CP
+fail the compile too where a graph with attention still reads them after the rewrite: under CP
 those are this rank's tokens, whose places in the row are not their indices (HF's
-``cache_position`` arange only feeds the masks the rewrite drops). Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
+``cache_position`` arange only feeds the masks the rewrite drops). A graph without attention is
+not searched: what it hands on may be positions or not (HF's ``cache_position`` crosses a graph
+break as an output), so positions computed there, or in eager code, are not seen. Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
 BlockMask before a graph break), a ``[B, T]`` table read as the documents and one read as
 positions are taken as the runs of the position ids and the position ids, checked on device
 before the plan reads the layout (``ids_checked``: a device error otherwise)::
@@ -501,7 +503,6 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     tokens = value(layout[1]).shape[1] if layout is not None else None
     calls, untaken = _attention_calls(gm) + _checkpoints(gm), _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
-        _refuse_token_index(gm.modules(), tokens)
         return gm, example_inputs, _unchanged
     if layout is None:
         raise ContextParallelError(
