@@ -541,6 +541,22 @@ def test_packs_change_between_steps():
     assert [graphs for *_, graphs in steps] == [1, 2, 2, 2, 2], steps
 
 
+@pytest.mark.wide
+def test_hf_architectures_forward_match_single_device():
+    """A survey beyond Llama (CP_INDUCTOR_TESTS=all): HF transformers' Qwen2, Qwen3, Mistral, Phi-3,
+    OLMo 2 and GPT-2 (learned positions) with ``sdpa`` on a pack at cp 2, forward: the combined
+    loss is the single-device loss, every attention call rewritten."""
+    pytest.importorskip("transformers")
+    pack = auto_cp.packed_batch([6, 10, 8, 8])
+    cases = [(functools.partial(auto_cp.hf_causal_lm, arch), pack) for arch in auto_cp.HF_ARCHITECTURES]
+    results = run_on_ranks(auto_cp.cp_forwards, 2, cases)
+    for arch, (make, batch), got in zip(auto_cp.HF_ARCHITECTURES, cases, results[0]):
+        with torch.no_grad():
+            want = auto_cp._loss(make()(**batch)).item()
+        assert abs(got["loss"] - want) <= 1e-5 * abs(want), (arch, got["loss"], want)
+        assert len(got["lines"]) == 2 and all("documents, causal" in line for line in got["lines"]), (arch, got["lines"])
+
+
 def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a

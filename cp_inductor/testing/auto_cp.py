@@ -134,6 +134,30 @@ def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False)
     return model
 
 
+HF_ARCHITECTURES = ("qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2")
+
+
+def hf_causal_lm(arch: str) -> nn.Module:
+    """A tiny HF transformers causal LM of architecture ``arch`` (random weights, seed 0, ``sdpa``,
+    GQA 4:2 where the architecture has it, no dropout), for surveys beyond Llama."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+    configs = {
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None)),
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**common, pad_token_id=0)),
+        "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)),
+        # learned positions, read at the position ids
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="sdpa",
+                                                         use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    }
+    return configs[arch]()
+
+
 def _loss(out) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out  # an HF model's output, or the loss itself
 
