@@ -1,7 +1,7 @@
 """Calibrates the context-parallel cost model (``passes/analysis/context_parallel_cost.py``) from
 ``bench_auto_cp.py --level attention`` runs: per forced style, the model's uncalibrated compute
 beside the measured one-rank compute, written as the rows of
-``cp_inductor/cost_data/context_parallel_styles.json`` that ``calibration()`` fits its line through.
+``cp_inductor/cost_data/context_parallel_styles.json`` that ``calibration()`` is fitted to.
 
 Rows without ``model_ms`` (older runs) get it recomputed here on the CPU: the same pack, the same
 ``shard_batch`` layout on the fake group, the same tables. ``--check`` runs are held out: the line
