@@ -1,11 +1,11 @@
 """Calibrates the context-parallel cost model (``passes/analysis/context_parallel_cost.py``) from
-``bench_auto_cp.py --level attention`` runs: per forced style, the model's uncalibrated compute
-beside the measured one-rank compute, written as the rows of
+``bench_auto_cp.py --level attention`` runs: per forced style, the model's uncalibrated terms
+(``model_ms``, ``key_mib``) beside the measured one-rank compute, written as the rows of
 ``cp_inductor/cost_data/context_parallel_styles.json`` that ``calibration()`` is fitted to.
 
-Rows without ``model_ms`` (older runs) get it recomputed here on the CPU: the same pack, the same
-``shard_batch`` layout on the fake group, the same tables. ``--check`` runs are held out: the line
-fitted to ``--fit`` is printed against them, not fitted to them.
+Every row's terms are recomputed here on the CPU from its shape (the same pack, the same
+``shard_batch`` layout on the fake group, the same tables), so runs of any age calibrate alike.
+``--check`` runs are held out: the fit to ``--fit`` is printed against them, not fitted to them.
 
     python benchmarks/calibrate_context_parallel.py --fit run1.json --check run2.json [--write]
 """
