@@ -85,8 +85,10 @@ def _arg(a, group_name: str) -> str:
         return "cp"
     if isinstance(a, torch.fx.Node):
         return a.name
-    if isinstance(a, list):
+    if isinstance(a, list) and len(a) == 7:
         return f"[{len(a)} plan tensors]"
+    if isinstance(a, list):
+        return f"[{', '.join(_arg(x, group_name) for x in a)}]"
     return repr(a)
 
 
@@ -171,7 +173,7 @@ document_shard_attention_default = document_shard_attention(transpose, all_gathe
         tokens, which arrive rank after rank and are put in row order (``argsort`` of their
         places), so that each document is one segment of one FA4 call; the output goes back to
         rank order and to this rank's tokens."""
-        q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+        q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 2, 16)
         summary = _rewritten(_attention, q, k, k.clone(), cp=4, context_parallel_style="ulysses")
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
 argsort = argsort(cp_key_positions)
@@ -184,7 +186,7 @@ scatter_heads_1 = scatter_heads(repeat_interleave, 'bhsd', 4, cp)
 tokens_at_1 = tokens_at(scatter_heads_1, argsort)
 scatter_heads_2 = scatter_heads(repeat_interleave_1, 'bhsd', 4, cp)
 tokens_at_2 = tokens_at(scatter_heads_2, argsort)
-document_shard_attention_default = document_shard_attention(tokens_at, tokens_at_1, tokens_at_2, [7 plan tensors], getitem_18, cp_doc_ids, None, None, 0.3535533905932738, True)
+document_shard_attention_default = document_shard_attention(tokens_at, tokens_at_1, tokens_at_2, [7 plan tensors], getitem_18, cp_doc_ids, None, None, 0.25, True)
 tokens_at_3 = tokens_at(getitem_19, cp_key_positions)
 gather_heads = gather_heads(tokens_at_3, 'bhsd', 4, cp)""")
 
@@ -226,6 +228,15 @@ contiguous_1 = contiguous(v)
 all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
 document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], cp_plan_meta, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
+
+    def test_arange_as_a_row_index_is_taken(self):
+        """``x[arange(T), labels]`` picks each token's own entry, the same on any layout: taken."""
+        def picked(q, k, v, position_ids):
+            out = _attention(q, k, v, position_ids)  # [B, H, T, D]
+            return out[0, 0][torch.arange(q.shape[1]), position_ids[0] % out.shape[-1]]
+
+        q = torch.randn(1, 8, 2, 8)
+        self.assertIn("document_shard_attention", _rewritten(picked, q, q.clone(), q.clone()))
 
     def test_flex_block_mask_built_in_the_graph(self):
         """flex attention whose BlockMask the compiled code builds from the position ids (same
@@ -276,9 +287,9 @@ class TestTablesTakenIn(TestCase):
         with torch.no_grad():
             summary = _rewritten(_hf_flex_form, q, k, k.clone(), ids, local.clone())
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "check" in line or "plan" in line), """\
-ids_checked = ids_checked(cp_doc_ids, l_position_ids_, (l_ids_,), (l_positions_,))
-document_shard_plan_default = document_shard_plan(ids_checked, cp_query_positions, cp_key_positions, False, True)
-document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_16, ids_checked, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
+ids_checked_default = ids_checked(cp_doc_ids, l_position_ids_, [l_ids_], [l_positions_])
+document_shard_plan_default = document_shard_plan(ids_checked_default, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_16, ids_checked_default, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
 
     def test_tables_that_are_not_the_positions_fail_on_device(self):
         """One document table over the whole row while the positions restart: a device error,
@@ -290,6 +301,23 @@ document_shard_attention_default = document_shard_attention(query, all_gather_te
         ids = (torch.diff(local, prepend=local[:, :1] - 1) != 1).cumsum(-1)
         with torch.no_grad(), self.assertRaisesRegex(Exception, "position table is not the position ids"):
             _rewritten(_hf_flex_form, q, k, k.clone(), ids, torch.arange(8)[None])
+
+
+def test_wrong_tables_fail_in_the_compiled_step():
+    """Through the backend and Inductor's code (not the graph run as it is): the check is an op of
+    its own, which Inductor cannot compile away."""
+    import cp_inductor
+
+    q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+    with fake_pg(2, 0) as group, torch.no_grad():
+        local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long), "position_ids": POSITIONS},
+                            group)["position_ids"]
+        compiled = torch.compile(_hf_flex_form, backend="cp_inductor",
+                                 options={"cp_inductor.context_parallel": group.group_name})
+        with pytest.raises(Exception, match="not the runs of the position ids"):
+            compiled(q, k, k.clone(), torch.zeros_like(local), local.clone(), local)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
 
 
 def test_ulysses_call_is_one_round_per_document():
@@ -435,6 +463,23 @@ class TestRefused:
         q = torch.randn(1, 8, 2, 8)
         _refused(arange_positions, q, q.clone(), q.clone(), match=r"arange over this rank's 8 tokens")
 
+    def test_rotary_angles_from_the_token_index(self):
+        """A rotary embedding over ``t = arange(seqlen)`` computed in the model (float positions)."""
+        def rotary_t(q, k, v, position_ids):
+            t = torch.arange(q.shape[1], dtype=torch.float32)
+            return _attention(q * t.cos()[None, :, None, None], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(rotary_t, q, q.clone(), q.clone(), match=r"arange over this rank's 8 tokens")
+
+    def test_a_table_passed_in_sliced_to_the_tokens(self):
+        """A table of angles the step passes in, sliced to the tokens the model sees."""
+        def sliced(q, k, v, angles, position_ids):
+            return _attention(q * angles[: q.shape[1]][None, :, None, :], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(sliced, q, q.clone(), q.clone(), torch.randn(64, 8), match=r"the first 8 entries of")
+
     def test_a_table_sliced_to_the_tokens(self):
         """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``)."""
         class Rotated(torch.nn.Module):
@@ -447,7 +492,7 @@ class TestRefused:
                 return _attention(q * angles.cos(), k * angles.sin(), v, position_ids)
 
         q = torch.randn(1, 8, 2, 8)
-        _refused(Rotated(), q, q.clone(), q.clone(), match=r"the first 8 entries of the model's")
+        _refused(Rotated(), q, q.clone(), q.clone(), match=r"the first 8 entries of")
 
 # --- training numerics on gloo ------------------------------------------------------------------
 

@@ -44,16 +44,19 @@ def tokens_at(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.gather(2, slots[:, None, :, None].expand(b, h, t, d))
 
 
-def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: tuple[torch.Tensor, ...],
-                position_tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``doc_ids``, once it is asserted on device that each of ``id_tables`` labels the runs of
-    ``positions [B, T]`` that step by one (HF transformers' packed-sequence ids: rising, and
-    changing exactly where the positions do not step by one) and each of ``position_tables``
-    holds the positions (HF's causal over positions remapped to them). The context-parallel pass
-    reads such tables as "the documents of the position ids" and "causal" where the graph does
-    not compute them (they come in from before a graph break); tables that are anything else
-    fail the step on device, never a different answer. ``doc_ids`` passes through so the checks
-    order before its readers."""
+@torch.library.custom_op("cp_inductor::ids_checked", mutates_args=())
+def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: list[torch.Tensor],
+                position_tables: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of ``doc_ids``, once it is asserted on device that each of ``id_tables`` labels the
+    runs of ``positions [B, T]`` that step by one (HF transformers' packed-sequence ids: rising,
+    and changing exactly where the positions do not step by one) and each of
+    ``position_tables`` holds the positions (HF's causal over positions remapped to them). The
+    context-parallel pass reads such tables as "the documents of the position ids" and "causal"
+    where the graph does not compute them (they come in from before a graph break). That reading
+    is the single-device model's where the tables are functions of the position ids alone, as
+    HF's are; tables that are anything else fail the step on device, never a different answer.
+    An op of its own (Inductor does not compile its asserts away), whose output the plan reads:
+    the check runs before the plan."""
     breaks = torch.diff(positions, dim=-1) != 1
     for table in id_tables:
         step = torch.diff(table, dim=-1)
@@ -62,4 +65,9 @@ def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: tuple
     for table in position_tables:
         torch._assert_async(torch.all(table == positions),
                             "context_parallel: a flex mask_mod's position table is not the position ids")
-    return doc_ids
+    return doc_ids.clone()
+
+
+@ids_checked.register_fake
+def _(doc_ids, positions, id_tables, position_tables):
+    return torch.empty_like(doc_ids)

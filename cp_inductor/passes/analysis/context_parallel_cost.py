@@ -6,7 +6,11 @@ the layout ``shard_batch`` made for the batch the compile sees::
     work(style)    = query-key pairs the slowest rank computes, query heads it holds, rounds
     model_ms       = pairs x heads / rate(head_dim, mask, GQA, document length)
                      + (rounds - 1) x ROUND_MS [+ Ulysses' row-order copies]
-    compute_ms     = slope(style) x model_ms + intercept(style)   (calibration(): measured)
+    key_mib        = rounds x every key of the full rows x K/V heads held x head_dim x itemsize
+                     / 2^20: the per-round passes over all keys (the backward's dK / dV), which
+                     the kernel rate does not count
+    compute_ms     = slope(style) x model_ms + per_mib(style) x key_mib + intercept(style)
+                     (calibration(): measured)
     comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
     total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
 
@@ -119,7 +123,7 @@ def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
     calls and large alike."""
     fits = {}
     for style in STYLES:
-        mine = [r for r in rows if r["style"] == style]
+        mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0]
         if len(mine) < 3:
             fits[style] = (1.0, 0.0, 0.0)
             continue

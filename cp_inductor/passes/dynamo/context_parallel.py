@@ -30,20 +30,21 @@ activation-checkpointed body (varlen and FA4 calls and attention written out as 
 ``[T, T]`` scores are refused for now), no dropout, query and key length this rank's token
 count, and a mask that is none, causal, or "same document and causal" over the documents of the
 position ids ``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
-Positions the model computes from the token index (an integer ``arange`` over the tokens it
-sees, nanoGPT's; a table of its own sliced to their count, torchtitan's ``freqs_cis[:seqlen]``)
+Positions the model computes from the token index (an ``arange`` over the tokens it sees,
+nanoGPT's, other than as a row index into the step's data; a table sliced to their count,
+torchtitan's ``freqs_cis[:seqlen]``)
 fail the compile too where a graph with attention still reads them after the rewrite: under CP
-those are this rank's tokens, whose places in the row are not their indices (HF's
-``cache_position`` arange only feeds the masks the rewrite drops). A graph without attention is
-not searched: what it hands on may be positions or not (HF's ``cache_position`` crosses a graph
-break as an output), so positions computed there, or in eager code, are not seen. Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
+those are this rank's tokens, whose places in the row are not their indices (an arange feeding
+only the masks the rewrite drops is dead by then). A graph without attention is not searched:
+what it hands on may be positions or not (a ``cache_position`` arange can cross a graph break as
+an output), so positions computed there, or in eager code, are not seen. Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
 BlockMask before a graph break), a ``[B, T]`` table read as the documents and one read as
 positions are taken as the runs of the position ids and the position ids, checked on device
 before the plan reads the layout (``ids_checked``: a device error otherwise)::
 
     mask_mod = (positions[b, kv] <= positions[b, q]) & (ids[b, q] == ids[b, kv])   # HF's packed flex
     ->
-    doc_ids = ids_checked(cp_doc_ids, position_ids, (ids,), (positions,))
+    doc_ids = cp_inductor.ids_checked(cp_doc_ids, position_ids, [ids], [positions])
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...lowerings import document_attention  # noqa: F401 - registers the ops it emits
+from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
 from ...batch_layout import BatchShard, key_of, shard_of
-from ...lowerings.cp_collectives import gather_heads, ids_checked, scatter_heads, tokens_at
+from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
@@ -197,22 +198,22 @@ def _live(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 
 def _from_token_index(modules, tokens) -> str | None:
     """A live op that gives each of this rank's tokens a value by its index among them: an
-    ``arange`` over this rank's token count (nanoGPT's positions), or a table of the model's
-    sliced to its first rows (torchtitan's ``freqs_cis[:seqlen]``). Under CP a token's place in
-    the row is not its index here; the position ids ``shard_batch`` makes say where it is."""
+    ``arange`` over this rank's token count (nanoGPT's positions, a rotary ``t = arange(seqlen)``)
+    other than as a row index into per-token data (``logits[arange(T), labels]``, which is the
+    same on every layout), or a table the graph takes in or holds sliced to its first rows
+    (torchtitan's ``freqs_cis[:seqlen]``). Under CP a token's place in the row is not its index
+    here; the position ids ``shard_batch`` makes say where it is."""
     def tokens_long(x) -> bool:
         t = value(x)
         return isinstance(t, torch.Tensor) and t.dim() == 1 and statically_known_true(t.shape[0] == tokens)
 
     for module in modules:
-        for n in _live(module.graph):
-            if n.op != "call_function":
-                continue
-            # integer: positions and indices (a float arange is a grid of features: rotary frequencies)
+        live = _live(module.graph)
+        for n in (n for n in module.graph.nodes if n in live and n.op == "call_function"):
             if (n.target in (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start) and tokens_long(n)
-                    and not value(n).is_floating_point()):
+                    and not all(_row_index(n, user) for user in n.users if user in live)):
                 return f"{n.name} (arange over this rank's {tokens} tokens)"
-            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and _is_module_state(n.args[0]):
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].op in ("placeholder", "get_attr"):
                 whole, part = value(n.args[0]), value(n)
                 index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
                 if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor)
@@ -222,18 +223,27 @@ def _from_token_index(modules, tokens) -> str | None:
                     if (cut.start in (None, 0) and cut.step in (None, 1) and d < part.dim()
                             and statically_known_true(part.shape[d] == tokens)
                             and not statically_known_true(whole.shape[d] == tokens)):
-                        return f"{n.name} (the first {tokens} entries of the model's {n.args[0].name})"
+                        return f"{n.name} (the first {tokens} entries of {n.args[0].name})"
     return None
 
 
+def _row_index(index: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """``user`` reads tensor rows at ``index`` (advanced indexing), from a tensor of the step's
+    own data rather than of the model's (a table of positions would be the model's)."""
+    if user.target is not operator.getitem or not isinstance(user.args[1], tuple) or index not in user.args[1]:
+        return False
+    data = user.args[0]
+    return isinstance(data, torch.fx.Node) and not _is_module_state(data) and index is not data
+
+
 def _is_module_state(n: torch.fx.Node) -> bool:
-    """A parameter or buffer of the model (not a tensor the call passed in)."""
+    """A parameter or buffer of the model (not a tensor the step computes or passes in)."""
     if n.op == "get_attr":
         return True
     source = getattr(n, "_dynamo_source", None)
     name = getattr(source, "name", "")
     name = name() if callable(name) else name  # a method before torch 2.12, a property after
-    return any(part in name for part in ("buffers", "parameters", "_modules"))
+    return n.op == "placeholder" and any(part in name for part in ("buffers", "parameters", "_modules"))
 
 
 def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
@@ -527,11 +537,13 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     position_tables = tuple({c.positions: None for *_, c in semantics if c.positions is not None})
     if id_tables or position_tables:  # tables the graph takes in, read as documents: checked first
         with gm.graph.inserting_after(inputs[-1]):
-            checked_ids = gm.graph.call_function(ids_checked, (inputs[0], positions, id_tables, position_tables))
+            checked_ids = gm.graph.call_function(torch.ops.cp_inductor.ids_checked.default,
+                                                 (inputs[0], positions, list(id_tables), list(position_tables)))
         checked_ids.meta["example_value"] = value(inputs[0])
         inputs[0] = checked_ids
     plans: dict = {}
     works: dict = {}
+    routes: list[VarlenRoute] = []
     for site, args, meaning, checks in semantics:
         name = site.node.name if site.region is None else f"{site.region.name}/{site.node.name}"  # checkpointed
         repeated = (args["key"], args["value"])
@@ -548,13 +560,15 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             erase_dead(site.module.graph, x)
         for mask in masks:  # inputs of a checkpointed body nothing reads now
             site.drop_if_unread(mask)
-        record_varlen(VarlenRoute(
+        routes.append(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
                    "(FA4 varlen per document segment where it runs)"))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
+    for route in routes:  # reported once nothing refused the graph
+        record_varlen(route)
     for module in modules:
         module.graph.lint()
         module.recompile()
