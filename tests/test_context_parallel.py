@@ -106,6 +106,8 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
+            if name.startswith("document_"):  # the window, where there is one
+                args += "".join(f", {k}={_arg(a, group_name)}" for k, a in n.kwargs.items())
             lines.append(f"{n.name} = {name.split('.')[0]}({args})")
     return "\n".join(lines)
 
@@ -166,6 +168,19 @@ zeros_like = zeros_like(cp_doc_ids)
 document_shard_plan_default = document_shard_plan(zeros_like, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, zeros_like, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
+
+    def test_sliding_window_rides_along(self):
+        """A sliding window over the documents (keys from q - 3 on, Mistral's over a pack): the same
+        plan, the window handed to the shard op, counted over each token's place in the full row."""
+        def windowed(q, k, v, position_ids):
+            q, k, v = _rotated(q, k, v, position_ids)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=auto_cp.document_mask(position_ids, 3), enable_gqa=True)
+
+        q = torch.randn(1, 8, 2, 8)
+        summary = _rewritten(windowed, q, q.clone(), q.clone())
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "document" in line), """\
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_18, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True, window_left=3)""")
 
     def test_ulysses_repeats_key_value_heads_up_to_cp(self):
         """Ulysses at cp 4 with 2 K/V heads: each K/V head repeated twice (query head h then reads
@@ -527,16 +542,20 @@ def _batches(rows: int) -> tuple[dict, dict]:
 
 def test_decoder_training_matches_single_device_cp2():
     """Our decoder (GQA 4:2, rotary over the positions), two rows: each attention form on a pack
-    (the document mask, ``is_causal`` across documents, bidirectional), the causal form on a plain
-    batch, and both through Ulysses (heads divide by cp)."""
+    (the document mask, ``is_causal`` across documents, bidirectional, the document mask with a
+    sliding window shorter than the documents), the causal form on a plain batch, and the
+    document, causal and window forms through Ulysses (heads divide by cp)."""
     pack, plain = _batches(rows=2)
     decoder = functools.partial(functools.partial, auto_cp.decoder)
     cases = [(decoder("documents"), pack), (decoder("causal"), pack), (decoder("bidirectional"), pack),
-             (decoder("causal"), plain), (decoder("documents"), pack, ULYSSES), (decoder("causal"), plain, ULYSSES)]
+             (decoder("window"), pack), (decoder("causal"), plain), (decoder("documents"), pack, ULYSSES),
+             (decoder("causal"), plain, ULYSSES), (decoder("window"), pack, ULYSSES)]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     styles = [{_style(line) for line in case["lines"]} for case in results[0]]
-    assert styles == [{"allgather"}] * 4 + [{"ulysses"}] * 2, styles
+    assert styles == [{"allgather"}] * 5 + [{"ulysses"}] * 3, styles
+    for case in (results[0][3], results[0][7]):
+        assert all(f"keys from q-{auto_cp.WINDOW}" in line for line in case["lines"]), case["lines"]
 
 
 def test_decoder_training_matches_single_device_cp4():
@@ -605,15 +624,19 @@ def test_hf_architectures_forward_match_single_device():
 def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a
-    checkpointed body): no line of CP code in the model."""
+    checkpointed body); Mistral's sliding window (5 tokens, shorter than the documents) over the
+    pack: no line of CP code in the model."""
     pytest.importorskip("transformers")
     pack = auto_cp.packed_batch([6, 10, 8, 8])
     plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
     cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), batch) for batch in (pack, plain)]
     cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack))
+    cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5), pack))
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     assert all("documents, causal" in line for line in results[0][0]["lines"]), results[0][0]["lines"]
     checkpointed = results[0][2]["lines"]
     assert len(checkpointed) == 2 and all("tag_activation_checkpoint" in line for line in checkpointed), checkpointed
+    windowed = results[0][3]["lines"]
+    assert len(windowed) == 2 and all("documents, causal, keys from q-" in line for line in windowed), windowed
 

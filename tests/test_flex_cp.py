@@ -249,6 +249,37 @@ def test_shard_op_output_and_gradients_match_dense_attention(layout, causal):
         torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)  # FA4's log-sum-exp is fp32
 
 
+@pytest.mark.parametrize("layout", ["one device", "head-tail", "blocks, keys permuted"])
+@pytest.mark.parametrize("window", [0, 37])
+def test_shard_op_with_a_window_matches_attention_under_the_window_mask(layout, window):
+    """A sliding window (keys from q - window on, over the places in the row), the op's FA4 path
+    (reference kernels) and its dense path, against SDPA under that mask written out here."""
+    query_positions, key_positions = _layouts()[layout]
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 400, 102]))[None]
+    tq = T if query_positions is None else query_positions.shape[-1]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, HQ, tq, D, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (torch.randn(1, HKV, T, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    qpos = torch.arange(tq) if query_positions is None else query_positions[0]
+    kpos = torch.arange(T) if key_positions is None else key_positions[0]
+    qp, kp = qpos[:, None], kpos[None, :]
+    mask = (doc[0, qp] == doc[0, kp]) & (kp <= qp) & (kp >= qp - window)
+    groups = HQ // HKV
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask, scale=0.25)
+    grad = torch.randn_like(want)
+    wanted = (want, *torch.autograd.grad(want, (q, k, v), grad))
+    with reference_kernels():
+        plan, meta = torch.ops.cp_inductor.document_shard_plan(doc, query_positions, key_positions, True, True, 1, tq, T)
+        out = torch.ops.cp_inductor.document_shard_attention(q, k, v, plan, meta, doc, query_positions, key_positions,
+                                                             0.25, True, window_left=window)[0]
+    assert int(meta[4]) == 1, meta  # packable: the FA4 path ran
+    dense = document_attention._shard_dense(q, k, v, doc, query_positions, key_positions, 0.25, True, 0, window)
+    for got in (out, dense):
+        for got_t, want_t in zip((got, *torch.autograd.grad(got, (q, k, v), grad)), wanted):
+            torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
+
+
 def test_shard_plan_numbers_are_read_after_a_speculative_launch(monkeypatch):
     """A shape's first shard plan reads its numbers at once; later ones launch at the segments
     and rounds learned before reading them, and keep that only where the numbers prove it exact."""

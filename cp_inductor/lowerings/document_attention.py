@@ -437,12 +437,14 @@ torch.library.register_autograd("cp_inductor::document_attention", _autograd_bac
 # --- a shard of the queries over every key: torch's flex CP (K/V all-gathered) ------------------
 #
 #     plan, meta = document_shard_plan(doc_ids, query_positions, key_positions, check, is_causal, B, Tq, Tkv)
-#     out, lse = document_shard_attention(q, k, v, *plan, meta, doc_ids, query_positions, key_positions, scale, is_causal)
+#     out, lse = document_shard_attention(q, k, v, *plan, meta, doc_ids, query_positions, key_positions, scale, is_causal,
+#                                         window_left)
 #
 # ``q`` is ``[B, H_q, T_q, D]``: this rank's queries, query ``i`` of row ``b`` at pack position
 # ``query_positions[b, i]``; ``k``, ``v`` are ``[B, H_kv, T_kv, D]``, every key of the pack, key
 # ``j`` at ``key_positions[b, j]`` (None: the index itself; both tables ``[B or 1, n]``). The
-# attention computed is ``same_doc(P(q), P(kv)) [& P(kv) <= P(q)]`` over ``doc_ids[b, position]``.
+# attention computed is ``same_doc(P(q), P(kv)) [& P(kv) <= P(q)] [& P(kv) >= P(q) - window_left]``
+# over ``doc_ids[b, position]``.
 # The plan cuts the local queries into segments (consecutive pack positions of one document:
 # head-tail and PTRR shards are a few runs of them), each read against its document's keys (the
 # prefix up to its last query when causal: bottom-right) in the pack-ordered K/V, in place
@@ -460,12 +462,12 @@ _lib.define(
 )
 _lib.define(
     "document_shard_attention(Tensor q, Tensor k, Tensor v, Tensor[] plan, Tensor meta, Tensor doc_ids, "
-    "Tensor? query_positions, Tensor? key_positions, float scale, bool is_causal) -> (Tensor, Tensor)"
+    "Tensor? query_positions, Tensor? key_positions, float scale, bool is_causal, *, int window_left=-1) -> (Tensor, Tensor)"
 )
 _lib.define(
     "document_shard_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor[] plan, Tensor meta, Tensor doc_ids, Tensor? query_positions, Tensor? key_positions, float scale, "
-    "bool is_causal) -> (Tensor, Tensor, Tensor)"
+    "bool is_causal, int window_left=-1) -> (Tensor, Tensor, Tensor)"
 )
 
 # redo: the kernel's plan needs the aten one; bounds: what the ids are (BOUNDS; the attention's
@@ -606,9 +608,9 @@ def _shard_numbers(meta) -> tuple[int, int, int, int]:
     return int(meta[_SEGMENTS]), int(meta[_ROUNDS]), int(meta[_LONGEST_Q]), int(meta[_LONGEST_K])
 
 
-def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds=0):
+def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds=0, window_left=-1):
     """The mask as the program reads it: the whole table at the positions (no clamp: a position
-    past the table fails here as in the program)."""
+    past the table fails here as in the program); a window over the places in the row."""
     batch, keys = q.shape[0], k.shape[2]
     table = doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids
     ids = table.expand(batch, table.shape[1])
@@ -622,13 +624,15 @@ def _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds
         mask = ids.gather(1, qpos)[:, None, :, None] == ids.gather(1, kpos)[:, None, None, :]
     if is_causal:
         mask = mask & (kpos[:, None, None, :] <= qpos[:, None, :, None])
+    if window_left >= 0:
+        mask = mask & (kpos[:, None, None, :] >= qpos[:, None, :, None] - window_left)
     return mask
 
 
-def _shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds=0):
+def _shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds=0, window_left=-1):
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    mask = _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds)
+    mask = _shard_mask(doc_ids, query_positions, key_positions, q, k, is_causal, bounds, window_left)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -651,32 +655,36 @@ def _segments(plan, numbers):
     return plan[0][: count + 1], plan[1][: count + 1], longest_q, longest_k
 
 
-def _shard_packed(q, k, v, plan, numbers, key_positions, scale, is_causal):
+def _shard_packed(q, k, v, plan, numbers, key_positions, scale, is_causal, window_left=-1):
+    """Each segment of queries over its document's keys up to its last query (FA4's causal
+    alignment puts that query on that key, so a window counts back from each query's place)."""
     cu_q, cu_k, longest_q, longest_k = _segments(plan, numbers)
     mapped = key_positions is not None
     qt, kt, vt = _flat(q), _pack_keys(k, plan[5], mapped), _pack_keys(v, plan[5], mapped)
     out = lse = None
     for used, mine in _rounds(plan, numbers):
-        o, l = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
+        o, l = torch.ops.cp_inductor.fa4_varlen_attention(qt, kt, vt, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal,
+                                                          window_left)
         out = o if out is None else torch.where(mine[:, None, None], o, out)
         lse = l if lse is None else torch.where(mine[None, :], l, lse)
     return _unflat(out, q.shape[0]), lse
 
 
 @torch.library.register_fake("cp_inductor::document_shard_attention", lib=_lib)
-def _(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+def _(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal, window_left=-1):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((batch, tokens, heads, v.shape[3])).transpose(1, 2)
     return out, q.new_empty((heads, batch * tokens), dtype=torch.float32)
 
 
 @torch.library.impl("cp_inductor::document_shard_attention", "CompositeExplicitAutograd", lib=_lib)
-def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal, window_left=-1):
     batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
     covers = _guess(meta, _shard_key(q.device, batch, tokens, k.shape[2]))
     if covers is not None:  # launch first, read the numbers after (module docstring)
         segments, rounds = covers
-        speculative = _shard_packed(q, k, v, plan, (segments, rounds, tokens, k.shape[2]), key_positions, scale, is_causal)
+        speculative = _shard_packed(q, k, v, plan, (segments, rounds, tokens, k.shape[2]), key_positions, scale, is_causal,
+                                    window_left)
         _settle(meta)
         if (not int(meta[_REDO]) and bool(meta[_PACKABLE]) and int(meta[_SEGMENTS]) <= segments
                 and int(meta[_ROUNDS]) <= rounds):
@@ -685,18 +693,19 @@ def _shard_forward(q, k, v, plan, meta, doc_ids, query_positions, key_positions,
                                      k.shape[2])
     if not bool(meta[_PACKABLE]):
         bounds = int(meta[_BOUND])
-        out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds))
+        out = _bshd(_shard_dense(q, k, v, doc_ids, query_positions, key_positions, scale, is_causal, bounds, window_left))
         return out, q.new_zeros((heads, batch * tokens), dtype=torch.float32)
-    return _shard_packed(q, k, v, plan, _shard_numbers(meta), key_positions, scale, is_causal)
+    return _shard_packed(q, k, v, plan, _shard_numbers(meta), key_positions, scale, is_causal, window_left)
 
 
 @torch.library.register_fake("cp_inductor::document_shard_attention_backward", lib=_lib)
-def _(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+def _(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal, window_left=-1):
     return tuple(t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2) for t in (q, k, v))
 
 
 @torch.library.impl("cp_inductor::document_shard_attention_backward", "CompositeExplicitAutograd", lib=_lib)
-def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal):
+def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal,
+                    window_left=-1):
     batch = q.shape[0]
     plan, meta = _settled_shard_plan(plan, meta, doc_ids, query_positions, key_positions, is_causal, batch, q.shape[2],
                                      k.shape[2])
@@ -704,7 +713,7 @@ def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_posi
     if not bool(meta[_PACKABLE]):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal, bounds)
+            dense = _shard_dense(*inputs, doc_ids, query_positions, key_positions, scale, is_causal, bounds, window_left)
             grads = torch.autograd.grad(dense, inputs, grad_out)
         return tuple(_bshd(g) for g in grads)
     numbers = _shard_numbers(meta)
@@ -715,7 +724,7 @@ def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_posi
     dq = dk = dv = None
     for used, mine in _rounds(plan, numbers):
         gq, gk, gv = torch.ops.cp_inductor.fa4_varlen_attention_backward(
-            dot, None, qt, kt, vt, ot, lse, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal)
+            dot, None, qt, kt, vt, ot, lse, cu_q, cu_k, used, longest_q, longest_k, scale, is_causal, window_left)
         dq = gq if dq is None else torch.where(mine[:, None, None], gq, dq)
         dk, dv = (gk, gv) if dk is None else (dk + gk, dv + gv)
     if mapped:  # back from pack order to the gathered rows
@@ -723,17 +732,18 @@ def _shard_backward(grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_posi
     return _unflat(dq, batch), _unflat(dk, batch), _unflat(dv, batch)
 
 
-def _shard_setup(ctx, inputs, output):
+def _shard_setup(ctx, inputs, keyword_only_inputs, output):
     q, k, v, plan, meta, doc_ids, query_positions, key_positions, scale, is_causal = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], meta, doc_ids, query_positions, key_positions, *plan)
-    ctx.args = (scale, is_causal)
+    ctx.args = (scale, is_causal, keyword_only_inputs.get("window_left", -1))
+
 
 
 def _shard_autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, meta, doc_ids, query_positions, key_positions, *plan = ctx.saved_tensors
     dq, dk, dv = torch.ops.cp_inductor.document_shard_attention_backward(
         grad_out, q, k, v, out, lse, plan, meta, doc_ids, query_positions, key_positions, *ctx.args)
-    return dq, dk, dv, [None] * len(plan), None, None, None, None, None, None
+    return dq, dk, dv, [None] * len(plan), None, None, None, None, None, None  # the window is keyword-only: no gradient
 
 
 torch.library.register_autograd("cp_inductor::document_shard_attention", _shard_autograd_backward,

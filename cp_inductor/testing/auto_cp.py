@@ -4,7 +4,7 @@ a small decoder of our own, its training step on one CP rank, and the single-dev
 ``mask`` says how the decoder spells its attention: ``"causal"`` (SDPA ``is_causal=True``: causal
 over the whole row, across documents), ``"documents"`` (a boolean mask of same document and causal,
 documents from the position ids' resets as HF transformers finds them), ``"bidirectional"`` (no
-mask, not causal).
+mask, not causal), ``"window"`` (the document mask with a sliding window of ``WINDOW``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,19 @@ def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]`` same document and causal, documents where the positions do not step by one."""
+def document_mask(position_ids: torch.Tensor, window: int = -1) -> torch.Tensor:
+    """``[B, 1, T, T]`` same document and causal, documents where the positions do not step by one;
+    with ``window >= 0`` a sliding window too: keys from ``q - window`` on."""
     first = position_ids[:, :1] - 1
     ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     tokens = position_ids.shape[1]
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=position_ids.device).tril()
+    if window >= 0:
+        causal = causal & torch.ones_like(causal).triu(-window)
     return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+WINDOW = 3  # the "window" decoder's sliding window: shorter than its documents
 
 
 def flex_documents(q, k, v, position_ids: torch.Tensor) -> torch.Tensor:
@@ -67,8 +73,9 @@ class Block(nn.Module):
         k, v = self.wkv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        if self.mask == "documents":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids), enable_gqa=True)
+        if self.mask in ("documents", "window"):
+            window = WINDOW if self.mask == "window" else -1
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids, window), enable_gqa=True)
         elif self.mask == "flex":
             out = flex_documents(q, k, v, position_ids)
         else:
@@ -137,9 +144,10 @@ def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False)
 HF_ARCHITECTURES = ("qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2")
 
 
-def hf_causal_lm(arch: str) -> nn.Module:
+def hf_causal_lm(arch: str, sliding_window: int | None = None) -> nn.Module:
     """A tiny HF transformers causal LM of architecture ``arch`` (random weights, seed 0, ``sdpa``,
-    GQA 4:2 where the architecture has it, no dropout), for surveys beyond Llama."""
+    GQA 4:2 where the architecture has it, no dropout), for surveys beyond Llama; Mistral with
+    ``sliding_window`` where given."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -148,7 +156,7 @@ def hf_causal_lm(arch: str) -> nn.Module:
     configs = {
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8)),
-        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=sliding_window)),
         "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**common, pad_token_id=0)),
         "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)),
         # learned positions, read at the position ids

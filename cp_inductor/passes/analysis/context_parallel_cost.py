@@ -168,13 +168,17 @@ def _rounds(ids: torch.Tensor, places: torch.Tensor) -> int:
     return max(int(torch.unique(doc[r][new[r]], return_counts=True)[1].max()) for r in range(doc.shape[0]))
 
 
-def work(doc_ids: torch.Tensor, key_positions: torch.Tensor, cp: int, causal: bool, heads_q: int) -> dict[str, Work]:
+def work(doc_ids: torch.Tensor, key_positions: torch.Tensor, cp: int, causal: bool, heads_q: int,
+         window: int = -1) -> dict[str, Work]:
     """Per style, the slowest rank's work for one call over these documents (``doc_ids`` [B, T]
-    of the full rows; ``key_positions`` [B, T]: every rank's tokens' places, rank after rank)."""
+    of the full rows; ``key_positions`` [B, T]: every rank's tokens' places, rank after rank;
+    ``window``: causal over the last ``window + 1`` keys at most, -1 none)."""
     ids, places = doc_ids.cpu().long(), key_positions.cpu().long()
     start, length = _runs(ids)
     place = torch.arange(ids.shape[1]).expand_as(ids)
     pairs = (place - start + 1) if causal else length  # keys each query reads
+    if window >= 0:
+        pairs = pairs.clamp(max=window + 1)
     local = places.shape[1] // cp
     per_rank = [int(pairs.gather(1, places[:, r * local:(r + 1) * local]).sum()) for r in range(cp)]
     weight = pairs.double()

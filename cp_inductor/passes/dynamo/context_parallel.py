@@ -29,7 +29,9 @@ alone would change the answer): SDPA or flex attention in the graph itself or in
 activation-checkpointed body (varlen and FA4 calls and attention written out as a softmax over
 ``[T, T]`` scores are refused for now), no dropout, query and key length this rank's token
 count, and a mask that is none, causal, or "same document and causal" over the documents of the
-position ids ``shard_batch`` made (HF's packed detection), read by ``analysis/mask_analysis``.
+position ids ``shard_batch`` made (HF's packed detection), with or without a causal sliding window
+(keys from ``q - w`` on, counted over the places in the full row: Mistral's), read by
+``analysis/mask_analysis``.
 Positions the model computes from the token index (an ``arange`` over the tokens it sees,
 nanoGPT's, other than as a row index into the step's data; a table sliced to their count,
 torchtitan's ``freqs_cis[:seqlen]``)
@@ -93,9 +95,11 @@ class Semantics:
 
     documents: str  # DOCUMENTS (the position ids' resets) or ONE_DOCUMENT
     causal: bool
+    window: int = -1  # causal over keys from q - window on (a sliding window over the row's places), -1: none
 
     def describe(self) -> str:
-        return f"{self.documents}, {'causal' if self.causal else 'bidirectional'}"
+        window = f", keys from q-{self.window}" if self.window >= 0 else ""
+        return f"{self.documents}, {'causal' if self.causal else 'bidirectional'}{window}"
 
 
 def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -327,11 +331,13 @@ def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> tuple
                 f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is causal over positions that "
                 f"are not the position ids shard_batch made{_inputs_hint(site, args, positions)}")
         checks = Checks(checks.ids, table if table is not positions else None)
-    if facts.mapped or facts.bound or facts.window >= 0:
+    if facts.mapped or facts.bound:
         raise ContextParallelError(
             f"context_parallel: attention {node.name}'s mask ({facts.describe()}) is not taken yet "
-            f"(documents from position ids, causal or not, are){_inputs_hint(site, args, positions)}")
-    return Semantics(DOCUMENTS if facts.doc_ids is not None else ONE_DOCUMENT, facts.causal), checks
+            f"(documents from position ids, causal or not, with or without a sliding window, are)"
+            f"{_inputs_hint(site, args, positions)}")
+    # a window the analysis proves is over token indices within the documents: over the row's places here
+    return Semantics(DOCUMENTS if facts.doc_ids is not None else ONE_DOCUMENT, facts.causal, facts.window), checks
 
 
 def _input_like(site: Site, table: torch.fx.Node | None, positions: torch.fx.Node | None) -> torch.fx.Node | None:
@@ -411,7 +417,8 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
     key = (semantics, call.heads_q)
     if key not in works:  # one layout, priced once per kind of call
         ids = shard.doc_ids if semantics.documents == DOCUMENTS else torch.zeros_like(shard.doc_ids)
-        works[key] = context_parallel_cost.work(ids, shard.key_positions, shard.cp, semantics.causal, call.heads_q)
+        works[key] = context_parallel_cost.work(ids, shard.key_positions, shard.cp, semantics.causal, call.heads_q,
+                                                semantics.window)
     try:
         style, why = context_parallel_cost.choose(call, works[key], shard.cp, _priced_on(value(args["query"]).device, cfg),
                                                   cfg.context_parallel_style)
@@ -429,7 +436,7 @@ def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inpu
     place; ``key places``: the place of each slot, to put them back), so that each document is one
     segment read in one FA4 call (several would take a call each); its positions are the index
     (None)."""
-    key = (style, semantics)
+    key = (style, semantics.documents, semantics.causal)  # a window reads the same segments
     if key not in plans:
         doc_ids, query_positions, key_positions = inputs
         with g.inserting_before(anchor):
@@ -470,7 +477,8 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Sema
             k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
                     for name in ("key", "value"))
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal))
+                                    (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal),
+                                    {"window_left": semantics.window} if semantics.window >= 0 else {})
         out = g.call_function(operator.getitem, (attention, 0))
         if style == ULYSSES:  # back to rank order (slot j holds place key_positions[j]), then to this rank's tokens
             out = g.call_function(gather_heads, (g.call_function(tokens_at, (out, places)), "bhsd", cp, group_name))
