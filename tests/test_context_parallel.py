@@ -18,7 +18,7 @@ from cp_inductor.config_snapshot import snapshot
 from cp_inductor.batch_layout import shard_of
 from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch
 from cp_inductor.passes import engine
-from cp_inductor.testing import auto_cp
+from cp_inductor.testing import auto_cp, varlen_programs
 from cp_inductor.testing.launch import run_on_ranks
 
 POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])  # documents of 6, 8, 2 tokens
@@ -102,7 +102,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
-                                                      "checkpoint", "tokens_at", "argsort", "ids_checked")):
+                                                      "checkpoint", "tokens_at", "argsort", "ids_checked", "cu_seqlens")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -181,6 +181,27 @@ document_shard_attention_default = document_shard_attention(transpose, all_gathe
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "document" in line), """\
 document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(q_1, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_18, cp_doc_ids, cp_query_positions, cp_key_positions, 0.3535533905932738, True, window_left=3)""")
+
+    def test_varlen_call_reads_its_bounds_checked(self):
+        """torch's ``varlen_attn`` over the rows flattened, its ``cu_seqlens`` an input (the full
+        pack's, made before the model ran): the plan reads the documents those bounds make,
+        checked on device against the full rows (``cu_seqlens_ids``); q, k and v go to
+        ``[B, H, T, D]`` and the output back; K and V gathered with their own heads (GQA)."""
+        def varlen(q, k, v, cu_seqlens, position_ids):
+            q, k = auto_cp.rotary(q, position_ids), auto_cp.rotary(k, position_ids)
+            return auto_cp.varlen_documents(q, k, v, cu_seqlens, 8)
+
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        cu_seqlens = torch.tensor([0, 6, 14, 16], dtype=torch.int32)  # POSITIONS' documents
+        summary = _rewritten(varlen, q, k, k.clone(), cu_seqlens)
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
+cu_seqlens_ids_default = cu_seqlens_ids(l_cu_seqlens_, cp_key_positions)
+document_shard_plan_default = document_shard_plan(cu_seqlens_ids_default, cp_query_positions, cp_key_positions, False, True)
+contiguous = contiguous(transpose_1)
+all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
+contiguous_1 = contiguous(transpose_2)
+all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
+document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, cu_seqlens_ids_default, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
     def test_ulysses_repeats_key_value_heads_up_to_cp(self):
         """Ulysses at cp 4 with 2 K/V heads: each K/V head repeated twice (query head h then reads
@@ -402,6 +423,30 @@ class TestRefused:
     """What it cannot prove fails the compile, naming the call: the program computing this
     rank's tokens alone would give another answer."""
 
+    def test_varlen_bounds_computed_in_the_graph(self):
+        """Bounds the model computes from the tokens it sees (chunks of 4 here) bound this rank's
+        tokens, not the full rows'."""
+        def chunked(q, k, v, position_ids):
+            q, k = auto_cp.rotary(q, position_ids), auto_cp.rotary(k, position_ids)
+            cu_seqlens = torch.arange(0, q.shape[1] + 1, 4, dtype=torch.int32)
+            return auto_cp.varlen_documents(q, k, v, cu_seqlens, 4)
+
+        q = torch.randn(1, 8, 4, 8)
+        _refused(chunked, q, q.clone(), q.clone(), match=r"cu_seqlens are computed in the graph")
+
+    def test_varlen_inside_a_checkpointed_body(self):
+        """A varlen call in an activation-checkpointed body is not taken yet (an SDPA there is)."""
+        if not varlen_programs.register_cpu_kernels():
+            pytest.skip("this torch has no varlen_attn")
+
+        def checkpointed(q, k, v, cu_seqlens, position_ids):
+            q, k = auto_cp.rotary(q, position_ids), auto_cp.rotary(k, position_ids)
+            return torch.utils.checkpoint.checkpoint(auto_cp.varlen_documents, q, k, v, cu_seqlens, 8, use_reentrant=False)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(checkpointed, q, q.clone(), q.clone(), torch.tensor([0, 6, 14, 16], dtype=torch.int32),
+                 match=r"a packed-sequence \(varlen\) call inside the subgraph")
+
     def test_cross_attention(self):
         def cross(q, k, v, position_ids):
             q = auto_cp.rotary(q, position_ids).transpose(1, 2)
@@ -591,6 +636,32 @@ def test_flex_forward_matches_single_device():
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     for got in results[0][2:]:  # HF's tables came in from before the graph break
         assert all("checked on device" in line for line in got["lines"]), got["lines"]
+
+
+def test_varlen_decoder_training_matches_single_device():
+    """Our decoder with torch's ``varlen_attn`` over its two rows flattened (GQA 4:2), the bounds
+    of the full pack handed in with the batch as a data loader makes them: through the all-gather
+    and through Ulysses at cp 2, each the single-device step."""
+    if not varlen_programs.register_cpu_kernels():
+        pytest.skip("this torch has no varlen_attn")
+    batch = auto_cp.varlen_batch([6, 10, 8, 8], rows=2)
+    cases = [(functools.partial(auto_cp.decoder, "varlen"), batch), (functools.partial(auto_cp.decoder, "varlen"), batch, ULYSSES)]
+    results = run_on_ranks(auto_cp.cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}], results[0]
+    assert all("documents of its cu_seqlens" in line for case in results[0] for line in case["lines"]), results[0]
+
+
+def test_varlen_bounds_are_checked_on_device():
+    """Bounds that are not the full rows' fail the step: short of the tokens, or a document
+    across the end of a row."""
+    like = torch.zeros(2, 8, dtype=torch.long)
+    ids = torch.ops.cp_inductor.cu_seqlens_ids(torch.tensor([0, 3, 8, 10, 16], dtype=torch.int32), like)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 3, 3, 3, 3, 3, 3]]
+    with pytest.raises(RuntimeError, match="not bounds of the full batch"):
+        torch.ops.cp_inductor.cu_seqlens_ids(torch.tensor([0, 3, 8], dtype=torch.int32), like)
+    with pytest.raises(RuntimeError, match="crosses the end of a row"):
+        torch.ops.cp_inductor.cu_seqlens_ids(torch.tensor([0, 3, 9, 16], dtype=torch.int32), like)
 
 
 def test_packs_change_between_steps():

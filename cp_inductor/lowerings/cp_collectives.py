@@ -71,3 +71,30 @@ def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: list[
 @ids_checked.register_fake
 def _(doc_ids, positions, id_tables, position_tables):
     return torch.empty_like(doc_ids)
+
+
+@torch.library.custom_op("cp_inductor::cu_seqlens_ids", mutates_args=())
+def cu_seqlens_ids(cu_seqlens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64: the document of each place of the full rows (``like``: a ``[B, T]`` table
+    of them), from a varlen call's ``cu_seqlens`` over the rows flattened (document ``i`` covers
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``), once it is asserted on device that they are bounds of
+    the whole flattened batch: from 0 to ``B * T``, rising, every row's end a bound (no document
+    crosses rows). The context-parallel pass reads a varlen call's ``cu_seqlens`` input as the
+    documents of the rows ``shard_batch`` cut; bounds over anything else (this rank's tokens, a
+    pack of another length) fail the step on device, never a different answer. An op of its own
+    (Inductor does not compile its asserts away), whose output the plan reads."""
+    rows, tokens = like.shape
+    cu = cu_seqlens.long()
+    total = rows * tokens
+    torch._assert_async(torch.all(torch.diff(cu) >= 0) & (cu[0] == 0) & (cu[-1] == total),
+                        "context_parallel: a varlen call's cu_seqlens are not bounds of the full batch's tokens")
+    row_ends = torch.arange(1, rows, device=cu.device) * tokens
+    torch._assert_async(torch.all(torch.isin(row_ends, cu)),
+                        "context_parallel: a varlen call's document crosses the end of a row")
+    place = torch.arange(total, device=cu.device)
+    return (torch.searchsorted(cu, place, right=True) - 1).view(rows, tokens)
+
+
+@cu_seqlens_ids.register_fake
+def _(cu_seqlens, like):
+    return like.new_empty(like.shape, dtype=torch.int64)

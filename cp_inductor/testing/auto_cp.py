@@ -4,7 +4,9 @@ a small decoder of our own, its training step on one CP rank, and the single-dev
 ``mask`` says how the decoder spells its attention: ``"causal"`` (SDPA ``is_causal=True``: causal
 over the whole row, across documents), ``"documents"`` (a boolean mask of same document and causal,
 documents from the position ids' resets as HF transformers finds them), ``"bidirectional"`` (no
-mask, not causal), ``"window"`` (the document mask with a sliding window of ``WINDOW``).
+mask, not causal), ``"window"`` (the document mask with a sliding window of ``WINDOW``),
+``"varlen"`` (torch's ``varlen_attn`` over the rows flattened, causal within the documents the
+batch's ``cu_seqlens`` bound: :func:`varlen_batch`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ def document_mask(position_ids: torch.Tensor, window: int = -1) -> torch.Tensor:
 WINDOW = 3  # the "window" decoder's sliding window: shorter than its documents
 
 
+def varlen_documents(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """``[B, T, H, D]`` q, k, v over the rows flattened: torch's ``varlen_attn``, causal within the
+    documents ``cu_seqlens`` bounds (GQA as the op takes it: ``enable_gqa``, or K/V heads
+    repeated where this torch's op has no such flag); ``[B, T, H, D]``."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, t, heads = q.shape[:3]
+    params = inspect.signature(varlen_attn).parameters
+    options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = True
+    else:
+        k, v = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (k, v))
+    out = varlen_attn(*(x.flatten(0, 1) for x in (q, k, v)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+    return out.view(b, t, heads, -1)
+
+
 def flex_documents(q, k, v, position_ids: torch.Tensor) -> torch.Tensor:
     """flex attention, same document and causal, its BlockMask built here from the positions (a
     model that builds it in its own forward; HF and torchtitan build it outside)."""
@@ -66,12 +87,15 @@ class Block(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
         b, t, _ = h.shape
         x = self.norm1(h)
         q = self.wq(x).view(b, t, self.heads, self.head_dim)
         k, v = self.wkv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
+        if self.mask == "varlen":
+            h = h + self.wo(varlen_documents(q, k, v, cu_seqlens, max_seqlen).reshape(b, t, -1))
+            return h + self.mlp(self.norm2(h))
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         if self.mask in ("documents", "window"):
             window = WINDOW if self.mask == "window" else -1
@@ -96,12 +120,13 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None):
+    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None,
+                cu_seqlens=None, max_seqlen=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         h = self.embed(input_ids)
         for block in self.blocks:
-            h = block(h, position_ids)
+            h = block(h, position_ids, cu_seqlens, max_seqlen)
         logits = self.head(self.norm(h)).float()
         targets = shift_labels if shift_labels is not None else cp_batch.shift_labels(labels)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -125,6 +150,17 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
     labels = input_ids.clone()
     labels[position_ids == 0] = IGNORE_INDEX
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
+    """:func:`packed_batch` with the varlen bounds of its rows flattened (``cu_seqlens``, int32) and
+    the longest document (``max_seqlen``), as a data loader hands them to a varlen model."""
+    batch = packed_batch(lengths, rows)
+    tokens = sum(lengths)
+    starts = [r * tokens + s for r in range(rows) for s in [0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]]
+    batch["cu_seqlens"] = torch.tensor([*starts, rows * tokens], dtype=torch.int32)
+    batch["max_seqlen"] = max(lengths)
+    return batch
 
 
 def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False) -> nn.Module:

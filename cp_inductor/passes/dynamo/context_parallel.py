@@ -26,7 +26,8 @@ FA4 varlen over each query segment's document prefix, reading the keys in place,
 
 What it proves per call, else the compile fails naming the call (computing this rank's tokens
 alone would change the answer): SDPA or flex attention in the graph itself or in an
-activation-checkpointed body (varlen and FA4 calls and attention written out as a softmax over
+activation-checkpointed body, or a packed-sequence (varlen) call in the graph itself (the
+program's FA4 calls, varlen calls in a subgraph and attention written out as a softmax over
 ``[T, T]`` scores are refused for now), no dropout, query and key length this rank's token
 count, and a mask that is none, causal, or "same document and causal" over the documents of the
 position ids ``shard_batch`` made (HF's packed detection), with or without a causal sliding window
@@ -47,6 +48,12 @@ before the plan reads the layout (``ids_checked``: a device error otherwise)::
     mask_mod = (positions[b, kv] <= positions[b, q]) & (ids[b, q] == ids[b, kv])   # HF's packed flex
     ->
     doc_ids = cp_inductor.ids_checked(cp_doc_ids, position_ids, [ids], [positions])
+
+A varlen call (``torch.nn.attention.varlen_attn``, aten's flash op with ``cum_seq_q``,
+flash-attn's varlen function) over this rank's rows flattened takes its documents from the
+``cu_seqlens`` it is given: an input of the graph (the full pack's bounds, made by the data loader
+before the model ran and passed through ``shard_batch`` untouched), checked on device against the
+full rows (``cu_seqlens_ids``); bounds the graph computes from the tokens it sees are refused.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
 LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta", "cp_query_positions", "cp_key_positions",
                 "cp_row_order", "cp_key_places")
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
+CU_DOCUMENTS = "documents of its cu_seqlens (checked on device)"  # a varlen call's
 CHECKED = " (the mask_mod's tables checked on device against the position ids)"
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
@@ -169,15 +177,19 @@ def _sites(gm: torch.fx.GraphModule) -> list[Site]:
 def _untaken(gm: torch.fx.GraphModule, tokens) -> str | None:
     """An attention this pass does not take yet, which the program would then compute over this
     rank's tokens alone: a call inside a subgraph other than a checkpointed body of the graph
-    itself, a packed-sequence (varlen) or FA4 call, or attention spelled as a softmax over
-    ``[.., T, T]`` scores (HF's ``eager``)."""
+    itself, a packed-sequence (varlen) call inside any subgraph, the program's FA4 calls, or
+    attention spelled as a softmax over ``[.., T, T]`` scores (HF's ``eager``)."""
     bodies = {n.args[0].target for n in _checkpoints(gm)}
     for name, module in gm.named_modules():
-        if module is not gm and isinstance(module, torch.fx.GraphModule) and _attention_calls(module) and name not in bodies:
+        if module is gm or not isinstance(module, torch.fx.GraphModule):
+            continue
+        if _attention_calls(module) and name not in bodies:
             return f"an attention call inside the subgraph {name} (of a higher-order op other than checkpoint, or nested)"
-    packed = [c.name for c in varlen_calls.find(gm)] + [r.attention for r in varlen_calls.fa4_calls(gm)]
-    if packed:
-        return f"a packed-sequence or FA4 attention call ({packed[0]})"
+        if varlen_calls.find(module):
+            return f"a packed-sequence (varlen) call inside the subgraph {name}"
+    fa4 = [r.attention for r in varlen_calls.fa4_calls(gm)]
+    if fa4:
+        return f"the program's own FA4 call ({fa4[0]})"
     for n in gm.graph.nodes if tokens is not None else ():
         if n.op in ("call_function", "call_method") and "softmax" in str(n.target):
             scores = value(n.args[0]) if n.args else None
@@ -416,7 +428,8 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
     call = _call_of(args, semantics.causal)
     key = (semantics, call.heads_q)
     if key not in works:  # one layout, priced once per kind of call
-        ids = shard.doc_ids if semantics.documents == DOCUMENTS else torch.zeros_like(shard.doc_ids)
+        # (a varlen call's documents are priced as the layout's: the bounds come in with the batch)
+        ids = torch.zeros_like(shard.doc_ids) if semantics.documents == ONE_DOCUMENT else shard.doc_ids
         works[key] = context_parallel_cost.work(ids, shard.key_positions, shard.cp, semantics.causal, call.heads_q,
                                                 semantics.window)
     try:
@@ -429,18 +442,21 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
     return style, why, kv_heads
 
 
-def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inputs, anchor: torch.fx.Node):
+def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inputs, anchor: torch.fx.Node,
+          ids: torch.fx.Node | None = None):
     """The shard plan of one kind of call, made once per graph (before ``anchor``, its first
-    reader): (ids, plan tensors, meta, query positions, key positions, row order, key places).
+    reader): (ids, plan tensors, meta, query positions, key positions, row order, key places);
+    ``ids``: the documents where they are not the layout's (a varlen call's).
     Ulysses' tokens are every rank's, put in row order first (``row order``: the slot of each
     place; ``key places``: the place of each slot, to put them back), so that each document is one
     segment read in one FA4 call (several would take a call each); its positions are the index
     (None)."""
-    key = (style, semantics.documents, semantics.causal)  # a window reads the same segments
+    key = (style, semantics.documents if ids is None else ids, semantics.causal)  # a window reads the same segments
     if key not in plans:
         doc_ids, query_positions, key_positions = inputs
         with g.inserting_before(anchor):
-            ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
+            if ids is None:
+                ids = doc_ids if semantics.documents == DOCUMENTS else g.call_function(torch.zeros_like, (doc_ids,))
             order = places = None
             if style == ULYSSES:
                 places = key_positions
@@ -461,27 +477,8 @@ def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inpu
 def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, layout: list,
              group_name: str, cp: int, kv_heads: int) -> None:
     """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``."""
-    ids, *parts, meta, query_positions, key_positions, order, places = layout
-    q = args["query"]
-    scale = args.get("scale")
-    scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
     with g.inserting_before(node):
-        if style == ULYSSES:  # every rank's tokens (rank after rank: at key_positions) of this rank's heads
-            k, v = args["key"], args["value"]
-            repeat = kv_heads // value(k).shape[1]
-            if repeat > 1:  # fewer K/V heads than ranks: each rank its copy (grouping kept: q head h reads h // (Hq / kv_heads))
-                k, v = (g.call_method("repeat_interleave", (x, repeat), {"dim": 1}) for x in (k, v))
-            q, k, v = (g.call_function(tokens_at, (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)), order))
-                       for x in (args["query"], k, v))
-        else:
-            k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
-                    for name in ("key", "value"))
-        attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal),
-                                    {"window_left": semantics.window} if semantics.window >= 0 else {})
-        out = g.call_function(operator.getitem, (attention, 0))
-        if style == ULYSSES:  # back to rank order (slot j holds place key_positions[j]), then to this rank's tokens
-            out = g.call_function(gather_heads, (g.call_function(tokens_at, (out, places)), "bhsd", cp, group_name))
+        out = _cp_attention(g, args, semantics, style, layout, group_name, cp, kv_heads)
     if args.get("flex"):  # (out, lse), lse unread (_check_call)
         flex_calls.replace(node, out)
         return
@@ -489,6 +486,33 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Sema
     node.replace_all_uses_with(out)
     g.erase_node(node)
     erase_dead(g, args.get("attn_mask"))
+
+
+def _cp_attention(g: torch.fx.Graph, args: dict, semantics: Semantics, style: str, layout: list, group_name: str,
+                  cp: int, kv_heads: int) -> torch.fx.Node:
+    """The CP attention of ``args``' ``[B, H, T, D]`` query, key and value over the ranks by
+    ``style``, inserted where ``g`` inserts; its output node."""
+    ids, *parts, meta, query_positions, key_positions, order, places = layout
+    q = args["query"]
+    scale = args.get("scale")
+    scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
+    if style == ULYSSES:  # every rank's tokens (rank after rank: at key_positions) of this rank's heads
+        k, v = args["key"], args["value"]
+        repeat = kv_heads // value(k).shape[1]
+        if repeat > 1:  # fewer K/V heads than ranks: each rank its copy (grouping kept: q head h reads h // (Hq / kv_heads))
+            k, v = (g.call_method("repeat_interleave", (x, repeat), {"dim": 1}) for x in (k, v))
+        q, k, v = (g.call_function(tokens_at, (g.call_function(scatter_heads, (x, "bhsd", cp, group_name)), order))
+                   for x in (args["query"], k, v))
+    else:
+        k, v = (g.call_function(funcol.all_gather_tensor_autograd, (g.call_method("contiguous", (args[name],)), 2, group_name))
+                for name in ("key", "value"))
+    attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
+                                (q, k, v, parts, meta, ids, query_positions, key_positions, scale, semantics.causal),
+                                {"window_left": semantics.window} if semantics.window >= 0 else {})
+    out = g.call_function(operator.getitem, (attention, 0))
+    if style == ULYSSES:  # back to rank order (slot j holds place key_positions[j]), then to this rank's tokens
+        out = g.call_function(gather_heads, (g.call_function(tokens_at, (out, places)), "bhsd", cp, group_name))
+    return out
 
 
 def _mask_inputs(args: dict, site: Site) -> list:
@@ -519,7 +543,7 @@ def _own_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torc
 def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
     layout = _layout_input(gm, example_inputs)
     tokens = value(layout[1]).shape[1] if layout is not None else None
-    calls, untaken = _attention_calls(gm) + _checkpoints(gm), _untaken(gm, tokens)
+    calls, untaken = _attention_calls(gm) + _checkpoints(gm) + [c.node for c in varlen_calls.find(gm)], _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
         return gm, example_inputs, _unchanged
     if layout is None:
@@ -540,6 +564,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     sites = _sites(gm)
     checked = [(site, _check_call(site, tokens)) for site in sites]
     semantics = [(site, args, *_semantics(site, args, positions)) for site, args in checked]
+    packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
     inputs = _add_inputs(gm, shard, batch_input)
     id_tables = tuple({c.ids: None for *_, c in semantics if c.ids is not None})
     position_tables = tuple({c.positions: None for *_, c in semantics if c.positions is not None})
@@ -573,6 +598,8 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
                    "(FA4 varlen per document segment where it runs)"))
+    for call, meaning in packed:
+        routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
     for route in routes:  # reported once nothing refused the graph
@@ -581,6 +608,71 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         module.graph.lint()
         module.recompile()
     return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
+
+
+def _check_varlen(call: varlen_calls.VarlenCall, rows, tokens) -> Semantics:
+    """What a packed-sequence (varlen) call computes over the full rows: its documents are the
+    bounds it is given (an input of the graph: the pack's, made before the model ran), checked on
+    device against the rows (``cu_seqlens_ids``); else the compile fails naming the call."""
+    reason = varlen_calls.shared_reason(call)
+    if reason is not None:
+        raise ContextParallelError(f"context_parallel: varlen attention {call.name}: {reason}")
+    q, k = value(call.args["query"]), value(call.args["key"])
+    if not all(statically_known_true(t.shape[0] == rows * tokens) for t in (q, k)):
+        raise ContextParallelError(
+            f"context_parallel: varlen attention {call.name} is not self-attention over this rank's {rows} x {tokens} "
+            f"tokens (query, key shapes {tuple(q.shape)}, {tuple(k.shape)})")
+    cu_q, cu_k = call.args["cu_seq_q"], call.args["cu_seq_k"]
+    if cu_q is not cu_k:
+        raise ContextParallelError(f"context_parallel: varlen attention {call.name} has query bounds other than its "
+                                   "key bounds (cross attention is not taken)")
+    if not (isinstance(cu_q, torch.fx.Node) and cu_q.op == "placeholder"):
+        raise ContextParallelError(
+            f"context_parallel: varlen attention {call.name}'s cu_seqlens are computed in the graph, from this rank's "
+            "tokens: pass the bounds of the full pack in with the batch (made before the model runs)")
+    return Semantics(CU_DOCUMENTS, call.is_causal)
+
+
+def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, meaning: Semantics, shard: BatchShard,
+                    inputs: list, batch_input: torch.fx.Node, plans: dict, works: dict, cfg) -> VarlenRoute:
+    """``call`` (``[B*T, H, D]``: this rank's rows flattened) as the CP attention of its rows::
+
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_q, max_k, is_causal=True)
+        ->
+        ids = cu_seqlens_ids(cu_seqlens, cp_key_positions)                   # [B, T_full], checked
+        out = <CP attention>(q.unflatten(0, (B, T)).transpose(1, 2), ...).transpose(1, 2).flatten(0, 1)
+    """
+    g = gm.graph
+    rows_tokens = tuple(value(batch_input).shape[:2])
+    found: dict = {}
+
+    def build(k, v):
+        with g.inserting_before(call.node):
+            rows, tokens = (g.call_function(torch.ops.aten.sym_size.int, (batch_input, d)) for d in (0, 1))
+            bhsd = {}
+            for name, x in (("query", call.args["query"]), ("key", k), ("value", v)):
+                y = g.call_method("transpose", (g.call_method("unflatten", (x, 0, (rows, tokens))), 1, 2))
+                y.meta["example_value"] = value(x).unflatten(0, rows_tokens).transpose(1, 2)
+                bhsd[name] = y
+            args = {**bhsd, "scale": call.args.get("scale")}
+            style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
+            if call.args["cu_seq_q"] not in found:
+                found[call.args["cu_seq_q"]] = g.call_function(torch.ops.cp_inductor.cu_seqlens_ids.default,
+                                                               (call.args["cu_seq_q"], inputs[2]))
+        layout = _plan(g, plans, style, meaning, inputs, call.node, ids=found[call.args["cu_seq_q"]])
+        with g.inserting_before(call.node):
+            out = _cp_attention(g, args, meaning, style, layout, shard.group_name, shard.cp, kv_heads)
+            flat = g.call_method("flatten", (g.call_method("transpose", (out, 1, 2)), 0, 1))
+        flat.meta["example_value"] = value(call.args["query"]).new_empty(
+            (*value(call.args["query"]).shape[:2], value(call.args["value"]).shape[-1]))
+        found["route"] = (style, why)
+        return flat
+
+    varlen_calls.replace(gm, call, build, "document_shard")
+    style, why = found["route"]
+    return VarlenRoute(attention=call.name, style=style, lengths="checked", layout="cp", path="document_shard", reason=why,
+                       detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment "
+                              "where it runs)")
 
 
 def _refuse_token_index(modules, tokens) -> None:
