@@ -49,8 +49,9 @@ before the plan reads the layout (``ids_checked``: a device error otherwise)::
     ->
     doc_ids = cp_inductor.ids_checked(cp_doc_ids, position_ids, [ids], [positions])
 
-A varlen call (``torch.nn.attention.varlen_attn``, aten's flash op with ``cum_seq_q``,
-flash-attn's varlen function) over this rank's rows flattened takes its documents from the
+A varlen call over this rank's rows flattened (``torch.nn.attention.varlen_attn``; aten's
+flash op with ``cum_seq_q`` and flash-attn's varlen function are read alike, as
+``varlen_calls`` reads them, but have not run under CP: CUDA only) takes its documents from the
 ``cu_seqlens`` it is given: an input of the graph (the full pack's bounds, made by the data loader
 before the model ran and passed through ``shard_batch`` untouched), checked on device against the
 full rows (``cu_seqlens_ids``); bounds the graph computes from the tokens it sees are refused.
