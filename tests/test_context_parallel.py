@@ -619,23 +619,30 @@ def test_flex_forward_matches_single_device():
     """flex attention at cp 2, forward only (torch has no flex backward on CPU; training numerics
     run on the GPU): our decoder with its BlockMask built in the model (same document, causal),
     all-gather and Ulysses, and HF transformers' Llama with ``flex_attention``, packed and plain
-    (HF builds the BlockMask before a graph break: its tables are checked on device): the
-    combined loss is the single-device loss."""
+    (HF builds the BlockMask before a graph break: its tables are checked on device), and HF
+    Mistral with ``flex_attention`` and a sliding window on a pack (against its ``sdpa`` twin:
+    torch's CPU flex is off on HF's sliding BlockMask): the combined loss is the single-device
+    loss."""
     pack, _ = _batches(rows=2)
     cases = [(functools.partial(auto_cp.decoder, "flex"), pack), (functools.partial(auto_cp.decoder, "flex"), pack, ULYSSES)]
+    references = {}
     if importlib.util.find_spec("transformers") is not None:
         hf_pack = auto_cp.packed_batch([6, 10, 8, 8])
         hf_plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
         cases += [(functools.partial(auto_cp.hf_llama, "flex_attention"), batch) for batch in (hf_pack, hf_plain)]
+        references[len(cases)] = functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5)
+        cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5, attn="flex_attention"), hf_pack))
     results = run_on_ranks(auto_cp.cp_forwards, 2, cases)
-    for (make, batch, *_), got in zip(cases, results[0]):
+    for i, ((make, batch, *_), got) in enumerate(zip(cases, results[0])):
         with torch.no_grad():
-            want = auto_cp._loss(make()(**batch)).item()
+            want = auto_cp._loss(references.get(i, make)()(**batch)).item()
         assert abs(got["loss"] - want) <= 1e-5 * abs(want), (got["loss"], want, got["lines"])
         assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     for got in results[0][2:]:  # HF's tables came in from before the graph break
         assert all("checked on device" in line for line in got["lines"]), got["lines"]
+    if references:  # Mistral's window, read over HF's position table, taken with it
+        assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 
 
 def test_varlen_decoder_training_matches_single_device():

@@ -365,6 +365,36 @@ def test_positions_that_fall_run_densely():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def _window_over_positions(pos):
+    """HF's flex sliding window as its tables come into a graph: same document, causal and
+    ``kv > q - 3``, both over a table of positions the graph does not prove to step by one."""
+    def windowed(q, k, v, doc):
+        qi, ki = torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+        b = torch.arange(B)[:, None, None]
+        mask = (pos[b, ki] <= pos[b, qi]) & (pos[b, ki] > pos[b, qi] - 3) & (doc[b, qi] == doc[b, ki])
+        return _attend(q, k, v, mask[:, None])
+
+    return windowed
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["stepping", "rising by two"])
+def test_window_over_positions_is_checked_to_step_by_one(step):
+    """Positions that step by one within each document: the window over them is FA4's over the
+    tokens; positions that rise by two make it a window of two tokens, and the device check sends
+    the call to the dense path (the mask as written). Both the program's answer."""
+    doc = _doc_ids()
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    index = torch.arange(T).expand(B, T)
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    fn = _window_over_positions((index - first) * step)  # positions restarting per document
+    q, k, v = _qkv()
+    for got, want in zip(_grads(fn, q, k, v, doc, True), _grads(fn, q, k, v, doc, False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    _, lines = _routes(fn, q, k, v, doc)
+    assert "fa4_varlen" in lines[0] and "stepping by one within documents: checked on device" in lines[0], lines
+
+
 def test_plan_counts_runs_and_checks_contiguity():
     doc = torch.tensor([[3, 3, 5, 5, 5, 9], [0, 0, 0, 0, 1, 1]])
     cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)
@@ -865,6 +895,36 @@ def test_hf_llama_flex_compiled_forward():
             got = torch.compile(model, backend="cp_inductor")(**inputs, use_cache=False).logits
     lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
     assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_mistral_flex_sliding_window_compiled_forward():
+    """Mistral's sliding window under HF's ``flex_attention``: HF builds the BlockMask before a
+    graph break, so the window comes in read over a table of positions the graph cannot prove to
+    step by one; they are checked on device (the plan's ``stepping``) and the call lowered with
+    FA4's window. Against the same weights under HF's eager ``sdpa`` (torch's CPU flex is off
+    on this mask, docs/passes/document_mask.md)."""
+    pytest.importorskip("transformers")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def mistral(impl):
+        config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                               attn_implementation=impl)
+        torch.manual_seed(0)
+        return MistralForCausalLM(config).eval()
+
+    inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1)),
+              "position_ids": _positions()}
+    with torch.no_grad():
+        want = mistral("sdpa")(**inputs, use_cache=False).logits
+        cp_inductor.clear_report()
+        torch._dynamo.reset()
+        with reference_kernels(), cp_inductor.config.patch(strict=True):
+            got = torch.compile(mistral("flex_attention"), backend="cp_inductor")(**inputs, use_cache=False).logits
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert len(lines) == 2 and all("fa4_varlen" in line and "stepping by one within documents" in line
+                                   for line in lines), lines
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -59,7 +59,7 @@ PROVIDERS = ("fa4", "cudnn")
 
 _lib = torch.library.Library("cp_inductor", "FRAGMENT")
 _lib.define("document_plan(Tensor doc_ids, Tensor? positions, bool check, SymInt rows, SymInt tokens, "
-            "int capacity=0, int bounds=0) -> (Tensor, Tensor)")
+            "int capacity=0, int bounds=0, bool stepping=False) -> (Tensor, Tensor)")
 _lib.define(
     "document_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor meta, Tensor doc_ids, "
     "Tensor? positions, float scale, bool is_causal, str provider, int window_left=-1, int capacity=0, int bounds=0) "
@@ -87,7 +87,7 @@ def _rows(table: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("cp_inductor::document_plan", lib=_lib)
-def _(doc_ids, positions, check, rows, tokens, capacity=0, bounds=0):
+def _(doc_ids, positions, check, rows, tokens, capacity=0, bounds=0, stepping=False):
     meta_device = doc_ids.device if capacity else "cpu"  # a capacity: nothing for the host to read
     return doc_ids.new_empty(rows * tokens + 1, dtype=torch.int32), torch.empty(4, dtype=torch.int64, device=meta_device)
 
@@ -132,7 +132,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 @torch.library.impl("cp_inductor::document_plan", "CompositeExplicitAutograd", lib=_lib)
-def _plan(doc_ids, positions, check, batch, length, capacity=0, bounds=0):
+def _plan(doc_ids, positions, check, batch, length, capacity=0, bounds=0, stepping=False):
     rows = _rows(doc_ids, batch, length)
     table = None if positions is None else _rows(positions, batch, length)
     def launch():
@@ -140,13 +140,16 @@ def _plan(doc_ids, positions, check, batch, length, capacity=0, bounds=0):
 
         return plan_kernel(rows, table, check, bounds)
 
-    launched = _try_kernel("document_plan", launch) if rows.is_cuda else None
+    # (the kernel checks positions that rise; ``stepping``, a window over them, is the aten form's)
+    launched = _try_kernel("document_plan", launch) if rows.is_cuda and not stepping else None
     if launched is not None:  # one launch (document_plan_kernel.py says why)
         cu_seqlens, meta = launched
     else:
         starts, rank, cu_seqlens, longest, contiguous = _runs(rows, check)
         if table is not None:  # causal over positions is causal over tokens where they rise within each document
-            contiguous = contiguous & ((table[:, 1:] > table[:, :-1]) | starts[:, 1:]).all()
+            # (a window over them is one over tokens where they step by one)
+            step = (table[:, 1:] == table[:, :-1] + 1) if stepping else (table[:, 1:] > table[:, :-1])
+            contiguous = contiguous & (step | starts[:, 1:]).all()
         if bounds:
             contiguous = contiguous & _bounds_hold(rows, starts, bounds)
         meta = torch.stack([rank[-1] + 1, longest.to(rank.dtype), contiguous.to(rank.dtype), torch.zeros_like(rank[-1])])
@@ -327,7 +330,10 @@ def _dense_mask(doc_ids, positions, q, is_causal, window_left=-1, bounds=0):
         mask = mask & (p[:, None, None, :] <= p[:, None, :, None])
     elif is_causal:
         mask = mask & (index[None, :] <= index[:, None])
-    if window_left >= 0:
+    if window_left >= 0 and positions is not None:  # the window as the program reads it: over the positions
+        p = _rows(positions, q.shape[0], q.shape[2])
+        mask = mask & (p[:, None, None, :] >= p[:, None, :, None] - window_left)
+    elif window_left >= 0:
         mask = mask & (index[None, :] >= index[:, None] - window_left)
     return mask
 

@@ -180,15 +180,15 @@ def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False)
 HF_ARCHITECTURES = ("qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2")
 
 
-def hf_causal_lm(arch: str, sliding_window: int | None = None) -> nn.Module:
-    """A tiny HF transformers causal LM of architecture ``arch`` (random weights, seed 0, ``sdpa``,
+def hf_causal_lm(arch: str, sliding_window: int | None = None, attn: str = "sdpa") -> nn.Module:
+    """A tiny HF transformers causal LM of architecture ``arch`` (random weights, seed 0, ``attn``,
     GQA 4:2 where the architecture has it, no dropout), for surveys beyond Llama; Mistral with
     ``sliding_window`` where given."""
     import transformers as tf
 
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+                  num_key_value_heads=2, attn_implementation=attn, use_cache=False)
     configs = {
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8)),

@@ -179,6 +179,9 @@ class DocumentMask:
     bound: str = ""
     bound_position: object = None
     bound_at: object = None
+    # The window was read over ``positions`` (not proven to step by one within each document, as
+    # HF's flex tables that come in as inputs are not): checked on device that they do.
+    positions_step: bool = False
 
     @property
     def mapped(self) -> bool:
@@ -196,7 +199,8 @@ class DocumentMask:
         if self.window >= 0:
             parts[-1] += f", keys from q-{self.window}"
         if self.positions is not None:
-            parts[-1] += f" over positions {self.positions.name} (rising within documents: checked on device)"
+            how = "stepping by one" if self.positions_step else "rising"
+            parts[-1] += f" over positions {self.positions.name} ({how} within documents: checked on device)"
         for who, where in (("queries", self.query_positions), ("keys", self.key_positions)):
             if isinstance(where, torch.fx.Node):
                 parts.append(f"{who} at positions the mask_mod computes ({where.name})")
@@ -853,9 +857,14 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
                 raise NotAMask("causal over two tables of positions")
             checked_positions = positions
         classify.causal = True
+    stepping = False
     for positions in classify.stepping_positions:  # a band over positions is one over indices where they step by one
-        if doc_ids is None or _resets_of(doc_ids) is not positions:
-            raise NotAMask("a band over a table of positions not proven to step by one within each document")
+        if doc_ids is None:
+            raise NotAMask("a band over a table of positions without document ids")
+        if _resets_of(doc_ids) is not positions:  # not proven (a table from outside): checked on device
+            if checked_positions not in (None, positions):
+                raise NotAMask("a band and causal over two tables of positions")
+            checked_positions, stepping = positions, True
     window = -1 if classify.window is None else classify.window
     if classify.bounds:
         return _bounded(classify, doc_ids, query_positions, key_positions, traced, reader)
@@ -864,7 +873,7 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
     summand = _row_cumsum(doc_ids)
     proven = summand is not None and _nonnegative(summand)
     return DocumentMask(doc_ids, classify.causal, PROVEN if proven else CHECKED, traced, checked_positions,
-                        query_positions, key_positions, window)
+                        query_positions, key_positions, window, positions_step=stepping)
 
 
 def _bounded(classify: _Classifier, doc_ids, query_positions, key_positions, traced, reader) -> DocumentMask:

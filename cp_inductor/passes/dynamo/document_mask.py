@@ -570,7 +570,8 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     with g.inserting_before(before):
         sizes = [_size(g, call, "query", d) for d in (0, 2)]
         plan = g.call_function(torch.ops.cp_inductor.document_plan.default,
-                               (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)), _bounds(call))
+                               (ids, *(positions or [None]), call.check, *sizes, *_capacity(call)),
+                               {**_bounds(call), **({"stepping": True} if facts.positions_step else {})})
         cu, meta = (g.call_function(operator.getitem, (plan, i)) for i in (0, 1))
     return ids, positions[0] if positions else None, cu, meta
 
