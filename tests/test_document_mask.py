@@ -678,6 +678,57 @@ def test_hf_mistral_sliding_window_compiled(packed):
     assert len(lines) == 2 and all("keys from q-5: fa4_varlen" in line for line in lines), lines
 
 
+# HF transformers architectures beyond Llama and Mistral, each the way its config spells what
+# makes it different (a window on some layers, experts, partial rotary, one K/V head, MLA, score
+# multipliers): (config class, model class, its layers with a window, fields beyond the common ones).
+_SURVEY = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", 1, dict(sliding_window=6,
+                                                                layer_types=["sliding_attention", "full_attention"])),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", 1, dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 0, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", 2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    "phi3_window": ("Phi3Config", "Phi3ForCausalLM", 2, dict(sliding_window=6, pad_token_id=0, head_dim=None)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", 0, dict(rotary_pct=0.25, head_dim=None, num_key_value_heads=None)),
+    "falcon_multi_query": ("FalconConfig", "FalconForCausalLM", 0, dict(multi_query=True, parallel_attn=True, alibi=False,
+                                                                        head_dim=None, num_key_value_heads=None)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", 2, dict(sliding_window=6, head_dim=None)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", 1, dict(sliding_window=6, head_dim=None,
+                                                               layer_types=["sliding_attention", "full_attention"])),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", 0, dict(attention_multiplier=0.3, embedding_multiplier=2.0,
+                                                               residual_multiplier=0.5, logits_scaling=4.0)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", 1, dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 0, dict(
+        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, head_dim=4)),
+}
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+@pytest.mark.parametrize("arch", list(_SURVEY))
+def test_hf_architectures_training_match_eager(arch, packed):
+    """A survey (CP_INDUCTOR_TESTS=all): one training step of each architecture compiled under
+    cp_inductor, loss and every gradient as under eager HF, every attention call lowered (FA4's
+    reference kernels on the CPU), windowed layers with their window."""
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, windowed, fields = _SURVEY[arch]
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, use_cache=False, attn_implementation="sdpa")
+    kwargs = {k: v for k, v in {**common, **fields}.items() if v is not None}
+    if arch.startswith("falcon"):
+        kwargs["ffn_hidden_size"] = kwargs.pop("intermediate_size")
+    config = getattr(transformers, config_name)(**kwargs)
+    for name in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout",
+                 "embedding_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
+    torch.manual_seed(0)
+    lines = _compiled_training_matches_eager(getattr(transformers, model_name)(config), packed)
+    assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
+    assert sum("keys from q-5" in line for line in lines) == windowed, lines
+
+
 # --- one GPU -----------------------------------------------------------------------------------
 
 
