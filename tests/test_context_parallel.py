@@ -185,11 +185,13 @@ document_shard_attention_default = document_shard_attention(q_1, all_gather_tens
     def test_varlen_call_reads_its_bounds_checked(self):
         """torch's ``varlen_attn`` over the rows flattened, its ``cu_seqlens`` an input (the full
         pack's, made before the model ran): the plan reads the documents those bounds make,
-        checked on device against the full rows (``cu_seqlens_ids``); q, k and v go to
-        ``[B, H, T, D]`` and the output back; K and V gathered with their own heads (GQA)."""
+        checked on device against the full rows (``cu_seqlens_ids``) once, one plan for both calls
+        reading them; q, k and v go to ``[B, H, T, D]`` and the output back; K and V gathered
+        with their own heads (GQA)."""
         def varlen(q, k, v, cu_seqlens, position_ids):
             q, k = auto_cp.rotary(q, position_ids), auto_cp.rotary(k, position_ids)
-            return auto_cp.varlen_documents(q, k, v, cu_seqlens, 8)
+            first = auto_cp.varlen_documents(q, k, v, cu_seqlens, 8)
+            return auto_cp.varlen_documents(first, k, v, cu_seqlens, 8)
 
         q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
         cu_seqlens = torch.tensor([0, 6, 14, 16], dtype=torch.int32)  # POSITIONS' documents
@@ -201,7 +203,12 @@ contiguous = contiguous(transpose_1)
 all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
 contiguous_1 = contiguous(transpose_2)
 all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
-document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, cu_seqlens_ids_default, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
+document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, cu_seqlens_ids_default, cp_query_positions, cp_key_positions, 0.3535533905932738, True)
+contiguous_2 = contiguous(transpose_5)
+all_gather_tensor_autograd_2 = all_gather_tensor_autograd(contiguous_2, 2, cp)
+contiguous_3 = contiguous(transpose_6)
+all_gather_tensor_autograd_3 = all_gather_tensor_autograd(contiguous_3, 2, cp)
+document_shard_attention_default_1 = document_shard_attention(transpose_4, all_gather_tensor_autograd_2, all_gather_tensor_autograd_3, [7 plan tensors], getitem_12, cu_seqlens_ids_default, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
     def test_ulysses_repeats_key_value_heads_up_to_cp(self):
         """Ulysses at cp 4 with 2 K/V heads: each K/V head repeated twice (query head h then reads

@@ -657,10 +657,10 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
                 bhsd[name] = y
             args = {**bhsd, "scale": call.args.get("scale")}
             style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
-            if call.args["cu_seq_q"] not in found:
-                found[call.args["cu_seq_q"]] = g.call_function(torch.ops.cp_inductor.cu_seqlens_ids.default,
-                                                               (call.args["cu_seq_q"], inputs[2]))
-        layout = _plan(g, plans, style, meaning, inputs, call.node, ids=found[call.args["cu_seq_q"]])
+            bounds = ("cu_seqlens", call.args["cu_seq_q"])  # checked once, one plan for every call reading them
+            if bounds not in plans:
+                plans[bounds] = g.call_function(torch.ops.cp_inductor.cu_seqlens_ids.default, (call.args["cu_seq_q"], inputs[2]))
+        layout = _plan(g, plans, style, meaning, inputs, call.node, ids=plans[bounds])
         with g.inserting_before(call.node):
             out = _cp_attention(g, args, meaning, style, layout, shard.group_name, shard.cp, kv_heads)
             flat = g.call_method("flatten", (g.call_method("transpose", (out, 1, 2)), 0, 1))
