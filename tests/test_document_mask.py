@@ -780,6 +780,23 @@ def test_gpu_document_attention_matches_fp32(provider, causal, window=-1):
 
 
 @pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
+@pytest.mark.parametrize("step", [1, 2])
+def test_gpu_plan_checks_positions_step_by_one(step):
+    """The plan's ``stepping`` check on the GPU (the aten plan: the kernel checks rising only):
+    the same numbers as on the CPU; positions rising by two are not packable."""
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([1000, 77, 2000, 1019]))[None]
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    index = torch.arange(doc.shape[1])[None]
+    positions = (index - torch.cummax(torch.where(starts, index, 0), dim=1).values) * step
+    plans = [torch.ops.cp_inductor.document_plan(doc.to(device), positions.to(device), True, 1, doc.shape[1],
+                                                 stepping=True) for device in ("cpu", "cuda")]
+    (cu_cpu, meta_cpu), (cu_gpu, meta_gpu) = plans
+    assert torch.equal(cu_gpu.cpu(), cu_cpu) and meta_gpu.tolist() == meta_cpu.tolist(), (meta_cpu, meta_gpu)
+    assert int(meta_cpu[2]) == (step == 1), meta_cpu
+
+
+@pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
 @pytest.mark.parametrize("window", [0, 100, 4000])
 def test_gpu_document_attention_sliding_window_matches_fp32(window):
     """FA4's window over the documents (Mistral's sliding window on a pack)."""
