@@ -395,6 +395,24 @@ def test_window_over_positions_is_checked_to_step_by_one(step):
     assert "fa4_varlen" in lines[0] and "stepping by one within documents: checked on device" in lines[0], lines
 
 
+def test_window_over_positions_causal_over_the_index_is_kept():
+    """A window over a positions table the graph takes in, but causal over the token index: a
+    failed step-by-one check would leave the dense path reading causal over the positions, not
+    the program's mask, so the call is kept."""
+    doc = _doc_ids()
+    pos = torch.arange(T).expand(B, T).flip(1).contiguous()
+
+    def index_causal(q, k, v, doc):
+        qi, ki = torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+        b = torch.arange(B)[:, None, None]
+        mask = (ki <= qi) & (pos[b, ki] > pos[b, qi] - 3) & (doc[b, qi] == doc[b, ki])
+        return _attend(q, k, v, mask[:, None])
+
+    q, k, v = _qkv()
+    _, lines = _routes(index_causal, q, k, v, doc)
+    assert "kept" in lines[0] and "causal over something else" in lines[0], lines
+
+
 def test_plan_counts_runs_and_checks_contiguity():
     doc = torch.tensor([[3, 3, 5, 5, 5, 9], [0, 0, 0, 0, 1, 1]])
     cu, meta = torch.ops.cp_inductor.document_plan(doc, None, True, *doc.shape)

@@ -862,8 +862,9 @@ def _classified(predicate, traced: mask_graph.Traced, rank: int, reader: _Reader
         if doc_ids is None:
             raise NotAMask("a band over a table of positions without document ids")
         if _resets_of(doc_ids) is not positions:  # not proven (a table from outside): checked on device
-            if checked_positions not in (None, positions):
-                raise NotAMask("a band and causal over two tables of positions")
+            if positions not in classify.position_causal:  # (a failed check's dense path reads causal over it)
+                raise NotAMask("a band over a table of positions not proven to step by one within each document, "
+                               "causal over something else")
             checked_positions, stepping = positions, True
     window = -1 if classify.window is None else classify.window
     if classify.bounds:
