@@ -54,7 +54,7 @@ def varlen_documents(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torc
 
     b, t, heads = q.shape[:3]
     params = inspect.signature(varlen_attn).parameters
-    options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    options: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         options["enable_gqa"] = True
     else:
