@@ -383,11 +383,7 @@ def test_window_over_positions_is_checked_to_step_by_one(step):
     tokens; positions that rise by two make it a window of two tokens, and the device check sends
     the call to the dense path (the mask as written). Both the program's answer."""
     doc = _doc_ids()
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    index = torch.arange(T).expand(B, T)
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
-    fn = _window_over_positions((index - first) * step)  # positions restarting per document
+    fn = _window_over_positions(_positions() * step)  # positions restarting per document
     q, k, v = _qkv()
     for got, want in zip(_grads(fn, q, k, v, doc, True), _grads(fn, q, k, v, doc, False)):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -802,11 +798,8 @@ def test_gpu_document_attention_matches_fp32(provider, causal, window=-1):
 def test_gpu_plan_checks_positions_step_by_one(step):
     """The plan's ``stepping`` check on the GPU (the aten plan: the kernel checks rising only):
     the same numbers as on the CPU; positions rising by two are not packable."""
-    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([1000, 77, 2000, 1019]))[None]
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    index = torch.arange(doc.shape[1])[None]
-    positions = (index - torch.cummax(torch.where(starts, index, 0), dim=1).values) * step
+    lengths = [1000, 77, 2000, 1019]
+    doc, positions = _doc_ids(lengths, 1), _positions(lengths, 1) * step
     plans = [torch.ops.cp_inductor.document_plan(doc.to(device), positions.to(device), True, 1, doc.shape[1],
                                                  stepping=True) for device in ("cpu", "cuda")]
     (cu_cpu, meta_cpu), (cu_gpu, meta_gpu) = plans

@@ -744,7 +744,6 @@ def _shard_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.args = (scale, is_causal, keyword_only_inputs.get("window_left", -1))
 
 
-
 def _shard_autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, meta, doc_ids, query_positions, key_positions, *plan = ctx.saved_tensors
     dq, dk, dv = torch.ops.cp_inductor.document_shard_attention_backward(
