@@ -11,6 +11,8 @@
 #   cp:       the tests, then torch's flex CP alone (T64K cp 2, no balancer and head-tail)
 #   regress:  the one-GPU regression tests (test_gpu_one, test_gpu_fa4), one bench_thd and one
 #             bench_ulysses --fake-rank arm through the shared timing harness
+#   verify:   the tests, the one-GPU regression tests with FA4 on the path, flex alone
+#   models:   HF Llama T16K, sdpa then flex_attention, packed and plain, every arm (eager included)
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -38,7 +40,7 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
     --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
 }
 mode=${1:-tests}
-if { [ "$mode" = tests ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
+if { [ "$mode" = tests ] || [ "$mode" = verify ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py tests/test_context_parallel.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
@@ -49,6 +51,18 @@ cp)
   timeout 200 python3 bench_flex_cp.py --tokens 65536 --docs 16 --cp 2 --balances none headtail --json "$out/flex_cp_t64k.json" 2>&1 \
     | filter | tee "$out/flex_cp_t64k.log" | tail -14 ;;
 quick) quick ;;
+verify)
+  cd ..
+  timeout 170 python3 -m pytest -q -n 8 tests/test_gpu_one.py tests/test_gpu_fa4.py -p no:cacheprovider -W ignore -rf --tb=line 2>&1 \
+    | tee "$out/gpu_one_fa4.log" | grep -E "passed|failed|^FAILED|^E " | head -30
+  cd benchmarks
+  timeout 130 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
+    | filter | tee "$out/flex_documents.log" | tail -8 ;;
+models)
+  for impl in sdpa flex_attention; do
+    timeout 270 python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters 5 --arms eager,inductor,cp_inductor,floor \
+      --json "$out/hf_${impl}_t16k.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k.log" | tail -12
+  done ;;
 hf-flex) hf flex_attention 560 ;;
 hf-sdpa) hf sdpa 560 ;;
 graphs)
