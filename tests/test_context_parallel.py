@@ -564,11 +564,12 @@ class TestRefused:
 # --- training numerics on gloo ------------------------------------------------------------------
 
 
-def _assert_steps(results, cases):
+def _assert_steps(results, cases, references: dict | None = None):
     """Each case's combined loss and summed gradients against the single-device step on the full
-    batch (fp32): relative error below 1e-4."""
-    for (make, batch, *_), got in zip(cases, results[0]):
-        want_loss, want = auto_cp.reference_step(make(), batch)
+    batch (fp32; ``references[i]`` makes case i's single-device model where it is not the case's
+    own): relative error below 1e-4."""
+    for i, ((make, batch, *_), got) in enumerate(zip(cases, results[0])):
+        want_loss, want = auto_cp.reference_step((references or {}).get(i, make)(), batch)
         assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss, got["lines"])
         for name, grad in want.items():
             err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
@@ -622,33 +623,34 @@ def test_decoder_training_matches_single_device_cp4():
                for line in results[0][1]["lines"]), results[0][1]["lines"]
 
 
-def test_flex_forward_matches_single_device():
-    """flex attention at cp 2, forward only (torch has no flex backward on CPU; training numerics
-    run on the GPU): our decoder with its BlockMask built in the model (same document, causal),
-    all-gather and Ulysses, and HF transformers' Llama with ``flex_attention``, packed and plain
-    (HF builds the BlockMask before a graph break: its tables are checked on device), and HF
-    Mistral with ``flex_attention`` and a sliding window on a pack (against its ``sdpa`` twin:
-    torch's CPU flex is off on HF's sliding BlockMask): the combined loss is the single-device
-    loss."""
+def test_flex_training_matches_single_device():
+    """flex attention at cp 2, one training step: our decoder with its BlockMask built in the
+    model (same document, causal), all-gather and Ulysses; HF transformers' Llama with
+    ``flex_attention``, packed and plain (HF builds the BlockMask before a graph break: its tables
+    are checked on device); HF Mistral with ``flex_attention`` and a sliding window on a pack.
+    Each against its single-device ``sdpa`` twin (the same weights and mask; torch has no CPU flex
+    backward, and its CPU flex is off on HF's sliding BlockMask): the combined loss and every
+    summed gradient."""
     pack, _ = _batches(rows=2)
-    cases = [(functools.partial(auto_cp.decoder, "flex"), pack), (functools.partial(auto_cp.decoder, "flex"), pack, ULYSSES)]
-    references = {}
+    flex = functools.partial(auto_cp.decoder, "flex")
+    cases = [(flex, pack), (flex, pack, ULYSSES)]
+    references = {0: functools.partial(auto_cp.decoder, "documents"), 1: functools.partial(auto_cp.decoder, "documents")}
     if importlib.util.find_spec("transformers") is not None:
         hf_pack = auto_cp.packed_batch([6, 10, 8, 8])
         hf_plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
-        cases += [(functools.partial(auto_cp.hf_llama, "flex_attention"), batch) for batch in (hf_pack, hf_plain)]
+        for batch in (hf_pack, hf_plain):
+            references[len(cases)] = functools.partial(auto_cp.hf_llama, "sdpa")
+            cases.append((functools.partial(auto_cp.hf_llama, "flex_attention"), batch))
         references[len(cases)] = functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5)
         cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5, attn="flex_attention"), hf_pack))
-    results = run_on_ranks(auto_cp.cp_forwards, 2, cases)
-    for i, ((make, batch, *_), got) in enumerate(zip(cases, results[0])):
-        with torch.no_grad():
-            want = auto_cp._loss(references.get(i, make)()(**batch)).item()
-        assert abs(got["loss"] - want) <= 1e-5 * abs(want), (got["loss"], want, got["lines"])
-        assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
+    results = run_on_ranks(auto_cp.cp_flex_steps, 2, cases)
+    _assert_steps(results, cases, references)
+    for got in results[0]:
+        assert all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     for got in results[0][2:]:  # HF's tables came in from before the graph break
         assert all("checked on device" in line for line in got["lines"]), got["lines"]
-    if references:  # Mistral's window, read over HF's position table, taken with it
+    if len(cases) > 2:  # Mistral's window, read over HF's position table, taken with it
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 
 

@@ -219,6 +219,20 @@ def cp_steps(rank: int, cp: int, cases: list) -> list:
     return [cp_step(rank, cp, *case) for case in cases]
 
 
+def cp_flex_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`cp_steps` for flex attention programs on the CPU. torch refuses to trace flex with
+    gradients there (it has no CPU flex backward); the context-parallel pass replaces every flex
+    call before AOTAutograd traces the backward, so the refusal is lifted for these steps. A call
+    the pass could not take would fail the compile (local attention is another answer), never
+    reach a CPU flex backward."""
+    from unittest import mock
+
+    import torch.nn.attention.flex_attention as flex
+
+    with mock.patch.object(flex, "_validate_device", lambda *tensors: None):
+        return cp_steps(rank, cp, cases)
+
+
 def _compiled(make_model, options: dict | None = None):
     """A fresh ``make_model()`` and its compile under cp_inductor with the world as the CP group."""
     import torch.distributed as dist
