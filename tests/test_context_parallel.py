@@ -623,6 +623,19 @@ def test_decoder_training_matches_single_device_cp4():
                for line in results[0][1]["lines"]), results[0][1]["lines"]
 
 
+def test_fsdp2_over_the_cp_ranks_matches_single_device():
+    """FSDP2 sharding the decoder's blocks over the same ranks as CP (torchtitan's mesh folds CP
+    into the data-parallel shard dim), the loss scaled by cp against FSDP's mean: the document mask through
+    the all-gather and causal attention on a plain batch through Ulysses, the single-device step
+    (the full parameters' gradients)."""
+    pack, plain = _batches(rows=2)
+    cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
+             (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES)]
+    results = run_on_ranks(auto_cp.fsdp_cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
+
+
 def test_flex_training_matches_single_device():
     """flex attention at cp 2, one training step: our decoder with its BlockMask built in the
     model (same document, causal), all-gather and Ulysses; HF transformers' Llama with

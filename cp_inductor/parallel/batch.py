@@ -135,8 +135,10 @@ def combine_losses(loss: torch.Tensor, mesh=None) -> torch.Tensor:
 
 def sum_gradients(module: torch.nn.Module, mesh=None) -> None:
     """After each rank's ``loss.backward()``: every parameter's gradient summed over the CP ranks,
-    the single-device gradient (a data-parallel wrapper whose group spans the CP ranks too, as
-    torchtitan's FSDP mesh does, makes this sum itself)."""
+    the single-device gradient. A data-parallel wrapper whose group spans the CP ranks too (as
+    torchtitan's FSDP mesh does) reduces them itself, but averages over all its ranks: scale
+    the loss by cp before ``backward`` (or, on NCCL, FSDP2's ``set_gradient_divide_factor`` set to
+    the data-parallel degree alone) to make it this sum over the CP ranks."""
     group = group_of(mesh)
     for p in module.parameters():
         if p.grad is not None:

@@ -264,6 +264,35 @@ def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = 
     return {"loss": loss, "grads": grads, "lines": [r.line() for r in cp_inductor.report().varlen]}
 
 
+def fsdp_cp_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`cp_step` for each case with FSDP2 sharding every block and the model over the CP
+    ranks (as torchtitan shards over its data-parallel x CP mesh). Each rank's loss is its share
+    of the full batch's (divided by the full count), so the CP ranks' gradients must add up;
+    FSDP averages them, so the loss goes backward times cp (``set_gradient_divide_factor`` does
+    the same on NCCL; gloo has no pre-multiplied sum). The gradients are the full parameters'."""
+    import cp_inductor
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for make_model, batch, *options in cases:
+        cp_inductor.clear_report()
+
+        def sharded():
+            model = make_model()
+            for module in [*model.blocks, model]:
+                fully_shard(module)
+            return model
+
+        model, compiled = _compiled(sharded, *options)
+        model.zero_grad(set_to_none=True)
+        loss = _loss(compiled(**cp_batch.shard_batch(batch)))
+        (loss * cp).backward()
+        out.append({"loss": cp_batch.combine_losses(loss).item(),
+                    "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+                    "lines": [r.line() for r in cp_inductor.report().varlen]})
+    return out
+
+
 def cp_forwards(rank: int, cp: int, cases: list) -> list:
     """Per ``(make_model, batch[, options])``: the loss of one forward (no gradients: flex has no
     CPU backward to trace) on this rank's share, combined over the ranks, and the report's lines."""
