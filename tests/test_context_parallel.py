@@ -16,6 +16,7 @@ from helpers import fake_pg
 
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.batch_layout import shard_of
+from cp_inductor.parallel import batch as cp_batch
 from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch
 from cp_inductor.passes import engine
 from cp_inductor.testing import auto_cp, varlen_programs
@@ -633,6 +634,32 @@ def test_fsdp2_over_the_cp_ranks_matches_single_device():
              (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES)]
     results = run_on_ranks(auto_cp.fsdp_cp_steps, 2, cases)
     _assert_steps(results, cases)
+    assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
+
+
+def test_torchtitan_names_match_single_device():
+    """A batch named as torchtitan names it (``tokens``, ``positions`` where the pack has them),
+    the model called ``model(tokens, positions=...)`` and the loss computed outside it: the
+    document mask on a pack (all-gather) and causal attention on a plain batch, whose positions
+    shard_batch makes under torchtitan's name (Ulysses): the single-device step."""
+    def titan(batch):
+        named = {"tokens": batch["input_ids"], "labels": batch["labels"]}
+        return {**named, "positions": batch["position_ids"]} if "position_ids" in batch else named
+
+    pack, plain = (titan(b) for b in _batches(rows=2))
+    cases = [(functools.partial(auto_cp.decoder, "documents", titan_named=True), pack),
+             (functools.partial(auto_cp.decoder, "causal", titan_named=True), plain, ULYSSES)]
+    results = run_on_ranks(auto_cp.titan_steps, 2, cases)
+    for (make, batch, *_), got in zip(cases, results[0]):
+        model = make()
+        targets = cp_batch.shift_labels(batch["labels"])
+        want_loss = auto_cp.titan_loss(model(batch["tokens"], positions=batch.get("positions")), targets,
+                                       (targets != cp_batch.IGNORE_INDEX).sum())
+        want_loss.backward()
+        assert abs(got["loss"] - want_loss.item()) <= 1e-4 * abs(want_loss.item()), (got["loss"], want_loss.item())
+        for name, p in model.named_parameters():
+            err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
+            assert err < 1e-4, (name, err, got["lines"])
     assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
 
 

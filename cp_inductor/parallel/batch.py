@@ -13,7 +13,10 @@ Any document lengths, no padding; every rank must end up with the same number of
 which holds where ``T`` is a multiple of ``2 * cp``.
 
 The result holds the rank's tokens and ``position_ids``: the tokens' positions in the full batch,
-as the model's rotary embedding needs them. Where ``batch`` has ``labels``, it also holds
+as the model's rotary embedding needs them. Names: HF transformers' (``input_ids`` or
+``inputs_embeds``, ``position_ids``) or torchtitan's (``tokens``, ``positions``: its models take
+``model(tokens, positions=...)``); the positions come back under the batch's name, or the
+family's where the batch has none. Where ``batch`` has ``labels``, it also holds
 ``shift_labels`` (the labels shifted by one over the FULL row, then cut: the last token of a piece
 predicts the next token of the row, which may sit on another rank) and ``num_items_in_batch``, the
 full batch's count of labelled tokens: HF transformers' loss divides this rank's summed loss by it,
@@ -36,6 +39,8 @@ from ..batch_layout import BatchShard, group_of, remember
 from .thd_allgather import plan_pack
 
 IGNORE_INDEX = -100  # HF transformers' label of a token that is not predicted
+TOKEN_KEYS = ("input_ids", "inputs_embeds", "tokens")  # HF transformers' names, torchtitan's
+POSITION_KEYS = ("position_ids", "positions")
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -79,15 +84,18 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     """This rank's share of ``batch`` (a dict of model inputs; see the module docstring)."""
     group = group_of(mesh)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    tokens_key = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
-    if batch.get(tokens_key) is None:
-        raise ValueError("shard_batch needs input_ids or inputs_embeds")
+    tokens_key = next((key for key in TOKEN_KEYS if batch.get(key) is not None), None)
+    if tokens_key is None:
+        raise ValueError(f"shard_batch needs the tokens under one of {TOKEN_KEYS}")
     size, tokens = batch[tokens_key].shape[:2]
     device = batch[tokens_key].device
     mask = batch.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("shard_batch takes no padding (an attention_mask with zeros): pack the documents instead")
-    positions = batch.get("position_ids")
+    # the positions under the batch's own name, else the model family's (torchtitan's with "tokens")
+    positions_key = next((key for key in POSITION_KEYS if batch.get(key) is not None),
+                         "positions" if tokens_key == "tokens" else "position_ids")
+    positions = batch.get(positions_key)
     if positions is None:
         positions = torch.arange(tokens, device=device).expand(size, tokens)
     positions = positions.expand(size, tokens).long()
@@ -101,7 +109,7 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     mine = places[rank]
     out = {}
     full = dict(batch)
-    full["position_ids"] = positions
+    full[positions_key] = positions
     labels = batch.get("labels")
     if labels is not None and not _per_token(labels, size, tokens):
         raise ValueError(f"labels of shape {tuple(labels.shape)} are not one per token ([B, T]): not a language-model batch")

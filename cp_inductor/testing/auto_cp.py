@@ -134,10 +134,51 @@ class Decoder(nn.Module):
         return loss / count
 
 
-def decoder(mask: str = "causal", kv_heads: int = 2) -> Decoder:
-    """A :class:`Decoder` with seed-0 weights."""
+class TitanNamed(Decoder):
+    """The decoder called as torchtitan calls its models: ``model(tokens, attention_masks=None,
+    positions=None)`` (positions the index where none are given), the logits out: the trainer
+    computes the loss (:func:`titan_loss`)."""
+
+    def forward(self, tokens, attention_masks=None, positions=None):  # type: ignore[override]
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, positions)
+        return self.head(self.norm(h)).float()
+
+
+def titan_loss(logits: torch.Tensor, targets: torch.Tensor, count) -> torch.Tensor:
+    """The summed token losses over ``count`` (the full batch's predicted tokens)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / count
+
+
+def titan_steps(rank: int, cp: int, cases: list) -> list:
+    """Per ``(make_model, batch[, options])`` (``batch``: ``tokens``, ``labels``, maybe
+    ``positions``): one step the torchtitan way on this rank's share, the model called with
+    ``tokens`` and ``positions`` and the loss computed outside it; loss and gradients combined
+    over the ranks, and the report's lines."""
+    import cp_inductor
+
+    out = []
+    for make_model, batch, *options in cases:
+        cp_inductor.clear_report()
+        model, compiled = _compiled(make_model, *options)
+        local = cp_batch.shard_batch(batch)
+        loss = titan_loss(compiled(local["tokens"], positions=local["positions"]), local["shift_labels"],
+                          local["num_items_in_batch"])
+        loss.backward()
+        cp_batch.sum_gradients(model)
+        out.append({"loss": cp_batch.combine_losses(loss).item(),
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                    "lines": [r.line() for r in cp_inductor.report().varlen]})
+    return out
+
+
+def decoder(mask: str = "causal", kv_heads: int = 2, titan_named: bool = False) -> Decoder:
+    """A :class:`Decoder` (:class:`TitanNamed`) with seed-0 weights."""
     torch.manual_seed(0)
-    return Decoder(mask=mask, kv_heads=kv_heads)
+    return (TitanNamed if titan_named else Decoder)(mask=mask, kv_heads=kv_heads)
 
 
 def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int = 0) -> dict:

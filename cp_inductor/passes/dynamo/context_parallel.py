@@ -70,6 +70,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
 from ...batch_layout import BatchShard, key_of, shard_of
+from ...parallel.batch import POSITION_KEYS
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
@@ -282,7 +283,7 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
         return None
     if len({id(shard) for _, _, shard, _ in found}) > 1:
         raise ContextParallelError("context_parallel: the inputs come from more than one shard_batch call")
-    positions = next((node for _, node, _, key in found if key == "position_ids"), None)
+    positions = next((node for _, node, _, key in found if key in POSITION_KEYS), None)
     return found[0][0], found[0][1], positions, found[0][2]
 
 
