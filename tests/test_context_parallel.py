@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 from helpers import fake_pg
 
+import cp_inductor
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.batch_layout import shard_of
 from cp_inductor.parallel import batch as cp_batch
@@ -103,7 +104,7 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
-                                                      "checkpoint", "tokens_at", "argsort", "ids_checked", "cu_seqlens")):
+                                                      "checkpoint", "tokens_at", "argsort", "ids_checked", "cu_seqlens", "ring_in_graph")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -169,6 +170,42 @@ zeros_like = zeros_like(cp_doc_ids)
 document_shard_plan_default = document_shard_plan(zeros_like, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(transpose, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, zeros_like, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
 
+
+    def test_ring_on_rows_of_one_document(self):
+        """The ring, forced, on a plain batch (each rank holds its two pieces of the row): this
+        rank's q and every rank's K/V in turn inside one call, the layout checked in it (the ids
+        too where the mask is over documents), no shard plan; marked as rotating for the CSE
+        choice made before AOTAutograd."""
+        from cp_inductor.passes.joint import collective_cse
+
+        def causal(q, k, v, position_ids):
+            return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), is_causal=True, enable_gqa=True)
+
+        plain = {"input_ids": torch.zeros(1, 16, dtype=torch.long), "position_ids": torch.arange(16)[None]}
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        ring = {"context_parallel_style": "ring"}
+        self.assertExpectedInline(_rewritten(causal, q, k, k.clone(), batch=plain, **ring), """\
+input l_q_
+input l_position_ids_
+input l_k_
+input l_v_
+input cp_doc_ids
+input cp_query_positions
+input cp_key_positions
+ring_in_graph = ring_in_graph(transpose, transpose_1, transpose_2, cp_query_positions, None, True, 0, 2, cp, 0.3535533905932738)""")
+        assert collective_cse.wanted(_LAST["gm"], [], snapshot({}))
+        self.assertExpectedInline(_rewritten(_attention, q, k, k.clone(), batch=plain, **ring).splitlines()[-1], """\
+ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, cp_doc_ids, True, 0, 2, cp, 0.3535533905932738)""")
+
+    def test_ring_on_a_pack_goes_to_the_allgather(self):
+        """On a pack a row is cut per document, not in the ring's two pieces: the forced ring is
+        not taken, and the report says why."""
+        cp_inductor.clear_report()
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        summary = _rewritten(_attention, q, k, k.clone(), context_parallel_style="ring")
+        assert "all_gather_tensor_autograd" in summary and "ring_in_graph" not in summary, summary
+        line = cp_inductor.report().varlen[-1].line()
+        assert "allgather" in line and "ring: this batch's rows hold several documents" in line, line
 
     def test_sliding_window_rides_along(self):
         """A sliding window over the documents (keys from q - 3 on, Mistral's over a pack): the same
@@ -581,6 +618,7 @@ def _assert_steps(results, cases, references: dict | None = None):
 
 
 ULYSSES = {"cp_inductor.context_parallel_style": "ulysses"}
+RING = {"cp_inductor.context_parallel_style": "ring"}
 
 
 def _style(line: str) -> str:
@@ -597,31 +635,34 @@ def _batches(rows: int) -> tuple[dict, dict]:
 def test_decoder_training_matches_single_device_cp2():
     """Our decoder (GQA 4:2, rotary over the positions), two rows: each attention form on a pack
     (the document mask, ``is_causal`` across documents, bidirectional, the document mask with a
-    sliding window shorter than the documents), the causal form on a plain batch, and the
-    document, causal and window forms through Ulysses (heads divide by cp)."""
+    sliding window shorter than the documents), the causal form on a plain batch, the
+    document, causal and window forms through Ulysses (heads divide by cp), and the causal form
+    on the plain batch through the ring."""
     pack, plain = _batches(rows=2)
     decoder = functools.partial(functools.partial, auto_cp.decoder)
     cases = [(decoder("documents"), pack), (decoder("causal"), pack), (decoder("bidirectional"), pack),
              (decoder("window"), pack), (decoder("causal"), plain), (decoder("documents"), pack, ULYSSES),
-             (decoder("causal"), plain, ULYSSES), (decoder("window"), pack, ULYSSES)]
+             (decoder("causal"), plain, ULYSSES), (decoder("window"), pack, ULYSSES), (decoder("causal"), plain, RING)]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     styles = [{_style(line) for line in case["lines"]} for case in results[0]]
-    assert styles == [{"allgather"}] * 5 + [{"ulysses"}] * 3, styles
+    assert styles == [{"allgather"}] * 5 + [{"ulysses"}] * 3 + [{"ring"}], styles
     for case in (results[0][3], results[0][7]):
         assert all(f"keys from q-{auto_cp.WINDOW}" in line for line in case["lines"]), case["lines"]
 
 
 def test_decoder_training_matches_single_device_cp4():
     """cp 4 (every rank holds pieces of every document): the document mask on a pack; Ulysses
-    with 2 key/value heads, each repeated to one per rank."""
+    with 2 key/value heads, each repeated to one per rank; the ring on a plain batch."""
     pack, plain = _batches(rows=1)
     cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
-             (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES)]
+             (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES),
+             (functools.partial(auto_cp.decoder, "causal"), plain, RING)]
     results = run_on_ranks(auto_cp.cp_steps, 4, cases)
     _assert_steps(results, cases)
     assert all(_style(line) == "ulysses" and "key/value heads repeated to 4" in line
                for line in results[0][1]["lines"]), results[0][1]["lines"]
+    assert all(_style(line) == "ring" for line in results[0][2]["lines"]), results[0][2]["lines"]
 
 
 def test_fsdp2_over_the_cp_ranks_matches_single_device():
@@ -752,13 +793,14 @@ def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a
     checkpointed body); Mistral's sliding window (5 tokens, shorter than the documents) over the
-    pack: no line of CP code in the model."""
+    pack; the plain batch through the ring: no line of CP code in the model."""
     pytest.importorskip("transformers")
     pack = auto_cp.packed_batch([6, 10, 8, 8])
     plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
     cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), batch) for batch in (pack, plain)]
     cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack))
     cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5), pack))
+    cases.append((functools.partial(auto_cp.hf_llama, "sdpa"), plain, RING))
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     assert all("documents, causal" in line for line in results[0][0]["lines"]), results[0][0]["lines"]
@@ -766,4 +808,5 @@ def test_hf_llama_sdpa_training_matches_single_device():
     assert len(checkpointed) == 2 and all("tag_activation_checkpoint" in line for line in checkpointed), checkpointed
     windowed = results[0][3]["lines"]
     assert len(windowed) == 2 and all("documents, causal, keys from q-" in line for line in windowed), windowed
+    assert [_style(line) for line in results[0][4]["lines"]] == ["ring", "ring"], results[0][4]["lines"]
 

@@ -155,3 +155,25 @@ def ring_attention(
         _kernel(q.device, kernel),
     )
     return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def ring_in_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
+                  doc_ids: torch.Tensor | None, is_causal: bool, rank: int, cp: int, group_name: str,
+                  scale: float) -> torch.Tensor:
+    """The ring over ``[B, H, S/cp, D]`` q, k, v as the context-parallel pass calls it from a
+    graph it rewrote (the group by name, the rank fixed at compile time, the kernels by device).
+    ``query_positions`` ``[B, S/cp]``: each local token's place in its row, which must be pieces
+    ``rank`` and ``2cp - 1 - rank`` of ``2cp`` equal pieces of the row (the ring's layout;
+    ``shard_batch``'s for a row of one document); ``doc_ids`` ``[B, S]`` where the call's mask
+    is over documents: one per row. Both checked on device, a device error otherwise."""
+    if doc_ids is not None:
+        torch._assert_async((doc_ids == doc_ids[:, :1]).all(),
+                             "cp_inductor ring: a row holds several documents; the ring attends over whole rows")
+    # index arithmetic over the positions' own length (a cat of pieces would guard on its size)
+    local = torch.arange(query_positions.shape[1], device=query_positions.device)
+    half = query_positions.shape[1] // 2
+    expected = local + torch.where(local < half, rank * half, (2 * cp - 2 - rank) * half)
+    torch._assert_async((query_positions == expected).all(),
+                         "cp_inductor ring: this rank's tokens are not its two pieces of each row (a packed batch "
+                         "balanced per document?): the ring's layout")
+    return _Ring.apply(q, k, v, is_causal, rank, cp, group_name, scale, _kernel(q.device, "auto"))

@@ -142,7 +142,7 @@ def calibrated_ms(style: str, model_ms: float, key_mib: float) -> float:
 
 def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
     """The K/V heads ``style`` moves and attends with, None where it cannot take the call."""
-    return call.heads_kv if style == ALLGATHER else ulysses_kv_heads(call, cp)[0]
+    return ulysses_kv_heads(call, cp)[0] if style == ULYSSES else call.heads_kv
 
 
 # --- work, from the layout ----------------------------------------------------------------------
@@ -306,8 +306,11 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
     return out, f"measured on {device_name}"
 
 
-def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str) -> tuple[str, str]:
-    """(style, why: the forced style or the priced candidates, cheapest first)."""
+def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str,
+           ring_why_not: str | None = "not offered for this call") -> tuple[str, str]:
+    """(style, why: the forced style or the priced candidates, cheapest first). The ring takes a
+    call where ``ring_why_not`` is None, when forced: it is not priced (no measured calibration of
+    the ring under this pass yet), so ``auto`` does not choose it."""
     priced, tables = estimates(call, works, cp, device_name)
     kv_heads, why_not = ulysses_kv_heads(call, cp)
     able = [s for s in STYLES if not (s == ULYSSES and kv_heads is None)]
@@ -319,11 +322,13 @@ def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced
         notes.append(why_not)
     if kv_heads and kv_heads != call.heads_kv and ULYSSES in able:
         notes.append(f"ulysses: key/value heads repeated to {kv_heads}")
-    notes.append(f"{RING}: not offered by this pass yet")
+    notes.append(f"{RING}: {ring_why_not}" if ring_why_not else f"{RING}: taken where forced, not priced yet")
+    if ring_why_not is None:
+        able.append(RING)
     detail = "; ".join(notes)
     if forced != "auto":
-        if forced not in STYLES:
-            raise ValueError(f"context_parallel_style={forced!r}: expected auto or one of {STYLES}")
+        if forced not in (*STYLES, RING):
+            raise ValueError(f"context_parallel_style={forced!r}: expected auto or one of {(*STYLES, RING)}")
         if forced in able:
             return forced, f"set by config; {detail}"
         return ALLGATHER, f"context_parallel_style={forced} cannot take it; {detail}"

@@ -89,6 +89,16 @@ def rotation(node) -> tuple[int, str] | None:
     return len(out_splits), group
 
 
+# Set by a pass on a call that rotates K/V inside it (the ring the context-parallel pass inserts,
+# an autograd.Function AOTAutograd traces through): the graph rotates, though no node of it does.
+ROTATES_INSIDE = "cp_rotates_inside"
+
+
+def rotates(node) -> bool:
+    """Whether ``node`` is a rotation or a call marked as rotating inside (``ROTATES_INSIDE``)."""
+    return rotation(node) is not None or (isinstance(node, torch.fx.Node) and bool(node.meta.get(ROTATES_INSIDE)))
+
+
 def _rotation_of_wait(node):
     if isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default and rotation(node.args[0]):
         return node.args[0]

@@ -20,7 +20,9 @@ K/V heads HF repeats for SDPA gathered un-repeated)::
 the model's call is causal or bidirectional without a mask; the plan made once per kind of
 call.) Ulysses (query heads divisible by cp): q, k, v (K/V heads repeated up to a multiple of cp
 where fewer) all-to-all'ed to every token of this rank's heads, the same op over them (queries
-and keys at ``key_positions``), the output all-to-all'ed back. Which one, per call:
+and keys at ``key_positions``), the output all-to-all'ed back. The ring (forced only: rows of one
+document, no window): the ring helper's autograd function over this rank's q, k, v, its layout
+checked on device (``parallel/ring.ring_in_graph``). Which one, per call:
 ``analysis/context_parallel_cost`` (``context_parallel_style``: auto, or forced). The attention op is the document-mask lowering of torch's flex CP:
 FA4 varlen over each query segment's document prefix, reading the keys in place, where it runs.
 
@@ -70,13 +72,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
 from ...batch_layout import BatchShard, key_of, shard_of
+from ...parallel import ring
 from ...parallel.batch import POSITION_KEYS
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
-from ..analysis.context_parallel_cost import ALLGATHER, ULYSSES
+from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
+from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass
 from . import checkpoint_body, flex_calls, varlen_calls
 from .checkpoint_body import CheckpointBody
@@ -92,7 +96,10 @@ CHECKED = " (the mask_mod's tables checked on device against the position ids)"
 DETAIL = {
     ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
     ULYSSES: "all-to-all of heads, every token of this rank's heads",
+    RING: "K/V rotated rank to rank, this rank's two pieces of each row over every key",
 }
+KERNELS = {False: "(FA4 varlen per document segment where it runs)",  # the shard op's; the ring's:
+           True: "(a fused kernel per step, log-sum-exp merged; the layout checked on device)"}
 
 
 class ContextParallelError(RuntimeError):
@@ -425,7 +432,28 @@ def _priced_on(device: torch.device, cfg) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, cfg) -> tuple[str, str, int]:
+def _ring_why_not(site: Site | None, semantics: Semantics, shard: BatchShard) -> str | None:
+    """Why the ring cannot take a call, None where it can: it attends over whole rows (no window;
+    a mask over documents where this batch has one per row) held as each rank's two pieces of
+    ``2cp``, the layout ``shard_batch`` gives a row of one document (both checked on device in
+    every step: a later batch may be packed)."""
+    if site is None:
+        return "a varlen call's documents (the ring attends over whole rows)"
+    if site.body is not None:
+        return "not inside an activation-checkpointed body yet"
+    if semantics.documents not in (ONE_DOCUMENT, DOCUMENTS) or semantics.window >= 0:
+        return "the ring attends over whole rows, without a window"
+    if semantics.documents == DOCUMENTS and not bool((shard.doc_ids == shard.doc_ids[:, :1]).all()):
+        return "this batch's rows hold several documents (the ring attends over whole rows)"
+    pieces = shard.query_positions.shape[1] // 2
+    expected = torch.cat([torch.arange(i * pieces, (i + 1) * pieces) for i in (shard.rank, 2 * shard.cp - 1 - shard.rank)])
+    if not bool((shard.query_positions.cpu() == expected).all()):
+        return "this batch's rows are cut per document (a pack), not in the ring's two pieces of each row"
+    return None
+
+
+def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, cfg,
+             ring_why_not: str | None) -> tuple[str, str, int]:
     """(the style this call goes over the ranks by, why, the K/V heads it sends)."""
     call = _call_of(args, semantics.causal)
     key = (semantics, call.heads_q)
@@ -436,7 +464,7 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
                                                 semantics.window)
     try:
         style, why = context_parallel_cost.choose(call, works[key], shard.cp, _priced_on(value(args["query"]).device, cfg),
-                                                  cfg.context_parallel_style)
+                                                  cfg.context_parallel_style, ring_why_not)
     except ValueError as e:
         raise ContextParallelError(str(e)) from None
     kv_heads = context_parallel_cost.sent_kv_heads(call, style, shard.cp)
@@ -453,6 +481,8 @@ def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inpu
     place; ``key places``: the place of each slot, to put them back), so that each document is one
     segment read in one FA4 call (several would take a call each); its positions are the index
     (None)."""
+    if style == RING:  # no shard plan: the ring's layout is checked by the ring call
+        return (inputs[0] if semantics.documents == DOCUMENTS else None, *(None,) * 8, inputs[1], None, None, None)
     key = (style, semantics.documents if ids is None else ids, semantics.causal)  # a window reads the same segments
     if key not in plans:
         doc_ids, query_positions, key_positions = inputs
@@ -477,10 +507,10 @@ def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inpu
 
 
 def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, layout: list,
-             group_name: str, cp: int, kv_heads: int) -> None:
+             shard: BatchShard, kv_heads: int) -> None:
     """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``."""
     with g.inserting_before(node):
-        out = _cp_attention(g, args, semantics, style, layout, group_name, cp, kv_heads)
+        out = _cp_attention(g, args, semantics, style, layout, shard.group_name, shard.cp, kv_heads, shard.rank)
     if args.get("flex"):  # (out, lse), lse unread (_check_call)
         flex_calls.replace(node, out)
         return
@@ -491,13 +521,18 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Sema
 
 
 def _cp_attention(g: torch.fx.Graph, args: dict, semantics: Semantics, style: str, layout: list, group_name: str,
-                  cp: int, kv_heads: int) -> torch.fx.Node:
+                  cp: int, kv_heads: int, rank: int) -> torch.fx.Node:
     """The CP attention of ``args``' ``[B, H, T, D]`` query, key and value over the ranks by
     ``style``, inserted where ``g`` inserts; its output node."""
     ids, *parts, meta, query_positions, key_positions, order, places = layout
     q = args["query"]
     scale = args.get("scale")
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
+    if style == RING:
+        out = g.call_function(ring.ring_in_graph, (q, args["key"], args["value"], query_positions, ids,
+                                                   semantics.causal, rank, cp, group_name, scale))
+        out.meta[ROTATES_INSIDE] = True  # the graph rotates K/V (collective_cse reads it before AOTAutograd)
+        return out
     if style == ULYSSES:  # every rank's tokens (rank after rank: at key_positions) of this rank's heads
         k, v = args["key"], args["value"]
         repeat = kv_heads // value(k).shape[1]
@@ -586,20 +621,21 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
-        style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
+        style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(site, meaning, shard))
         masks = _mask_inputs(args, site)
         layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)
-        _rewrite(site.module.graph, site.node, args, meaning, style, [site.thread(n, name) for n, name in zip(layout_nodes, LAYOUT_NAMES)],
-                 shard.group_name, shard.cp, kv_heads)
+        _rewrite(site.module.graph, site.node, args, meaning, style,
+                 [site.thread(n, name) if n is not None else None for n, name in zip(layout_nodes, LAYOUT_NAMES)],
+                 shard, kv_heads)
         for x in repeated:
             erase_dead(site.module.graph, x)
         for mask in masks:  # inputs of a checkpointed body nothing reads now
             site.drop_if_unread(mask)
         routes.append(VarlenRoute(
-            attention=name, style=style, lengths="proven", layout="cp", path="document_shard",
+            attention=name, style=style, lengths="proven", layout="cp", path="ring" if style == RING else "document_shard",
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
-                   "(FA4 varlen per document segment where it runs)"))
+                   f"{KERNELS[style == RING]}"))
     for call, meaning in packed:
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
@@ -657,13 +693,13 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
                 y.meta["example_value"] = value(x).unflatten(0, rows_tokens).transpose(1, 2)
                 bhsd[name] = y
             args = {**bhsd, "scale": call.args.get("scale")}
-            style, why, kv_heads = style_of(args, meaning, shard, works, cfg)
+            style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(None, meaning, shard))
             bounds = ("cu_seqlens", call.args["cu_seq_q"])  # checked once, one plan for every call reading them
             if bounds not in plans:
                 plans[bounds] = g.call_function(torch.ops.cp_inductor.cu_seqlens_ids.default, (call.args["cu_seq_q"], inputs[2]))
         layout = _plan(g, plans, style, meaning, inputs, call.node, ids=plans[bounds])
         with g.inserting_before(call.node):
-            out = _cp_attention(g, args, meaning, style, layout, shard.group_name, shard.cp, kv_heads)
+            out = _cp_attention(g, args, meaning, style, layout, shard.group_name, shard.cp, kv_heads, shard.rank)
             flat = g.call_method("flatten", (g.call_method("transpose", (out, 1, 2)), 0, 1))
         flat.meta["example_value"] = value(call.args["query"]).new_empty(
             (*value(call.args["query"]).shape[:2], value(call.args["value"]).shape[-1]))
@@ -673,8 +709,7 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
     varlen_calls.replace(gm, call, build, "document_shard")
     style, why = found["route"]
     return VarlenRoute(attention=call.name, style=style, lengths="checked", layout="cp", path="document_shard", reason=why,
-                       detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} (FA4 varlen per document segment "
-                              "where it runs)")
+                       detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} {KERNELS[False]}")
 
 
 def _refuse_token_index(modules, tokens) -> None:

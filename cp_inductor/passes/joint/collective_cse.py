@@ -41,7 +41,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..detect.ring import rotation
+from ..detect.ring import rotates, rotation
 from ..record import JOINT, GraphPass
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -211,11 +211,10 @@ def apply(graph: torch.fx.Graph, cfg) -> int:
 
 
 def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
-    """Where the program rotates K/V (also in an autograd.Function's body), unless AOTAutograd's
-    CSE was chosen."""
+    """Where the program rotates K/V (also in an autograd.Function's body, or in a call marked
+    as rotating inside), unless AOTAutograd's CSE was chosen."""
     return cfg.ring_cse != "aot" and any(
-        rotation(n) is not None
-        for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+        rotates(n) for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
     )
 
 
