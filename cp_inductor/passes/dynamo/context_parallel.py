@@ -93,13 +93,13 @@ LAYOUT_NAMES = ("cp_doc_ids", *(f"cp_plan_{i}" for i in range(7)), "cp_plan_meta
 DOCUMENTS, ONE_DOCUMENT = "documents", "one document per row"
 CU_DOCUMENTS = "documents of its cu_seqlens (checked on device)"  # a varlen call's
 CHECKED = " (the mask_mod's tables checked on device against the position ids)"
+SHARD_OP = "(FA4 varlen per document segment where it runs)"
 DETAIL = {
-    ALLGATHER: "K/V all-gathered, queries of this rank's head-tail pieces over every key",
-    ULYSSES: "all-to-all of heads, every token of this rank's heads",
-    RING: "K/V rotated rank to rank, this rank's two pieces of each row over every key",
+    ALLGATHER: f"K/V all-gathered, queries of this rank's head-tail pieces over every key {SHARD_OP}",
+    ULYSSES: f"all-to-all of heads, every token of this rank's heads {SHARD_OP}",
+    RING: "K/V rotated rank to rank, this rank's two pieces of each row over every key (a fused kernel per "
+          "step, log-sum-exp merged; the layout checked on device)",
 }
-KERNELS = {False: "(FA4 varlen per document segment where it runs)",  # the shard op's; the ring's:
-           True: "(a fused kernel per step, log-sum-exp merged; the layout checked on device)"}
 
 
 class ContextParallelError(RuntimeError):
@@ -634,8 +634,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         routes.append(VarlenRoute(
             attention=name, style=style, lengths="proven", layout="cp", path="ring" if style == RING else "document_shard",
             reason=why,
-            detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]} "
-                   f"{KERNELS[style == RING]}"))
+            detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]}"))
     for call, meaning in packed:
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
@@ -709,7 +708,7 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
     varlen_calls.replace(gm, call, build, "document_shard")
     style, why = found["route"]
     return VarlenRoute(attention=call.name, style=style, lengths="checked", layout="cp", path="document_shard", reason=why,
-                       detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]} {KERNELS[False]}")
+                       detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]}")
 
 
 def _refuse_token_index(modules, tokens) -> None:
