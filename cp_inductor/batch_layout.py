@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 
 
+POSITION_KEYS = ("position_ids", "positions")  # the positions' names: HF transformers', torchtitan's
+
+
 @dataclass(frozen=True)
 class BatchShard:
     """Where this rank's tokens sit in the full batch (tensors on the batch's device)."""

@@ -35,12 +35,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..batch_layout import BatchShard, group_of, remember
+from ..batch_layout import POSITION_KEYS, BatchShard, group_of, remember
 from .thd_allgather import plan_pack
 
 IGNORE_INDEX = -100  # HF transformers' label of a token that is not predicted
 TOKEN_KEYS = ("input_ids", "inputs_embeds", "tokens")  # HF transformers' names, torchtitan's
-POSITION_KEYS = ("position_ids", "positions")
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

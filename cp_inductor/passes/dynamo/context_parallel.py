@@ -71,9 +71,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
-from ...batch_layout import BatchShard, key_of, shard_of
-from ...parallel import ring
-from ...parallel.batch import POSITION_KEYS
+from ...batch_layout import POSITION_KEYS, BatchShard, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
@@ -529,6 +527,8 @@ def _cp_attention(g: torch.fx.Graph, args: dict, semantics: Semantics, style: st
     scale = args.get("scale")
     scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
     if style == RING:
+        from ...parallel import ring  # the helpers load only where a ring is put in
+
         out = g.call_function(ring.ring_in_graph, (q, args["key"], args["value"], query_positions, ids,
                                                    semantics.causal, rank, cp, group_name, scale))
         out.meta[ROTATES_INSIDE] = True  # the graph rotates K/V (collective_cse reads it before AOTAutograd)
