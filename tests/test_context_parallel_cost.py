@@ -113,14 +113,14 @@ class TestChoice(TestCase):
     def test_gqa_at_cp2(self):
         """GQA 4:1 at T64K cp 2: the all-gather moves K and V (8 heads of 32), Ulysses q, k, v and
         out (more than twice the bytes), but its compute is lower (one FA4 round, measured)."""
-        self.assertExpectedInline(self._choose([65536], 2, 32, 8)[1], """auto, predicted (measured on NVIDIA H200): ulysses 91.45 ms (compute 87.83 + comm 3.62) < allgather 102.07 ms (compute 100.39 + comm 1.68); ring: not offered by this pass yet""")
+        self.assertExpectedInline(self._choose([65536], 2, 32, 8)[1], """auto, predicted (measured on NVIDIA H200): ulysses 91.45 ms (compute 87.83 + comm 3.62) < allgather 102.07 ms (compute 100.39 + comm 1.68); ring: not offered for this call""")
 
     def test_mha_at_cp8_goes_to_ulysses(self):
         """MHA at T128K cp 8: the all-gather brings 7 ranks' K and V of every head; Ulysses 7/8 of
         four tensors of this rank's tokens."""
         style, why = self._choose([131072], 8, 32, 32)
         self.assertEqual(style, cost.ULYSSES, why)
-        self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 93.75 ms (compute 89.22 + comm 4.53) < allgather 141.76 ms (compute 126.97 + comm 14.80); ring: not offered by this pass yet""")
+        self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 93.75 ms (compute 89.22 + comm 4.53) < allgather 141.76 ms (compute 126.97 + comm 14.80); ring: not offered for this call""")
 
     def test_forced_style_it_cannot_take(self):
         style, why = self._choose([4096], 4, 6, 2, forced="ulysses")
@@ -129,5 +129,4 @@ class TestChoice(TestCase):
         self.assertIn("ulysses needs query heads divisible by cp=4 (query 6)", why)
 
     def test_unpriced_device_keeps_the_all_gather(self):
-        self.assertExpectedInline(self._choose([4096], 2, 32, 8, device="cpu")[1], """\
-auto, no measured costs for cpu: the default; allgather: no measured costs for cpu; ulysses: no measured costs for cpu; ring: not offered by this pass yet""")
+        self.assertExpectedInline(self._choose([4096], 2, 32, 8, device="cpu")[1], """auto, no measured costs for cpu: the default; allgather: no measured costs for cpu; ulysses: no measured costs for cpu; ring: not offered for this call""")
