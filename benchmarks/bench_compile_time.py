@@ -69,20 +69,27 @@ start = time.perf_counter()
 fn(x).sum().backward()
 if device == "cuda":
     torch.cuda.synchronize()
+import os
+fa4_dir = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1" else None
 print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
+                  "fa4_cached_files": sum(len(f) for _, _, f in os.walk(fa4_dir)) if fa4_dir else None,
                   "regions": len(cp_inductor.report()),
                   "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]}))
 """
 
 
-def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None) -> dict:
-    """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir."""
+def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
+               fa4_cache: bool = True) -> dict:
+    """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
+    (FA4's kernels too unless ``fa4_cache`` is False)."""
     if cache_dir is None:
         env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     else:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        if not fa4_cache:
+            env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
     out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,6 +102,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--restart", action="store_true", help="time a restarted job's first call (warm caches)")
+    ap.add_argument("--no-fa4-cache", action="store_true", help="--restart: FA4 compiles its kernels in every process")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
@@ -108,8 +116,8 @@ def main() -> int:
                 for b in runs:
                     if a.restart:
                         with tempfile.TemporaryDirectory() as cache:
-                            first_call(style, layers, b, a.device, cache)  # the job before the restart
-                            runs[b].append(first_call(style, layers, b, a.device, cache))
+                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache)  # the job before
+                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache))
                     else:
                         runs[b].append(first_call(style, layers, b, a.device))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])

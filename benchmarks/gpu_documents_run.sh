@@ -13,6 +13,9 @@
 #             bench_ulysses --fake-rank arm through the shared timing harness
 #   verify:   the tests, the one-GPU regression tests with FA4 on the path, flex alone
 #   models:   HF Llama T16K, sdpa then flex_attention, packed and plain, every arm (eager included)
+#   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
+#             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
+#   restart:  a restarted job's first call (warm caches) on CUDA, none and a2a, FA4's disk cache on and off
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -40,7 +43,7 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
     --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
 }
 mode=${1:-tests}
-if { [ "$mode" = tests ] || [ "$mode" = verify ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
+if { [ "$mode" = tests ] || [ "$mode" = verify ] || [ "$mode" = no-break ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py tests/test_context_parallel.py -p no:cacheprovider -W ignore -k gpu 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30
 fi
@@ -64,6 +67,16 @@ models)
       --json "$out/hf_${impl}_t16k.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k.log" | tail -12
   done ;;
 hf-flex) hf flex_attention 560 ;;
+no-break)
+  timeout 330 python3 bench_hf_masks.py --impl flex_attention --tokens 16384 --docs 8 1 --iters 8 \
+    --arms inductor,inductor_no_break,cp_inductor,floor --json "$out/hf_flex_no_break_t16k.json" 2>&1 | filter \
+    | tee "$out/hf_flex_no_break_t16k.log" | tail -14 ;;
+restart)
+  for fa4 in on off; do
+    timeout 270 python3 bench_compile_time.py --restart --device cuda --layers 4 --styles none a2a --repeats 2 \
+      $([ $fa4 = off ] && echo --no-fa4-cache) --json "$out/compile_restart_cuda_fa4_$fa4.json" 2>&1 | filter \
+      | tee "$out/compile_restart_cuda_fa4_$fa4.log" | tail -4
+  done ;;
 hf-sdpa) hf sdpa 560 ;;
 graphs)
   timeout 330 python3 bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 1 --iters 10 --capacity 32 \

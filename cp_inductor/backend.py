@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import warnings
 
 import torch
+import torch._dynamo.config
 import torch._functorch.config
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
@@ -32,6 +35,28 @@ OPTION_PREFIX = "cp_inductor."
 # A program that imported FlashAttention-4 before torch.compile looked this backend up gets its
 # FA4 calls traced into the graph as our ops (lowerings/fa4_functions.py).
 fa4_functions.register_if_imported()
+
+TRACE_OVER_WARNINGS_ENV = "CP_INDUCTOR_TRACE_OVER_WARNINGS"
+
+
+def trace_over_warnings() -> bool:
+    """Let Dynamo trace over ``warnings.warn`` (the call is dropped from compiled code; eager
+    code still warns), unless ``CP_INDUCTOR_TRACE_OVER_WARNINGS=0``. Returns whether it is on.
+
+    Dynamo cannot trace ``warnings.warn`` and breaks the graph there. HF transformers builds its
+    flex BlockMask through ``create_block_mask(..., _compile=True)``, which warns on every trace:
+    the BlockMask gets graphs of its own every step, and its T x T mask stays alive though
+    document_mask lowered the flex calls that read it (inside the step's graph it is dead code).
+    Dynamo has no per-backend setting for this, so it is process-wide from the moment
+    torch.compile looks this backend up.
+    """
+    if os.environ.get(TRACE_OVER_WARNINGS_ENV, "1") == "0":
+        return False
+    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    return True
+
+
+trace_over_warnings()
 
 
 def _split_options(options: dict | None) -> tuple[dict, dict]:

@@ -93,6 +93,24 @@ def test_fa4_says_why_it_cannot_take_a_call():
         assert un(CPU, torch.float32, 128, 64) == "head_dim 128 of q/k differs from v's 64"
 
 
+
+def test_fa4_keeps_its_kernels_beside_inductors_cache(monkeypatch, tmp_path):
+    """FA4 reads its disk-cache switch at import: it is set before, to a dir in Inductor's cache
+    dir; a switch the program set, or an FA4 imported first, stands."""
+    import os
+    import sys
+
+    on, where = fa4_attention.KERNEL_CACHE_ENV, fa4_attention.KERNEL_CACHE_DIR_ENV
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.cache_utils", raising=False)
+    monkeypatch.setattr(os, "environ", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert fa4_attention.persistent_kernel_cache() == str(tmp_path / "flash_attention_cute")
+    assert os.environ[on] == "1" and os.environ[where] == str(tmp_path / "flash_attention_cute")
+    monkeypatch.setattr(os, "environ", {on: "0"})
+    assert fa4_attention.persistent_kernel_cache() is None and os.environ == {on: "0"}
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.cache_utils", object())
+    assert fa4_attention.persistent_kernel_cache() is None and os.environ == {}
+
 # ---- the ops -------------------------------------------------------------------------------------
 
 def _dense_reference(q, k, v, scale, causal):

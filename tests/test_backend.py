@@ -390,3 +390,35 @@ def test_a_warm_cache_without_the_stored_report_says_so(tmp_path, monkeypatch):
     assert warm_counts.get("autograd_cache_hit") == 1
     assert "not a CP region (forward)" in cold and "not a CP region (forward): _scaled" not in warm
     assert "served from AOTAutograd's cache, with no report stored for it" in warm, warm
+
+
+def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
+    """HF's flex BlockMask warns on every trace (backend.trace_over_warnings): the program stays one
+    graph, the warning is not issued from compiled code, and CP_INDUCTOR_TRACE_OVER_WARNINGS=0
+    leaves torch's behaviour (a break at the warning)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from cp_inductor.backend import TRACE_OVER_WARNINGS_ENV, trace_over_warnings
+
+    def program(x):
+        y = x.sin()
+        warnings.warn("built every step", DeprecationWarning)
+        return y.cos()
+
+    def graphs_and_warnings():
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.randn(8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.testing.assert_close(torch.compile(program, backend="cp_inductor")(x), x.sin().cos())
+        return counters["stats"]["unique_graphs"], len(caught)
+
+    assert warnings.warn in torch._dynamo.config.ignore_logging_functions
+    assert graphs_and_warnings() == (1, 0)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", set())
+    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "0")
+    assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
+    assert graphs_and_warnings() == (2, 1)

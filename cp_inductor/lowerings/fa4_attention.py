@@ -19,14 +19,17 @@ FA4's Python entry points are autograd.Functions around a JIT compiler, which Dy
 (``fullgraph=True`` fails on them): as ops they are opaque calls in one graph, and the JIT runs
 on the first (eager, warm-up) call of each configuration, before any CUDA-graph capture. Its
 kernel choice keys on dtype, head dims, GQA ratio, causal and which of cu_seqlens / seqused are
-given, not on lengths, so packs whose lengths change every step reuse one compiled kernel.
-``flash_attn.cute`` is imported on first use (``pip install "cp_inductor[fa4]"``). CPU runs a
+given, not on lengths, so packs whose lengths change every step reuse one compiled kernel; the
+compiled kernels are kept on disk beside Inductor's cache (``persistent_kernel_cache``), so a
+restarted job loads them as it loads Inductor's graphs. ``flash_attn.cute`` is imported on first use (``pip install "cp_inductor[fa4]"``). CPU runs a
 per-sequence reference (under ``varlen_attention.reference_kernels()``: the tests).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 
@@ -37,8 +40,30 @@ HEAD_DIMS = (8, 256)  # FA4's Hopper kernels: 8..256, multiples of 8 (16 bytes)
 ARCHS = (9, 10, 11)  # compute capability majors whose forward and backward FA4 runs
 
 
+KERNEL_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+KERNEL_CACHE_DIR_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def persistent_kernel_cache() -> str | None:
+    """Turn on FA4's on-disk kernel cache, in ``flash_attention_cute/`` of Inductor's cache dir,
+    before FA4 is imported (it reads the switch at import); returns the dir, or None where the
+    program set the switch itself or imported FA4 first (its choice stands).
+
+    FA4 compiles its kernels in every process, off by default: a restarted job whose graphs
+    Inductor loads from disk would still compile every FA4 kernel its graphs call again.
+    """
+    if "flash_attn.cute.cache_utils" in sys.modules or KERNEL_CACHE_ENV in os.environ:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    os.environ.setdefault(KERNEL_CACHE_DIR_ENV, os.path.join(cache_dir(), "flash_attention_cute"))
+    os.environ[KERNEL_CACHE_ENV] = "1"
+    return os.environ[KERNEL_CACHE_DIR_ENV]
+
+
 @functools.cache
 def _import_error() -> str | None:
+    persistent_kernel_cache()
     try:
         import flash_attn.cute.interface  # noqa: F401
     except Exception as error:  # ImportError, or the CuTe DSL failing to load
@@ -84,6 +109,7 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim, head_dim_v=N
 
 
 def _interface():
+    persistent_kernel_cache()
     from flash_attn.cute import interface
 
     return interface

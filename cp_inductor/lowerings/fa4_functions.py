@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from . import fa4_attention  # noqa: F401 - registers the ops
+from . import fa4_attention  # also registers the ops
 
 _registered: set[int] = set()
 
@@ -106,9 +106,7 @@ def register(module=None) -> list[str]:
     """Give Dynamo our stand-ins for FA4's functions (``module``: ``flash_attn.cute.interface``
     or a module with the same functions); returns the names registered now."""
     if module is None:
-        from flash_attn.cute import interface
-
-        module = interface
+        module = fa4_attention._interface()
     done = []
     for name, stand_in in (("flash_attn_varlen_func", _varlen_stand_in), ("flash_attn_func", _dense_stand_in)):
         original = getattr(module, name, None)
