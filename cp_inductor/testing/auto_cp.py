@@ -256,7 +256,7 @@ def reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
 
 
 def cp_steps(rank: int, cp: int, cases: list) -> list:
-    """:func:`cp_step` for each ``(make_model, batch[, options])`` of ``cases``, in one process per rank."""
+    """:func:`cp_step` for each ``(make_model, batch[, options[, dynamo]])`` of ``cases``, in one process per rank."""
     return [cp_step(rank, cp, *case) for case in cases]
 
 
@@ -294,14 +294,17 @@ def _train_step(model, compiled, batch: dict) -> tuple[float, dict]:
     return cp_batch.combine_losses(loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None) -> dict:
-    """One training step of ``make_model()`` on this rank's share, compiled with the CP group:
-    the loss and gradients combined over the ranks, and the report's lines."""
+def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None,
+            dynamo: dict | None = None) -> dict:
+    """One training step of ``make_model()`` on this rank's share, compiled with the CP group
+    (``dynamo``: Dynamo's config patched while it traces): the loss and gradients combined over
+    the ranks, and the report's lines."""
     import cp_inductor
 
     cp_inductor.clear_report()
     model, compiled = _compiled(make_model, options)
-    loss, grads = _train_step(model, compiled, batch)
+    with torch._dynamo.config.patch(dynamo or {}):
+        loss, grads = _train_step(model, compiled, batch)
     return {"loss": loss, "grads": grads, "lines": [r.line() for r in cp_inductor.report().varlen]}
 
 
