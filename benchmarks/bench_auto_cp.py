@@ -12,6 +12,7 @@ compute). Prints tables, writes JSON.
 The styles are compiled first, then timed in alternating rounds (``--rounds`` x ``--iters``).
 
     python benchmarks/bench_auto_cp.py --level attention --cp 2 4 8 --tokens 65536 --docs 1 16 --json out.json
+    python benchmarks/bench_auto_cp.py --level attention --docs 1 --styles allgather ulysses ring
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def attention_rank(args, cp: int, tokens: int, docs: int) -> list[dict]:
         predicted = _predicted(args, local, cp, docs <= 1)
         arms, chosen = {}, {}
         torch._dynamo.reset()
-        for style in STYLES:
+        for style in args.styles:
             fn = _compiled(attention, style)
 
             def step(fn=fn):
@@ -170,7 +171,7 @@ def model_rank(args, cp: int, tokens: int, docs: int, alone: float) -> list[dict
         local = shard_batch({**full, "use_cache": False}, group)
         arms, chosen = {}, {}
         torch._dynamo.reset()
-        for style in STYLES:
+        for style in args.styles:
             model = build("sdpa", args.layers, args.heads * args.head_dim, args.heads, args.kv_heads, args.vocab)
             arms[style] = _step(_compiled(model, style), local)
             arms[style]()
@@ -217,6 +218,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=5, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=4, help="rounds the styles alternate over")
+    ap.add_argument("--styles", nargs="+", default=list(STYLES), help="also: ring (rows of one document)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cost-device", default="", help='price with the tables of this device, e.g. "NVIDIA H200"')
@@ -232,10 +234,10 @@ def main() -> None:
             for cp in args.cp:
                 if args.level != "model":
                     rows += attention_rank(args, cp, tokens, docs)
-                    [_print(r) for r in rows[-len(STYLES):]]
+                    [_print(r) for r in rows[-len(args.styles):]]
                 if args.level != "attention":
                     rows += model_rank(args, cp, tokens, docs, alone)
-                    [_print(r) for r in rows[-len(STYLES):]]
+                    [_print(r) for r in rows[-len(args.styles):]]
                 write_rows(args.json, args, rows)
 
 

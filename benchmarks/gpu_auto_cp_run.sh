@@ -6,7 +6,7 @@
 source benchmarks/gpu_fa4_install.sh
 level=${1:-attention}
 cd benchmarks
-timeout "${BENCH_S:-540}" python3 bench_auto_cp.py --level "$level" --cp ${CPS:-2 4 8} --tokens ${TOKENS:-65536} --docs ${DOCS:-1 16} \
+timeout "${BENCH_S:-540}" python3 bench_auto_cp.py --level "$level" --cp ${CPS:-2 4 8} --tokens ${TOKENS:-65536} --docs ${DOCS:-1 16} ${STYLES:+--styles $STYLES} \
   --iters 5 ${COST_DEVICE:+--cost-device "$COST_DEVICE"} --json "$out/auto_cp_$level.json" 2>&1 | grep -v "Warning\|warn" | tee "$out/auto_cp_$level.log" | tail -40
 if [ -n "$GPU_ONE" ]; then  # the one-GPU regression tests with FA4 installed
   cd ..
