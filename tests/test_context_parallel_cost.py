@@ -4,6 +4,7 @@ the work it counts from a layout, the measured tables it reads, the choice and i
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import torch
 from expecttest import TestCase
@@ -105,10 +106,28 @@ class TestChoice(TestCase):
         self.assertIn("query heads divisible by cp=4", heads(6, 2, 4)[1])
         self.assertEqual(heads(8, 3, 2)[0], None)  # lcm(3, 2) = 6 does not divide 8
 
-    def _choose(self, lengths, cp, hq, hkv, forced="auto", device=H200):
+    def _choose(self, lengths, cp, hq, hkv, forced="auto", device=H200, ring_why_not="not offered for this call"):
         ids, places = _layout(lengths, cp)
         call = cost.Call(1, sum(lengths) // cp, hq, hkv, 128, True, 2, "bfloat16")
-        return cost.choose(call, cost.work(ids, places, cp, True, hq), cp, device, forced)
+        return cost.choose(call, cost.work(ids, places, cp, True, hq), cp, device, forced, ring_why_not)
+
+    def test_the_ring_offered_is_forced_only_until_measured(self):
+        """A row of one document offers the ring; with no measured ring rows it is not priced,
+        so ``auto`` leaves it and only the knob takes it."""
+        style, why = self._choose([65536], 2, 32, 8, ring_why_not=None)
+        self.assertEqual(style, cost.ULYSSES)
+        self.assertTrue(why.endswith("; ring: taken where forced, not priced yet (no measured rows to calibrate it)"), why)
+        self.assertEqual(self._choose([65536], 2, 32, 8, forced="ring", ring_why_not=None)[0], cost.RING)
+
+    def test_a_calibrated_ring_is_priced_and_chosen_where_cheapest(self):
+        """With ring rows measured, the ring is priced as the others are (its kernel rate is the
+        map's cuDNN column, its fp32 passes the line's second term) and ``auto`` compares it."""
+        lines = {**cost.calibration(), cost.RING: (1.0, 0.0, 0.0)}
+        with mock.patch.object(cost, "calibration", lambda: lines):
+            style, why = self._choose([131072], 8, 32, 32, ring_why_not=None)
+            self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 93.75 ms (compute 89.22 + comm 4.53) < allgather 141.76 ms (compute 126.97 + comm 14.80) < ring 153.00 ms (compute 121.95 + comm 31.06)""")
+            lines[cost.RING] = (0.1, 0.0, 0.0)  # a ring ten times faster than its kernels: chosen
+            self.assertEqual(self._choose([131072], 8, 32, 32, ring_why_not=None)[0], cost.RING)
 
     def test_gqa_at_cp2(self):
         """GQA 4:1 at T64K cp 2: the all-gather moves K and V (8 heads of 32), Ulysses q, k, v and

@@ -23,6 +23,14 @@ the layout ``shard_batch`` made for the batch the compile sees::
   put in row order (one round), which copies q, k, v and out, and their gradients, once more:
   ``+ bytes read and written / PERMUTE_GBPS``.
 
+* ``ring`` (rows of one document, head-tail): this rank's queries, all query heads, over one
+  rank's K/V per step, ``cp`` steps on the ring helper's kernels (cuDNN on sm90+); each step
+  merges out and log-sum-exp in fp32 forward, and adds dQ and the travelling dK/dV in fp32
+  backward: the second term is those fp32 passes over every step (``B x T x (Hq + 2 Hkv) x D x 4``
+  bytes). Forward ``cp - 1`` rotations of K and V, backward ``cp - 1`` of K and V and ``cp`` of
+  the fp32 dK/dV, each the whole buffer to one neighbour (priced on the all-to-all's bandwidth).
+  Priced only where ``calibration()`` has measured ring rows; ``auto`` chooses among the priced.
+
 ``rate`` is read from the attention-provider cost map (``cost_data/attention_providers_*.json``,
 the kernel the shard op runs: FA4 varlen): every row of the call's head_dim, mask, GQA class and
 dtype gives pairs x heads per ms at its work-weighted document length; the rate at the call's
@@ -43,7 +51,8 @@ from pathlib import Path
 import torch
 
 ALLGATHER, ULYSSES, RING = "allgather", "ulysses", "ring"
-STYLES = (ALLGATHER, ULYSSES)
+STYLES = (ALLGATHER, ULYSSES)  # offered for every call; the ring only where the pass says
+PRICED = (*STYLES, RING)
 DATA = Path(__file__).resolve().parents[2] / "cost_data"
 # Each round past the first: one more FA4 launch forward and backward over every query row (the
 # rows of other rounds read no key) and a select of out and lse. A first guess, kept because the
@@ -56,6 +65,7 @@ COLLECTIVES = {  # per style: (op, which tensor's local bytes, how many of them)
     ALLGATHER: (("all_gather", "kv", 2), ("reduce_scatter", "kv", 2)),
     ULYSSES: (("all_to_all", "q", 4), ("all_to_all", "kv", 4)),
 }
+RING_KERNEL = "cudnn"  # the provider map's column the ring's rate is read from (parallel/kernels.py)
 
 
 @dataclass(frozen=True)
@@ -122,10 +132,11 @@ def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
     error (each row weighted by 1 / measured^2): the goal is a bound on measured / predicted, small
     calls and large alike."""
     fits = {}
-    for style in STYLES:
+    for style in PRICED:
         mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0]
         if len(mine) < 3:
-            fits[style] = (1.0, 0.0, 0.0)
+            if style in STYLES:
+                fits[style] = (1.0, 0.0, 0.0)
             continue
         terms = torch.tensor([[r["model_ms"], r["key_mib"], 1.0] for r in mine], dtype=torch.float64)
         measured = torch.tensor([r["measured_ms"] for r in mine], dtype=torch.float64)
@@ -133,6 +144,11 @@ def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
         slope, per_mib, intercept = (float(x) for x in solution[:, 0])
         fits[style] = (slope, per_mib, intercept)
     return fits
+
+
+def calibrated(style: str) -> bool:
+    """Whether measured rows of ``style`` calibrate its model (the ring is priced only then)."""
+    return style in calibration()
 
 
 def calibrated_ms(style: str, model_ms: float, key_mib: float) -> float:
@@ -185,7 +201,8 @@ def work(doc_ids: torch.Tensor, key_positions: torch.Tensor, cp: int, causal: bo
     doc_length = float((weight * length).sum() / weight.sum())
     gathered = max(_rounds(ids, places[:, r * local:(r + 1) * local]) for r in range(cp))
     return {ALLGATHER: Work(max(per_rank), heads_q, doc_length, gathered),
-            ULYSSES: Work(int(pairs.sum()), heads_q // cp, doc_length, _rounds(ids, places.sort(dim=1).values))}
+            ULYSSES: Work(int(pairs.sum()), heads_q // cp, doc_length, _rounds(ids, places.sort(dim=1).values)),
+            RING: Work(max(per_rank), heads_q, doc_length, cp)}
 
 
 # --- the measured tables ------------------------------------------------------------------------
@@ -257,6 +274,10 @@ def _permute_ms(style: str, call: Call, cp: int, kv_heads: int) -> float:
 def _comm_ms(collectives: dict, style: str, call: Call, cp: int, kv_heads: int) -> float:
     local = call.batch * call.tokens * call.head_dim * call.itemsize
     size = {"q": local * call.heads_q, "kv": local * kv_heads}
+    if style == RING:  # K and V: cp - 1 hops each way; the fp32 dK/dV: cp hops (the last one home)
+        kv = 2 * size["kv"]
+        return (2 * (cp - 1) * collective_ms(collectives, "all_to_all", kv)
+                + cp * collective_ms(collectives, "all_to_all", kv * 4 / call.itemsize))
     total = 0.0
     for op, tensor, count in COLLECTIVES[style]:
         leaving = size[tensor] * (cp - 1) if op != "all_to_all" else size[tensor] * (cp - 1) / cp
@@ -272,20 +293,24 @@ def model_terms(call: Call, works: dict[str, Work], cp: int, device_name: str) -
     call or cannot be priced."""
     providers, _ = tables_for(device_name)
     if providers is None:
-        return {style: f"no measured costs for {device_name}" for style in STYLES}
+        return {style: f"no measured costs for {device_name}" for style in PRICED}
     out: dict[str, tuple[float, float] | str] = {}
-    for style in STYLES:
+    for style in PRICED:
         kv_heads = sent_kv_heads(call, style, cp)
         w = works[style]
-        speed = rate(providers, call, w.length) if kv_heads is not None else None
+        kernel = RING_KERNEL if style == RING else "fa4"
+        speed = rate(providers, call, w.length, kernel) if kv_heads is not None else None
         if kv_heads is None:
             out[style] = ulysses_kv_heads(call, cp)[1] or ""
         elif speed is None:
-            out[style] = f"the cost map has no {call.dtype} D{call.head_dim} row"
+            out[style] = f"the cost map has no {call.dtype} D{call.head_dim} {kernel} row"
         else:
+            rows = call.batch * call.tokens * cp * call.head_dim  # every token of the full rows, per head
             held = kv_heads if style == ALLGATHER else kv_heads // cp
+            passes = (rows * (call.heads_q + 2 * kv_heads) * 4 if style == RING
+                      else w.rounds * rows * held * call.itemsize)
             out[style] = (w.pairs * w.heads / speed + (w.rounds - 1) * ROUND_MS + _permute_ms(style, call, cp, kv_heads),
-                          w.rounds * call.batch * call.tokens * cp * held * call.head_dim * call.itemsize / 2**20)
+                          passes / 2**20)
     return out
 
 
@@ -294,11 +319,14 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
     providers, collectives = tables_for(device_name)
     if providers is None or collectives is None:
         why = f"no measured costs for {device_name}"
-        return {style: why for style in STYLES}, why
+        return {style: why for style in PRICED}, why
     out: dict[str, Estimate | str] = {}
     for style, terms in model_terms(call, works, cp, device_name).items():
         if isinstance(terms, str):
             out[style] = terms
+            continue
+        if not calibrated(style):
+            out[style] = "not priced yet (no measured rows to calibrate it)"
             continue
         kv_heads = sent_kv_heads(call, style, cp)
         assert kv_heads is not None  # model_terms gave the reason where the style cannot take the call
@@ -307,28 +335,31 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
 
 
 def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str,
-           ring_why_not: str | None = "not offered for this call") -> tuple[str, str]:
-    """(style, why: the forced style or the priced candidates, cheapest first). The ring takes a
-    call where ``ring_why_not`` is None, when forced: it is not priced (no measured calibration of
-    the ring under this pass yet), so ``auto`` does not choose it."""
+           ring_why_not: str | None) -> tuple[str, str]:
+    """(style, why: the forced style or the priced candidates, cheapest first). The ring is a
+    candidate where ``ring_why_not`` is None; ``auto`` takes it where it is priced (measured
+    rows calibrate it) and cheapest, a forced ring where it is a candidate."""
     priced, tables = estimates(call, works, cp, device_name)
     kv_heads, why_not = ulysses_kv_heads(call, cp)
     able = [s for s in STYLES if not (s == ULYSSES and kv_heads is None)]
-    ranked = sorted((e for e in priced.values() if isinstance(e, Estimate)), key=lambda e: e.total_ms)
+    if ring_why_not is None:
+        able.append(RING)
+    ranked = sorted((e for s, e in priced.items() if isinstance(e, Estimate) and s in able), key=lambda e: e.total_ms)
     listing = " < ".join(e.describe() for e in ranked)
-    unpriced = "; ".join(f"{s}: {why}" for s, why in priced.items() if isinstance(why, str) and s in able)
+    unpriced = "; ".join(f"{s}: {why}" for s, why in priced.items() if isinstance(why, str) and s in STYLES and s in able)
     notes = [x for x in (listing, unpriced) if x]
     if why_not:
         notes.append(why_not)
     if kv_heads and kv_heads != call.heads_kv and ULYSSES in able:
         notes.append(f"ulysses: key/value heads repeated to {kv_heads}")
-    notes.append(f"{RING}: {ring_why_not}" if ring_why_not else f"{RING}: taken where forced, not priced yet")
-    if ring_why_not is None:
-        able.append(RING)
+    if ring_why_not:
+        notes.append(f"{RING}: {ring_why_not}")
+    elif not isinstance(priced[RING], Estimate):
+        notes.append(f"{RING}: taken where forced, {priced[RING]}")
     detail = "; ".join(notes)
     if forced != "auto":
-        if forced not in (*STYLES, RING):
-            raise ValueError(f"context_parallel_style={forced!r}: expected auto or one of {(*STYLES, RING)}")
+        if forced not in PRICED:
+            raise ValueError(f"context_parallel_style={forced!r}: expected auto or one of {PRICED}")
         if forced in able:
             return forced, f"set by config; {detail}"
         return ALLGATHER, f"context_parallel_style={forced} cannot take it; {detail}"
