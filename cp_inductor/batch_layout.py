@@ -30,6 +30,15 @@ class BatchShard:
         return self.doc_ids, self.query_positions, self.key_positions
 
 
+def head_tail_places(local: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """The places in its row of a rank's local tokens ``local`` (0, 1, ...) where the rank holds
+    pieces ``rank`` and ``2cp - 1 - rank`` of ``2cp`` equal pieces of the row: the ring's layout,
+    and ``shard_batch``'s for a row of one document. Index arithmetic over ``local``'s own length
+    (a cat of pieces would guard on its size in a graph)."""
+    half = local.shape[-1] // 2
+    return local + torch.where(local < half, rank * half, (2 * cp - 2 - rank) * half)
+
+
 _SHARDS: dict[int, tuple[weakref.ref, BatchShard, str]] = {}
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..batch_layout import head_tail_places
 from .allgather import _check_even, _to_bhsd
 from .kernels import KERNELS, _kernel
 
@@ -169,10 +170,7 @@ def ring_in_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_posit
     if doc_ids is not None:
         torch._assert_async((doc_ids == doc_ids[:, :1]).all(),
                              "cp_inductor ring: a row holds several documents; the ring attends over whole rows")
-    # index arithmetic over the positions' own length (a cat of pieces would guard on its size)
-    local = torch.arange(query_positions.shape[1], device=query_positions.device)
-    half = query_positions.shape[1] // 2
-    expected = local + torch.where(local < half, rank * half, (2 * cp - 2 - rank) * half)
+    expected = head_tail_places(torch.arange(query_positions.shape[1], device=query_positions.device), rank, cp)
     torch._assert_async((query_positions == expected).all(),
                          "cp_inductor ring: this rank's tokens are not its two pieces of each row (a packed batch "
                          "balanced per document?): the ring's layout")

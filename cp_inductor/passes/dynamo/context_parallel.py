@@ -71,7 +71,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
-from ...batch_layout import POSITION_KEYS, BatchShard, key_of, shard_of
+from ...batch_layout import POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
@@ -443,8 +443,7 @@ def _ring_why_not(site: Site | None, semantics: Semantics, shard: BatchShard) ->
         return "the ring attends over whole rows, without a window"
     if semantics.documents == DOCUMENTS and not bool((shard.doc_ids == shard.doc_ids[:, :1]).all()):
         return "this batch's rows hold several documents (the ring attends over whole rows)"
-    pieces = shard.query_positions.shape[1] // 2
-    expected = torch.cat([torch.arange(i * pieces, (i + 1) * pieces) for i in (shard.rank, 2 * shard.cp - 1 - shard.rank)])
+    expected = head_tail_places(torch.arange(shard.query_positions.shape[1]), shard.rank, shard.cp)
     if not bool((shard.query_positions.cpu() == expected).all()):
         return "this batch's rows are cut per document (a pack), not in the ring's two pieces of each row"
     return None
