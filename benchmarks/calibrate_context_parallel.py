@@ -8,6 +8,7 @@ Every row's terms are recomputed here on the CPU from its shape (the same pack, 
 ``--check`` runs are held out: the fit to ``--fit`` is printed against them, not fitted to them.
 
     python benchmarks/calibrate_context_parallel.py --fit run1.json --check run2.json [--write]
+    python benchmarks/calibrate_context_parallel.py --styles ring --fit ring_run.json --write
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def rows_of(paths: list[str], args, cache: dict) -> list[dict]:
     out = []
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
-            if r["level"] != "attention" or r["style"] not in cost.STYLES:
+            # a forced style that could not take the call ran as another (the ring on a pack)
+            if r["level"] != "attention" or r["style"] not in args.styles or r["chosen"] != r["style"]:
                 continue
             model, key_mib = _terms(r, args, cache)
             out.append({"style": r["style"], "tokens": r["tokens"], "documents": r["docs"], "cp": r["cp"],
@@ -66,6 +68,8 @@ def _print(rows: list[dict], fits: dict, label: str) -> float:
     print(f"{label}:\n{'style':>9} {'T':>7} {'docs':>4} {'cp':>3} {'model':>8} {'key MiB':>8} {'measured':>9} "
           f"{'predicted':>9} {'meas/pred':>9}")
     for r in sorted(rows, key=lambda r: (r["style"], r["tokens"], r["documents"], r["cp"])):
+        if r["style"] not in fits:  # fewer than 3 rows: not fitted
+            continue
         slope, per_mib, intercept = fits[r["style"]]
         predicted = slope * r["model_ms"] + per_mib * r["key_mib"] + intercept
         worst = max(worst, abs(r["measured_ms"] / predicted - 1))
@@ -83,11 +87,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--write", action="store_true", help=f"replace {STYLES_JSON.name}'s rows with the --fit rows")
+    ap.add_argument("--styles", nargs="+", default=list(cost.PRICED),
+                    help=f"the styles fitted from --fit; {STYLES_JSON.name}'s rows of the others are kept")
+    ap.add_argument("--write", action="store_true", help=f"replace {STYLES_JSON.name}'s rows of --styles with the --fit rows")
     args = ap.parse_args()
     cache: dict = {}
+    kept = [r for r in json.loads(STYLES_JSON.read_text())["rows"] if r["style"] not in args.styles]
     fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
-    fits = cost.fit_lines(fit_rows)
+    fits = cost.fit_lines(kept + fit_rows)
     print("  ".join(f"{s}: {a:.3f} x model + {b:.4f} ms/MiB x key MiB + {c:.2f} ms" for s, (a, b, c) in fits.items()))
     worst = {"fitted": _print(fit_rows, fits, "fitted rows")}
     if check_rows:
@@ -95,11 +102,11 @@ def main() -> None:
     print("worst |measured / predicted - 1|: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
     if args.write:
         STYLES_JSON.write_text(json.dumps({
-            "source": "benchmarks/calibrate_context_parallel.py --fit " + " ".join(Path(p).name for p in args.fit),
+            "source": "benchmarks/calibrate_context_parallel.py --fit " + " ".join(sorted({r["run"] for r in kept + fit_rows})),
             "measured_on": args.measured_on, "tables": args.cost_device,
             "what": "one rank's fwd+bwd of one attention call on the fake group (rotary embedding included), "
                     "beside the model's uncalibrated terms",
-            "rows": fit_rows}, indent=1) + "\n")
+            "rows": kept + fit_rows}, indent=1) + "\n")
         print(f"wrote {STYLES_JSON}")
 
 
