@@ -14,10 +14,10 @@ __all__ = ["config", "report", "clear_report", "Report", "Region", "Rejected", "
 
 def __getattr__(name):
     # The backend module imports Inductor; load it only when asked for.
-    if name == "backend":
-        from . import backend
+    if name == "backend":  # (``from . import backend`` would ask this hook again: a recursion)
+        import importlib
 
-        return backend
+        return importlib.import_module(".backend", __name__)
     if name == "equal_lengths":  # uniform_thd's per-call promise
         from .lowerings.varlen_attention import equal_lengths
 

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 import torch._dynamo.config
+import torch._dynamo.utils
 import torch._functorch.config
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
@@ -48,11 +49,18 @@ def trace_over_warnings() -> bool:
     the BlockMask gets graphs of its own every step, and its T x T mask stays alive though
     document_mask lowered the flex calls that read it (inside the step's graph it is dead code).
     Dynamo has no per-backend setting for this, so it is process-wide from the moment
-    torch.compile looks this backend up.
+    torch.compile looks this backend up. Left off where torch's compile-metrics logger cannot
+    write the setting out (torch 2.11: an exception logged at every compile).
     """
     if os.environ.get(TRACE_OVER_WARNINGS_ENV, "1") == "0":
         return False
-    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    ignored = torch._dynamo.config.ignore_logging_functions
+    ignored.add(warnings.warn)
+    try:
+        torch._dynamo.utils._get_dynamo_config_for_logging()
+    except TypeError:  # its list of settings not to write misses this one
+        ignored.discard(warnings.warn)
+        return False
     return True
 
 

@@ -111,6 +111,30 @@ def test_fa4_keeps_its_kernels_beside_inductors_cache(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "flash_attn.cute.cache_utils", object())
     assert fa4_attention.persistent_kernel_cache() is None and os.environ == {}
 
+
+def test_a_cached_compile_does_not_import_fa4(monkeypatch):
+    """Whether the dense FA4 pass hooks in is asked on every compile, before Inductor's cache
+    is read: an installed FA4 is enough there; its import (about a second, most of a GPU
+    restart's gap to default Inductor) waits for a call the pass considers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cp_inductor.passes.joint import fa4_dense
+
+    def imported():
+        raise AssertionError("FA4 imported")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa4_attention, "installed", lambda: True)
+    monkeypatch.setattr(fa4_attention, "_import_error", imported)
+    with FakeTensorMode():
+        x = torch.empty(2, 3, device="cuda")
+    assert fa4_dense.wanted(None, [x], snapshot())
+    monkeypatch.setattr(fa4_attention, "installed", lambda: False)
+    assert not fa4_dense.wanted(None, [x], snapshot())
+    with pytest.raises(AssertionError, match="FA4 imported"):  # a call considered imports it
+        fa4_attention.device_unavailable(x.device)
+
 # ---- the ops -------------------------------------------------------------------------------------
 
 def _dense_reference(q, k, v, scale, causal):

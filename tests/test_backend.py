@@ -395,7 +395,8 @@ def test_a_warm_cache_without_the_stored_report_says_so(tmp_path, monkeypatch):
 def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
     """HF's flex BlockMask warns on every trace (backend.trace_over_warnings): the program stays one
     graph, the warning is not issued from compiled code, and CP_INDUCTOR_TRACE_OVER_WARNINGS=0
-    leaves torch's behaviour (a break at the warning)."""
+    leaves torch's behaviour (a break at the warning), as does a torch whose compile-metrics
+    logger cannot write the setting out (2.11)."""
     import warnings
 
     from torch._dynamo.utils import counters
@@ -422,3 +423,11 @@ def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
     monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "0")
     assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
     assert graphs_and_warnings() == (2, 1)
+    # torch 2.11's compile-metrics logger cannot write the setting out: it stays off there
+    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")
+
+    def unwritable():
+        raise TypeError("Object of type builtin_function_or_method is not JSON serializable")
+
+    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", unwritable)
+    assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions

@@ -197,6 +197,16 @@ ring_in_graph = ring_in_graph(transpose, transpose_1, transpose_2, cp_query_posi
         self.assertExpectedInline(_rewritten(_attention, q, k, k.clone(), batch=plain, **ring).splitlines()[-1], """\
 ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, cp_doc_ids, True, 0, 2, cp, 0.3535533905932738)""")
 
+    def test_ring_not_offered_off_the_cpu_yet(self):
+        """Its one GPU run failed to compile (docs/passes/context_parallel.md): a forced ring on a
+        device other than the CPU goes to the all-gather, the report saying why."""
+        from cp_inductor.batch_layout import BatchShard
+        from cp_inductor.passes.dynamo.context_parallel import _ring_why_not
+
+        places = torch.arange(16, device="meta")[None]
+        shard = BatchShard(2, 0, "cp", places, places[:, :8], places)
+        self.assertEqual(_ring_why_not(None, None, shard), "not offered on meta yet (its one GPU run failed to compile)")
+
     def test_ring_on_a_pack_goes_to_the_allgather(self):
         """On a pack a row is cut per document, not in the ring's two pieces: the forced ring is
         not taken, and the report says why."""
@@ -733,8 +743,11 @@ def test_flex_training_matches_single_device():
         assert all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     if hf:
+        from cp_inductor import backend
+
         checked = ["checked on device" in line for got in results[0][2:] for line in got["lines"]]
-        assert checked == [False] * 4 + [True] * 2 + [False] * 2, results[0][2:]  # two calls a step
+        one_graph = backend.trace_over_warnings()  # not on torch 2.11 (backend.trace_over_warnings)
+        assert checked == [not one_graph] * 4 + [True] * 2 + [not one_graph] * 2, results[0][2:]  # two calls a step
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 
 

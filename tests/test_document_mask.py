@@ -966,6 +966,8 @@ def test_hf_llama_flex_compiled_forward():
     pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
+    from cp_inductor import backend
+
     model = _llama("flex_attention").eval()
     inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1)),
               "position_ids": _positions()}
@@ -980,9 +982,10 @@ def test_hf_llama_flex_compiled_forward():
             got = torch.compile(model, backend="cp_inductor", options=options)(**inputs, use_cache=False).logits
     lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
     assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    # the mask over T x T compares positions: nothing compares once the BlockMask is dead
-    assert not {torch.ops.aten.eq.Tensor, torch.ops.aten.le.Tensor, torch.ops.aten.ge.Tensor} & set(kept), kept
+    if backend.trace_over_warnings():  # not on torch 2.11 (backend.trace_over_warnings)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        # the mask over T x T compares positions: nothing compares once the BlockMask is dead
+        assert not {torch.ops.aten.eq.Tensor, torch.ops.aten.le.Tensor, torch.ops.aten.ge.Tensor} & set(kept), kept
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

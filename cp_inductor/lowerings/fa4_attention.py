@@ -79,9 +79,10 @@ def installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def device_unavailable(device: torch.device) -> str | None:
+def device_unavailable(device: torch.device, imported: bool = True) -> str | None:
     """Why FA4 cannot run on ``device`` at all in this process, or None (CPU: only the tests'
-    reference kernels)."""
+    reference kernels). ``imported=False``: FA4 installed is enough (no import of its JIT stack,
+    about a second: a restart whose graphs come from the cache may never call FA4)."""
     if device.type == "cpu":
         return None if varlen_attention.reference_enabled() else "cpu: FA4 runs on CUDA only"
     if device.type != "cuda":
@@ -91,6 +92,8 @@ def device_unavailable(device: torch.device) -> str | None:
     major = torch.cuda.get_device_capability(device)[0]
     if major not in ARCHS:
         return f"compute capability {major}.x (FA4's forward and backward run on 9.x-11.x)"
+    if not imported:
+        return None if installed() else "flash-attn-4 is not installed (pip install \"cp_inductor[fa4]\")"
     return _import_error()
 
 

@@ -435,6 +435,10 @@ def _ring_why_not(site: Site | None, semantics: Semantics, shard: BatchShard) ->
     a mask over documents where this batch has one per row) held as each rank's two pieces of
     ``2cp``, the layout ``shard_batch`` gives a row of one document (both checked on device in
     every step: a later batch may be packed)."""
+    if shard.query_positions.device.type != "cpu":
+        # its one GPU run (one H100, torch 2.11, fake group) failed in Dynamo's guards
+        # (IndexError in produce_guards) before a step ran; not diagnosed, so not offered there
+        return f"not offered on {shard.query_positions.device.type} yet (its one GPU run failed to compile)"
     if site is None:
         return "a varlen call's documents (the ring attends over whole rows)"
     if site.body is not None:

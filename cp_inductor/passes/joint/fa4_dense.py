@@ -155,9 +155,12 @@ def fa4_dense_pass(graph: torch.fx.Graph, cfg) -> int:
 
 
 def wanted(gm: torch.fx.GraphModule, example_inputs, cfg) -> bool:
-    """Where FA4 may be chosen and can run on an input's device."""
+    """Where FA4 may be chosen and can run on an input's device. Asked on every compile, a
+    cached one too, before the cache is read: FA4 installed is enough here, its import waits
+    for a call the pass considers."""
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    return cfg.attention_provider in ("auto", "fa4") and any(not fa4_attention.device_unavailable(d) for d in devices)
+    return cfg.attention_provider in ("auto", "fa4") and any(
+        not fa4_attention.device_unavailable(d, imported=False) for d in devices)
 
 
 PASS = GraphPass(NAME, stage=JOINT_POST, switched=False, apply=fa4_dense_pass,  # attention_provider chooses
