@@ -50,12 +50,16 @@ def trace_over_warnings() -> bool:
     document_mask lowered the flex calls that read it (inside the step's graph it is dead code).
     Dynamo has no per-backend setting for this, so it is process-wide from the moment
     torch.compile looks this backend up. Left off where torch's compile-metrics logger cannot
-    write the setting out (torch 2.11: an exception logged at every compile).
+    write the setting out (torch 2.11: an exception logged at every compile), unless
+    ``CP_INDUCTOR_TRACE_OVER_WARNINGS=1`` asks for it there too.
     """
-    if os.environ.get(TRACE_OVER_WARNINGS_ENV, "1") == "0":
+    setting = os.environ.get(TRACE_OVER_WARNINGS_ENV, "")
+    if setting == "0":
         return False
     ignored = torch._dynamo.config.ignore_logging_functions
     ignored.add(warnings.warn)
+    if setting == "1":
+        return True
     try:
         torch._dynamo.utils._get_dynamo_config_for_logging()
     except TypeError:  # its list of settings not to write misses this one

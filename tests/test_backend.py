@@ -423,11 +423,14 @@ def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
     monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "0")
     assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
     assert graphs_and_warnings() == (2, 1)
-    # torch 2.11's compile-metrics logger cannot write the setting out: it stays off there
-    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")
+    # torch 2.11's compile-metrics logger cannot write the setting out: it stays off there,
+    # unless asked for
+    monkeypatch.delenv(TRACE_OVER_WARNINGS_ENV)
 
     def unwritable():
         raise TypeError("Object of type builtin_function_or_method is not JSON serializable")
 
     monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", unwritable)
     assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
+    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")
+    assert trace_over_warnings() and warnings.warn in torch._dynamo.config.ignore_logging_functions
