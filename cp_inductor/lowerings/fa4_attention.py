@@ -20,9 +20,10 @@ FA4's Python entry points are autograd.Functions around a JIT compiler, which Dy
 on the first (eager, warm-up) call of each configuration, before any CUDA-graph capture. Its
 kernel choice keys on dtype, head dims, GQA ratio, causal and which of cu_seqlens / seqused are
 given, not on lengths, so packs whose lengths change every step reuse one compiled kernel; the
-compiled kernels are kept on disk beside Inductor's cache (``persistent_kernel_cache``), so a
-restarted job loads them as it loads Inductor's graphs. ``flash_attn.cute`` is imported on first use (``pip install "cp_inductor[fa4]"``). CPU runs a
-per-sequence reference (under ``varlen_attention.reference_kernels()``: the tests).
+compiled kernels are kept on disk beside Inductor's cache (``persistent_kernel_cache``), for a
+restarted job to load as it loads Inductor's graphs. ``flash_attn.cute`` is imported on first
+use (``pip install "cp_inductor[fa4]"``). CPU runs a per-sequence reference (under
+``varlen_attention.reference_kernels()``: the tests).
 """
 
 from __future__ import annotations
