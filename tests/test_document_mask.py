@@ -991,8 +991,8 @@ def test_hf_llama_flex_compiled_forward():
 
 def test_hf_mistral_flex_sliding_window_compiled_forward():
     """Mistral's sliding window under HF's ``flex_attention``: the window is read over a table
-    of positions the graph cannot prove to step by one; they are checked on device (the plan's ``stepping``) and the call lowered with
-    FA4's window. Against the same weights under HF's eager ``sdpa`` (torch's CPU flex is off
+    of positions the graph cannot prove to step by one; they are checked on device (the plan's
+    ``stepping``) and the call lowered with FA4's window. Against the same weights under HF's eager ``sdpa`` (torch's CPU flex is off
     on this mask, docs/passes/document_mask.md)."""
     pytest.importorskip("transformers")
     from transformers import MistralConfig, MistralForCausalLM
