@@ -87,11 +87,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--styles", nargs="+", default=list(cost.PRICED),
-                    help=f"the styles fitted from --fit; {STYLES_JSON.name}'s rows of the others are kept")
+    ap.add_argument("--styles", nargs="+", default=None,
+                    help=f"the styles fitted from --fit (default: those it has); {STYLES_JSON.name}'s rows of the others are kept")
     ap.add_argument("--write", action="store_true", help=f"replace {STYLES_JSON.name}'s rows of --styles with the --fit rows")
     args = ap.parse_args()
     cache: dict = {}
+    if args.styles is None:
+        args.styles = sorted({r["style"] for p in args.fit for r in json.loads(Path(p).read_text())["rows"]
+                              if r["style"] in cost.PRICED})
     kept = [r for r in json.loads(STYLES_JSON.read_text())["rows"] if r["style"] not in args.styles]
     fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
     fits = cost.fit_lines(kept + fit_rows)

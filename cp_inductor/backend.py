@@ -53,12 +53,12 @@ def trace_over_warnings() -> bool:
     write the setting out (torch 2.11: an exception logged at every compile), unless
     ``CP_INDUCTOR_TRACE_OVER_WARNINGS=1`` asks for it there too.
     """
-    setting = os.environ.get(TRACE_OVER_WARNINGS_ENV, "")
-    if setting == "0":
-        return False
+    setting = os.environ.get(TRACE_OVER_WARNINGS_ENV, "").strip().lower()
     ignored = torch._dynamo.config.ignore_logging_functions
+    if setting in ("0", "false", "off", "no"):
+        return warnings.warn in ignored  # (the program's own setting stands)
     ignored.add(warnings.warn)
-    if setting == "1":
+    if setting in ("1", "true", "on", "yes"):
         return True
     try:
         torch._dynamo.utils._get_dynamo_config_for_logging()

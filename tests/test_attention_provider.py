@@ -100,14 +100,21 @@ def test_fa4_keeps_its_kernels_beside_inductors_cache(monkeypatch, tmp_path):
     import os
     import sys
 
+    import torch._inductor.config as inductor_config
+
     on, where = fa4_attention.KERNEL_CACHE_ENV, fa4_attention.KERNEL_CACHE_DIR_ENV
     monkeypatch.delitem(sys.modules, "flash_attn.cute.cache_utils", raising=False)
+    # os.environ stood in for by a dict: what the call sets is all there is
     monkeypatch.setattr(os, "environ", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert fa4_attention.persistent_kernel_cache() == str(tmp_path / "flash_attention_cute")
     assert os.environ[on] == "1" and os.environ[where] == str(tmp_path / "flash_attention_cute")
+    monkeypatch.setattr(os, "environ", {where: "/mine"})  # the program's dir kept
+    assert fa4_attention.persistent_kernel_cache() == "/mine" and os.environ == {where: "/mine", on: "1"}
     monkeypatch.setattr(os, "environ", {on: "0"})
     assert fa4_attention.persistent_kernel_cache() is None and os.environ == {on: "0"}
     monkeypatch.setattr(os, "environ", {})
+    with inductor_config.patch(force_disable_caches=True):  # caches off: FA4's too
+        assert fa4_attention.persistent_kernel_cache() is None and os.environ == {}
     monkeypatch.setitem(sys.modules, "flash_attn.cute.cache_utils", object())
     assert fa4_attention.persistent_kernel_cache() is None and os.environ == {}
 
@@ -123,12 +130,12 @@ def test_a_cached_compile_does_not_import_fa4(monkeypatch):
     def imported():
         raise AssertionError("FA4 imported")
 
+    with FakeTensorMode():
+        x = torch.empty(2, 3, device="cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4_attention, "installed", lambda: True)
     monkeypatch.setattr(fa4_attention, "_import_error", imported)
-    with FakeTensorMode():
-        x = torch.empty(2, 3, device="cuda")
     assert fa4_dense.wanted(None, [x], snapshot())
     monkeypatch.setattr(fa4_attention, "installed", lambda: False)
     assert not fa4_dense.wanted(None, [x], snapshot())

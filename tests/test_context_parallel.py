@@ -198,8 +198,8 @@ ring_in_graph = ring_in_graph(transpose, transpose_1, transpose_2, cp_query_posi
 ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, cp_doc_ids, True, 0, 2, cp, 0.3535533905932738)""")
 
     def test_ring_not_offered_off_the_cpu_yet(self):
-        """Its one GPU run failed to compile (docs/passes/context_parallel.md): a forced ring on a
-        device other than the CPU goes to the all-gather, the report saying why."""
+        """Its one GPU run failed to compile (docs/passes/context_parallel.md): off the CPU the
+        ring is not offered, with the reason a forced ring's fallback to the all-gather reports."""
         from cp_inductor.batch_layout import BatchShard
         from cp_inductor.passes.dynamo.context_parallel import _ring_why_not
 
@@ -743,10 +743,12 @@ def test_flex_training_matches_single_device():
         assert all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     if hf:
-        from cp_inductor import backend
+        import warnings
+
+        import cp_inductor.backend  # noqa: F401 - its import decides, as in the ranks
 
         checked = ["checked on device" in line for got in results[0][2:] for line in got["lines"]]
-        one_graph = backend.trace_over_warnings()  # not on torch 2.11 (backend.trace_over_warnings)
+        one_graph = warnings.warn in torch._dynamo.config.ignore_logging_functions  # not on torch 2.11
         assert checked == [not one_graph] * 4 + [True] * 2 + [not one_graph] * 2, results[0][2:]  # two calls a step
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 

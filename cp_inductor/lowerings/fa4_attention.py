@@ -48,16 +48,21 @@ KERNEL_CACHE_DIR_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 def persistent_kernel_cache() -> str | None:
     """Turn on FA4's on-disk kernel cache, in ``flash_attention_cute/`` of Inductor's cache dir,
     before FA4 is imported (it reads the switch at import); returns the dir, or None where the
-    program set the switch itself or imported FA4 first (its choice stands).
+    program set the switch itself, imported FA4 first (its choice stands) or switched Inductor's
+    caches off (``force_disable_caches``: none of ours either).
 
     FA4 compiles its kernels in every process, off by default: a restarted job whose graphs
     Inductor loads from disk would still compile every FA4 kernel its graphs call again.
     """
-    if "flash_attn.cute.cache_utils" in sys.modules or KERNEL_CACHE_ENV in os.environ:
-        return None
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    import torch._inductor.config as inductor_config
 
-    os.environ.setdefault(KERNEL_CACHE_DIR_ENV, os.path.join(cache_dir(), "flash_attention_cute"))
+    if ("flash_attn.cute.cache_utils" in sys.modules or KERNEL_CACHE_ENV in os.environ
+            or inductor_config.force_disable_caches):
+        return None
+    if KERNEL_CACHE_DIR_ENV not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        os.environ[KERNEL_CACHE_DIR_ENV] = os.path.join(cache_dir(), "flash_attention_cute")
     os.environ[KERNEL_CACHE_ENV] = "1"
     return os.environ[KERNEL_CACHE_DIR_ENV]
 
@@ -74,7 +79,9 @@ def _import_error() -> str | None:
 
 @functools.cache
 def installed() -> bool:
-    """Whether a flash-attn package is installed (a cheap check, no import of FA4's JIT stack)."""
+    """Whether a flash-attn package is installed (a cheap check, no import of FA4's JIT stack;
+    FlashAttention-2 has the same top-level package, so it may answer yes for FA2 alone: the
+    import, when a call is considered, is what tells)."""
     import importlib.util
 
     return importlib.util.find_spec("flash_attn") is not None

@@ -147,7 +147,8 @@ def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
 
 
 def calibrated(style: str) -> bool:
-    """Whether measured rows of ``style`` calibrate its model (the ring is priced only then)."""
+    """Whether ``style`` has a line: the all-gather and Ulysses always (the identity where
+    fewer than 3 rows are measured), the ring only where its rows are (priced only then)."""
     return style in calibration()
 
 
