@@ -153,26 +153,17 @@ def titan_loss(logits: torch.Tensor, targets: torch.Tensor, count) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / count
 
 
-def titan_steps(rank: int, cp: int, cases: list) -> list:
-    """Per ``(make_model, batch[, options])`` (``batch``: ``tokens``, ``labels``, maybe
-    ``positions``): one step the torchtitan way on this rank's share, the model called with
-    ``tokens`` and ``positions`` and the loss computed outside it; loss and gradients combined
-    over the ranks, and the report's lines."""
-    import cp_inductor
+def _titan_loss_of(compiled, local: dict) -> torch.Tensor:
+    """The model called with ``tokens`` and ``positions``, the loss computed outside it."""
+    return titan_loss(compiled(local["tokens"], positions=local["positions"]), local["shift_labels"],
+                      local["num_items_in_batch"])
 
-    out = []
-    for make_model, batch, *options in cases:
-        cp_inductor.clear_report()
-        model, compiled = _compiled(make_model, *options)
-        local = cp_batch.shard_batch(batch)
-        loss = titan_loss(compiled(local["tokens"], positions=local["positions"]), local["shift_labels"],
-                          local["num_items_in_batch"])
-        loss.backward()
-        cp_batch.sum_gradients(model)
-        out.append({"loss": cp_batch.combine_losses(loss).item(),
-                    "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                    "lines": [r.line() for r in cp_inductor.report().varlen]})
-    return out
+
+def titan_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`cp_step` the torchtitan way for each ``(make_model, batch[, options])`` (``batch``:
+    ``tokens``, ``labels``, maybe ``positions``)."""
+    return [cp_step(rank, cp, make_model, batch, options[0] if options else None, loss_of=_titan_loss_of)
+            for make_model, batch, *options in cases]
 
 
 def decoder(mask: str = "causal", kv_heads: int = 2, titan_named: bool = False) -> Decoder:
@@ -284,28 +275,40 @@ def _compiled(make_model, options: dict | None = None):
                                 options={"cp_inductor.context_parallel": dist.group.WORLD, **(options or {})})
 
 
-def _train_step(model, compiled, batch: dict) -> tuple[float, dict]:
+def _report_lines() -> list[str]:
+    import cp_inductor
+
+    return [r.line() for r in cp_inductor.report().varlen]
+
+
+def _hf_loss_of(compiled, local: dict) -> torch.Tensor:
+    """The model called with the batch's keys, its loss (HF transformers' way)."""
+    return _loss(compiled(**local))
+
+
+def _train_step(model, compiled, batch: dict, loss_of=_hf_loss_of) -> tuple[float, dict]:
     """One step on this rank's share of ``batch``: the loss combined over the ranks and the
     parameter gradients summed over them."""
     model.zero_grad(set_to_none=True)
-    loss = _loss(compiled(**cp_batch.shard_batch(batch)))
+    loss = loss_of(compiled, cp_batch.shard_batch(batch))
     loss.backward()
     cp_batch.sum_gradients(model)
     return cp_batch.combine_losses(loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None,
-            dynamo: dict | None = None) -> dict:
+            dynamo: dict | None = None, loss_of=_hf_loss_of) -> dict:
     """One training step of ``make_model()`` on this rank's share, compiled with the CP group
-    (``dynamo``: Dynamo's config patched while it traces): the loss and gradients combined over
-    the ranks, and the report's lines."""
+    (``dynamo``: Dynamo's config patched while it traces; ``loss_of(compiled, local)``: how the
+    model is called and its loss computed): the loss and gradients combined over the ranks, and
+    the report's lines."""
     import cp_inductor
 
     cp_inductor.clear_report()
     model, compiled = _compiled(make_model, options)
     with torch._dynamo.config.patch(dynamo or {}):
-        loss, grads = _train_step(model, compiled, batch)
-    return {"loss": loss, "grads": grads, "lines": [r.line() for r in cp_inductor.report().varlen]}
+        loss, grads = _train_step(model, compiled, batch, loss_of)
+    return {"loss": loss, "grads": grads, "lines": _report_lines()}
 
 
 def fsdp_cp_steps(rank: int, cp: int, cases: list) -> list:
@@ -333,7 +336,7 @@ def fsdp_cp_steps(rank: int, cp: int, cases: list) -> list:
         (loss * cp).backward()
         out.append({"loss": cp_batch.combine_losses(loss).item(),
                     "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
-                    "lines": [r.line() for r in cp_inductor.report().varlen]})
+                    "lines": _report_lines()})
     return out
 
 
@@ -348,7 +351,7 @@ def cp_forwards(rank: int, cp: int, cases: list) -> list:
         _, compiled = _compiled(make_model, *options)
         with torch.no_grad():
             loss = cp_batch.combine_losses(_loss(compiled(**cp_batch.shard_batch(batch)))).item()
-        out.append({"loss": loss, "lines": [r.line() for r in cp_inductor.report().varlen]})
+        out.append({"loss": loss, "lines": _report_lines()})
     return out
 
 
