@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from unittest import mock
 
 import pytest
 import torch
@@ -196,16 +197,6 @@ ring_in_graph = ring_in_graph(transpose, transpose_1, transpose_2, cp_query_posi
         assert collective_cse.wanted(_LAST["gm"], [], snapshot({}))
         self.assertExpectedInline(_rewritten(_attention, q, k, k.clone(), batch=plain, **ring).splitlines()[-1], """\
 ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, cp_doc_ids, True, 0, 2, cp, 0.3535533905932738)""")
-
-    def test_ring_not_offered_off_the_cpu_yet(self):
-        """Its one GPU run failed to compile (docs/passes/context_parallel.md): off the CPU the
-        ring is not offered, with the reason a forced ring's fallback to the all-gather reports."""
-        from cp_inductor.batch_layout import BatchShard
-        from cp_inductor.passes.dynamo.context_parallel import _ring_why_not
-
-        places = torch.arange(16, device="meta")[None]
-        shard = BatchShard(2, 0, "cp", places, places[:, :8], places)
-        self.assertEqual(_ring_why_not(None, None, shard), "not offered on meta yet (its one GPU run failed to compile)")
 
     def test_ring_on_a_pack_goes_to_the_allgather(self):
         """On a pack a row is cut per document, not in the ring's two pieces: the forced ring is
@@ -409,6 +400,35 @@ def test_wrong_tables_fail_in_the_compiled_step():
             compiled(q, k, k.clone(), torch.zeros_like(local), local.clone(), local)
     torch._dynamo.reset()
     cp_inductor.clear_report()
+
+
+def test_the_layout_inputs_bring_no_symbol_of_their_own():
+    """The inputs the pass adds (where each token sits) reach AOTAutograd sized by the batch
+    input. Given as real tensors, AOTAutograd made symbols of their sizes that Dynamo cannot
+    name in a guard: the first guard on one (Inductor's 32-bit index check, at T64K on a GPU)
+    failed the compile in Dynamo's guard building."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    made = []
+    create_symbol = ShapeEnv.create_symbol
+
+    def recording(self, val, source, *args, **kwargs):
+        name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", "")
+        made.append(str(name))
+        return create_symbol(self, val, source, *args, **kwargs)
+
+    q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+    with fake_pg(2, 0) as group, torch.no_grad(), mock.patch.object(ShapeEnv, "create_symbol", recording):
+        local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long), "position_ids": POSITIONS},
+                            group)["position_ids"]
+        compiled = torch.compile(_attention, backend="cp_inductor",
+                                 options={"cp_inductor.context_parallel": group.group_name})
+        compiled(q, k, k.clone(), local)
+        lines = [r.line() for r in cp_inductor.report().varlen]
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    assert lines and all("context-parallel attention" in line for line in lines), lines
+    assert made and not [name for name in made if "unknown_tensor" in name], made
 
 
 def test_ulysses_call_is_one_round_per_document():

@@ -435,10 +435,6 @@ def _ring_why_not(site: Site | None, semantics: Semantics, shard: BatchShard) ->
     a mask over documents where this batch has one per row) held as each rank's two pieces of
     ``2cp``, the layout ``shard_batch`` gives a row of one document (both checked on device in
     every step: a later batch may be packed)."""
-    if shard.query_positions.device.type != "cpu":
-        # its one GPU run (one H100, torch 2.11, fake group) failed in Dynamo's guards
-        # (IndexError in produce_guards) before a step ran; not diagnosed, so not offered there
-        return f"not offered on {shard.query_positions.device.type} yet (its one GPU run failed to compile)"
     if site is None:
         return "a varlen call's documents (the ring attends over whole rows)"
     if site.body is not None:
@@ -606,6 +602,10 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     semantics = [(site, args, *_semantics(site, args, positions)) for site, args in checked]
     packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
     inputs = _add_inputs(gm, shard, batch_input)
+    # AOTAutograd fakes a real input Dynamo did not see with sizes of its own, symbols no
+    # guard can name (Inductor's 32-bit index check guarded one at T64K on a GPU, and Dynamo
+    # failed to build the guards): it gets the fakes sized by the batch input instead
+    added_examples = [value(n) for n in inputs]
     id_tables = tuple({c.ids: None for *_, c in semantics if c.ids is not None})
     position_tables = tuple({c.positions: None for *_, c in semantics if c.positions is not None})
     if id_tables or position_tables:  # tables the graph takes in, read as documents: checked first
@@ -647,7 +647,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     for module in modules:
         module.graph.lint()
         module.recompile()
-    return gm, [*example_inputs, *shard.inputs()], _supplier(index, shard.group_name)
+    return gm, [*example_inputs, *added_examples], _supplier(index, shard.group_name)
 
 
 def _check_varlen(call: varlen_calls.VarlenCall, rows, tokens) -> Semantics:
