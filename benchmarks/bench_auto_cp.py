@@ -14,8 +14,8 @@ The styles are compiled first, then timed in alternating rounds (``--rounds`` x 
     python benchmarks/bench_auto_cp.py --level attention --cp 2 4 8 --tokens 65536 --docs 1 16 --json out.json
     python benchmarks/bench_auto_cp.py --level attention --docs 1 --styles allgather ulysses ring
 
-(The pass offers the ring on the CPU only for now, docs/passes/context_parallel.md: on a GPU a
-forced ring runs as the all-gather, its ``chosen`` column says so, and no ring row results.)
+(The ring takes rows of one document only: ``--docs 1``. ``auto`` does not price it yet,
+docs/passes/context_parallel.md.)
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ PARTS = ("forward", "backward")
 
 
 def key(gm: torch.fx.GraphModule, example_inputs, cfg, mode, options) -> str:
-    from .lowerings.cudnn_backward import unavailable
+    from .lowerings.cudnn_backward import frontend_fingerprint
     from .lowerings.fa4_attention import installed as fa4_installed
     from .passes.hook_pass import source_hash
 
@@ -45,7 +45,7 @@ def key(gm: torch.fx.GraphModule, example_inputs, cfg, mode, options) -> str:
     # graph only names them
     code = "\x01".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
     parts = [code, repr(inputs), cfg.digest(), source_hash(), torch.__version__, repr(mode),
-             repr(sorted((k, repr(v)) for k, v in (options or {}).items())), repr(unavailable() is None),
+             repr(sorted((k, repr(v)) for k, v in (options or {}).items())), frontend_fingerprint(),
              repr(fa4_installed())]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 

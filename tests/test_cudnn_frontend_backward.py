@@ -147,3 +147,28 @@ class DirectCallTest(TestCase):
     def test_other_devices_keep_the_dispatcher(self):
         self.assertExpectedInline(str(self.lines_calling_the_op(direct=False)),
                                   """['buf0 = torch.ops.cp_inductor.cudnn_attention_backward.default']""")
+
+
+def test_the_cache_keys_do_not_import_the_frontend(tmp_path, monkeypatch):
+    """Inductor's cache key (our hooks' uuid) and the report's are computed on every compile,
+    before a restarted job's cache hit: they read the frontend's version, not the frontend (its
+    import loads cuDNN's libraries, a cost default Inductor does not pay on a restart)."""
+    from cp_inductor import report_cache
+    from cp_inductor.lowerings import cudnn_backward
+    from cp_inductor.passes.hook_pass import CPGraphPass
+
+    package = tmp_path / "cudnn"
+    package.mkdir()
+    imported = tmp_path / "imported"
+    (package / "__init__.py").write_text(f"open({str(imported)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cudnn_backward.frontend_fingerprint.cache_clear()
+    try:
+        assert cudnn_backward.frontend_fingerprint() == f"cudnn at {package / '__init__.py'}"
+        CPGraphPass("post_grad", lambda *a: None, snapshot()).uuid()
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)
+        report_cache.key(gm, [torch.zeros(2)], snapshot(), "default", {})
+        assert not imported.exists()
+    finally:
+        cudnn_backward.frontend_fingerprint.cache_clear()

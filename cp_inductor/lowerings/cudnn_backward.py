@@ -62,6 +62,26 @@ def unavailable() -> str | None:
     return None
 
 
+@functools.cache
+def frontend_fingerprint() -> str:
+    """What :func:`unavailable` depends on, read without importing the frontend: the caches'
+    keys ask on every compile, before a restarted job's cache hit, and the frontend's import
+    (it loads cuDNN's libraries) is a restart's cost that default Inductor does not pay. The
+    same version gives the same answer from :func:`unavailable`."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("cudnn")
+    if spec is None:
+        return "no cuDNN frontend"
+    try:
+        return f"nvidia-cudnn-frontend {importlib.metadata.version('nvidia-cudnn-frontend')}"
+    except importlib.metadata.PackageNotFoundError:  # installed another way: where it lives
+        return f"cudnn at {spec.origin}"
+
+
 # One cuDNN graph per (dtype, scale, causal, determinism, every operand's shape and strides),
 # built on first use.
 _plans: dict[tuple, Plan] = {}

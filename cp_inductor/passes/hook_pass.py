@@ -56,12 +56,13 @@ class CPGraphPass(CustomGraphPass):
         if None in user:
             # A pass without a uuid makes the graph uncacheable; keep Inductor's behaviour.
             return None  # type: ignore[return-value]
-        from ..lowerings.cudnn_backward import unavailable
+        from ..lowerings.cudnn_backward import frontend_fingerprint
         from ..lowerings.fa4_attention import installed as fa4_installed
 
-        # Whether the cuDNN frontend can run changes the backward graph (cudnn_frontend_backward);
+        # Whether the cuDNN frontend can run changes the backward graph (cudnn_frontend_backward:
+        # its version, read without its import);
         # whether FA4 is installed, which ops the attention provider puts in (a graph cached with
         # FA4's ops must not be served where FA4 is gone).
-        parts = [self.hook, source_hash(), self.cfg.digest(), repr(user), repr(unavailable() is None),
+        parts = [self.hook, source_hash(), self.cfg.digest(), repr(user), frontend_fingerprint(),
                  repr(fa4_installed())]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
