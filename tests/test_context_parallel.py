@@ -418,15 +418,17 @@ def test_the_layout_inputs_bring_no_symbol_of_their_own():
         return create_symbol(self, val, source, *args, **kwargs)
 
     q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
-    with fake_pg(2, 0) as group, torch.no_grad(), mock.patch.object(ShapeEnv, "create_symbol", recording):
-        local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long), "position_ids": POSITIONS},
-                            group)["position_ids"]
-        compiled = torch.compile(_attention, backend="cp_inductor",
-                                 options={"cp_inductor.context_parallel": group.group_name})
-        compiled(q, k, k.clone(), local)
-        lines = [r.line() for r in cp_inductor.report().varlen]
-    torch._dynamo.reset()
-    cp_inductor.clear_report()
+    try:
+        with fake_pg(2, 0) as group, torch.no_grad(), mock.patch.object(ShapeEnv, "create_symbol", recording):
+            local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long),
+                                 "position_ids": POSITIONS}, group)["position_ids"]
+            compiled = torch.compile(_attention, backend="cp_inductor",
+                                     options={"cp_inductor.context_parallel": group.group_name})
+            compiled(q, k, k.clone(), local)
+            lines = [r.line() for r in cp_inductor.report().varlen]
+    finally:
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
     assert lines and all("context-parallel attention" in line for line in lines), lines
     assert made and not [name for name in made if "unknown_tensor" in name], made
 

@@ -153,16 +153,28 @@ def test_the_cache_keys_do_not_import_the_frontend(tmp_path, monkeypatch):
     """Inductor's cache key (our hooks' uuid) and the report's are computed on every compile,
     before a restarted job's cache hit: they read the frontend's version, not the frontend (its
     import loads cuDNN's libraries, a cost default Inductor does not pay on a restart)."""
+    import importlib.metadata
+    import sys
+
     from cp_inductor import report_cache
     from cp_inductor.lowerings import cudnn_backward
     from cp_inductor.passes.hook_pass import CPGraphPass
+
+    def asked():  # the import's way in (cached per process, so replaced rather than cleared)
+        raise AssertionError("cudnn_backward.unavailable() asked")
+
+    def no_distribution(name):
+        raise importlib.metadata.PackageNotFoundError(name)
 
     package = tmp_path / "cudnn"
     package.mkdir()
     imported = tmp_path / "imported"
     (package / "__init__.py").write_text(f"open({str(imported)!r}, 'w').close()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cudnn", raising=False)  # a machine with the frontend imported
+    monkeypatch.setattr(importlib.metadata, "version", no_distribution)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cudnn_backward, "unavailable", asked)
     cudnn_backward.frontend_fingerprint.cache_clear()
     try:
         assert cudnn_backward.frontend_fingerprint() == f"cudnn at {package / '__init__.py'}"
