@@ -15,7 +15,7 @@
 #   models:   HF Llama T16K, sdpa then flex_attention, packed and plain, every arm (eager included)
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
 #             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
-#   restart:  a restarted job's first call (warm caches) on CUDA, none and a2a, FA4's disk cache on and off
+#   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP)
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -71,12 +71,9 @@ no-break)
   timeout 330 python3 bench_hf_masks.py --impl flex_attention --tokens 16384 --docs 8 1 --iters 8 \
     --arms inductor,inductor_no_break,cp_inductor,floor --json "$out/hf_flex_no_break_t16k.json" 2>&1 | filter \
     | tee "$out/hf_flex_no_break_t16k.log" | tail -14 ;;
-restart)
-  for fa4 in on off; do
-    timeout 270 python3 bench_compile_time.py --restart --device cuda --layers 4 --styles none a2a --repeats 2 \
-      $([ $fa4 = off ] && echo --no-fa4-cache) --json "$out/compile_restart_cuda_fa4_$fa4.json" 2>&1 | filter \
-      | tee "$out/compile_restart_cuda_fa4_$fa4.log" | tail -4
-  done ;;
+restart)  # none alone: each row's cold fills compile Triton kernels (a2a's did not fit 300 s)
+  timeout "${RESTART_S:-540}" python3 bench_compile_time.py --restart --device cuda --layers 4 --styles ${STYLES:-none} \
+    --repeats "${REPEATS:-2}" --json "$out/compile_restart_cuda.json" 2>&1 | filter | tee "$out/compile_restart_cuda.log" | tail -4 ;;
 hf-sdpa) hf sdpa 560 ;;
 graphs)
   timeout 330 python3 bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 1 --iters 10 --capacity 32 \
