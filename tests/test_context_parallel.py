@@ -62,6 +62,23 @@ class TestLayout(TestCase):
         with fake_pg(2) as group, pytest.raises(ValueError, match="drop attention_mask"):
             shard_batch(batch, group)
 
+    def test_a_block_mask_made_before_the_model_is_refused(self):
+        """torchtitan builds its flex BlockMask from the full batch before the model runs; flex
+        would refuse it on this rank's shorter rows when the model is traced, and no mask over
+        the rank's tokens alone is the model's answer: refused, with what to do."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ids = document_ids(POSITIONS)
+
+        def documents(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+        block_mask = create_block_mask(documents, 1, None, 16, 16, device="cpu")
+        batch = {**auto_cp.packed_batch([6, 8, 2]), "attention_masks": {"full": block_mask}}
+        with fake_pg(2) as group, pytest.raises(ValueError, match="'attention_masks' holds a flex BlockMask made "
+                                                                  "before the model, for the full batch's 16 tokens"):
+            shard_batch(batch, group)
+
     def test_padding_is_refused(self):
         batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
         with fake_pg(2) as group, pytest.raises(ValueError, match="no padding"):

@@ -28,6 +28,8 @@ the compiled model beside each per-token tensor returned: the backend's context-
 finds it through whichever of them the model reads and hands it to the graph as inputs, so every
 step's batch may be packed differently without a recompile. A model called with tensors not made
 here has no layout: the compiled CP program refuses it (it cannot know where the tokens sit).
+A flex BlockMask in the batch (torchtitan builds one from the full batch before the model runs)
+is refused: build it in the model from the positions returned here.
 """
 
 from __future__ import annotations
@@ -75,6 +77,17 @@ def plan_places(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).transpose(0, 1).contiguous()
 
 
+def _block_masks(value) -> bool:
+    """Whether ``value`` is, or holds in a dict, list or tuple, a flex BlockMask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(value, BlockMask):
+        return True
+    if isinstance(value, dict):
+        return any(_block_masks(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_block_masks(v) for v in value)
+
+
 def _per_token(value, batch_size: int, tokens: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch_size, tokens)
 
@@ -119,6 +132,15 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     for key, value in full.items():
         if key == "attention_mask":
             continue  # all ones: the documents, not a padding mask, say what attends to what
+        if _block_masks(value):
+            # flex checks a BlockMask's lengths against q and k when the model is traced: one
+            # made for the full rows fails there, and a mask over this rank's tokens alone would
+            # be another answer than the model's
+            raise ValueError(
+                f"shard_batch: {key!r} holds a flex BlockMask made before the model, for the full batch's {tokens} "
+                f"tokens; this rank's model sees {tokens // cp}. Build it in the model from the positions shard_batch "
+                "returns (as HF transformers does; the context-parallel pass reads it there): a BlockMask made "
+                "before the model is not sharded yet")
         if _per_token(value, size, tokens):
             index = mine.view(size, -1, *([1] * (value.dim() - 2))).expand(size, -1, *value.shape[2:])
             out[key] = value.gather(1, index.to(value.device))
