@@ -419,7 +419,8 @@ def test_wrong_tables_fail_in_the_compiled_step():
     cp_inductor.clear_report()
 
 
-def test_the_layout_inputs_bring_no_symbol_of_their_own():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_layout_inputs_bring_no_symbol_of_their_own(dynamic):
     """The inputs the pass adds (where each token sits) reach AOTAutograd sized by the batch
     input. Given as real tensors, AOTAutograd made symbols of their sizes that Dynamo cannot
     name in a guard: the first guard on one (Inductor's 32-bit index check, at T64K on a GPU)
@@ -439,7 +440,7 @@ def test_the_layout_inputs_bring_no_symbol_of_their_own():
         with fake_pg(2, 0) as group, torch.no_grad(), mock.patch.object(ShapeEnv, "create_symbol", recording):
             local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long),
                                  "position_ids": POSITIONS}, group)["position_ids"]
-            compiled = torch.compile(_attention, backend="cp_inductor",
+            compiled = torch.compile(_attention, backend="cp_inductor", dynamic=dynamic,
                                      options={"cp_inductor.context_parallel": group.group_name})
             compiled(q, k, k.clone(), local)
             lines = [r.line() for r in cp_inductor.report().varlen]
