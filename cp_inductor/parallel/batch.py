@@ -78,14 +78,14 @@ def plan_places(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 def _block_masks(value) -> bool:
-    """Whether ``value`` is, or holds in a dict, list or tuple, a flex BlockMask."""
+    """Whether ``value`` is, or holds in any container pytree knows, a flex BlockMask."""
+    import torch.utils._pytree as pytree
     from torch.nn.attention.flex_attention import BlockMask
 
-    if isinstance(value, BlockMask):
-        return True
-    if isinstance(value, dict):
-        return any(_block_masks(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_block_masks(v) for v in value)
+    def block_mask(x) -> bool:
+        return isinstance(x, BlockMask)
+
+    return any(block_mask(x) for x in pytree.tree_leaves(value, is_leaf=block_mask))
 
 
 def _per_token(value, batch_size: int, tokens: int) -> bool:

@@ -59,10 +59,9 @@ class CPGraphPass(CustomGraphPass):
         from ..lowerings.cudnn_backward import frontend_fingerprint
         from ..lowerings.fa4_attention import installed as fa4_installed
 
-        # Whether the cuDNN frontend can run changes the backward graph (cudnn_frontend_backward:
-        # its version, read without its import);
-        # whether FA4 is installed, which ops the attention provider puts in (a graph cached with
-        # FA4's ops must not be served where FA4 is gone).
+        # Whether the cuDNN frontend can run changes the backward graph (cudnn_frontend_backward;
+        # its version, read without its import); whether FA4 is installed, which ops the attention
+        # provider puts in (a graph cached with FA4's ops must not be served where FA4 is gone).
         parts = [self.hook, source_hash(), self.cfg.digest(), repr(user), frontend_fingerprint(),
                  repr(fa4_installed())]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
