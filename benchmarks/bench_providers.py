@@ -13,6 +13,10 @@ alternating providers over rounds in one process, median fwd+bwd ms of:
 
 Each row is also checked: every provider's output and gradients against the first provider's
 (relative error printed). ``--map`` writes what ``passes/analysis/attention_provider.py`` reads.
+
+``--split`` (``thd`` only) times each direction apart instead: the forward of cuDNN's ragged op
+and of FA4's varlen op, and each one's backward fed by either forward (the lse transposed between
+their layouts), to price a forward of one provider with the backward of the other.
 """
 
 from __future__ import annotations
@@ -79,6 +83,58 @@ def measure(inputs, calls, rounds, iters):
     return {n: statistics.median(ms) for n, ms in medians.items()}, errors
 
 
+def split_directions(tokens, heads_kv, head_dim, causal, rounds, iters):
+    """Forward and backward of each thd provider timed apart; each backward from each forward."""
+    import cp_inductor.lowerings.fa4_attention  # noqa: F401
+
+    lengths = pack_lengths("thd", tokens, head_dim)
+    q, k, v, cu, m = vp.pack(lengths, HQ, heads_kv, head_dim, dtype=torch.bfloat16, device="cuda", seed=len(lengths))
+    scale, ops = head_dim ** -0.5, torch.ops.cp_inductor
+    forward = {"cudnn": lambda: ops.varlen_attention(q, k, v, cu, cu, m, m, scale, causal),
+               "fa4": lambda: ops.fa4_varlen_attention(q, k, v, cu, cu, None, m, m, scale, causal)}
+    saved = {"cudnn": forward["cudnn"](), "fa4": forward["fa4"]()}
+    grad = torch.randn_like(q)
+
+    def lse_for(backward: str, made_by: str):  # cuDNN's lse is [T, H], FA4's [H, T]
+        lse = saved[made_by][1]
+        return lse if backward == made_by else lse.transpose(0, 1).contiguous()
+
+    def backward(name: str, made_by: str):
+        out, lse = saved[made_by][0], lse_for(name, made_by)
+        if name == "cudnn":
+            return lambda: ops.varlen_attention_backward(grad, q, k, v, out, lse, cu, cu, m, m, scale, causal)
+        return lambda: ops.fa4_varlen_attention_backward(grad, None, q, k, v, out, lse, cu, cu, None, m, m, scale, causal)
+
+    arms = {f"fwd_{n}": f for n, f in forward.items()}
+    arms.update({f"bwd_{b}_from_{f}": backward(b, f) for b in forward for f in forward})
+    want = arms["bwd_fa4_from_fa4"]()
+    errors = {n: max(rel(x, y) for x, y in zip(arms[n](), want)) for n in arms if n.startswith("bwd")}
+    errors["fwd"] = rel(saved["cudnn"][0], saved["fa4"][0])
+    medians = alternating_rounds(list(arms), rounds, lambda n: [device_ms(arms[n], iters, warmup=2)])
+    return {n: statistics.median(ms) for n, ms in medians.items()}, errors, lengths
+
+
+def main_split(a) -> int:
+    rows = []
+    for head_dim in a.head_dims:
+        for heads_kv in a.kv_heads:
+            for causal in (True, False):
+                for tokens in a.tokens:
+                    ms, errors, lengths = split_directions(tokens, heads_kv, head_dim, causal, a.rounds, a.iters)
+                    pairs = {f"{f}+{b}": ms[f"fwd_{f}"] + ms[f"bwd_{b}_from_{f}"] for f in ("cudnn", "fa4") for b in ("cudnn", "fa4")}
+                    rows.append({"layout": "thd", "tokens": tokens, "heads_q": HQ, "heads_kv": heads_kv, "head_dim": head_dim,
+                                 "causal": causal, "ms": ms, "pairs_ms": pairs, "rel_err": errors, "lengths": lengths})
+                    best = min(pairs, key=pairs.get)
+                    print(f"T{tokens} Hkv{heads_kv} D{head_dim} {'causal' if causal else 'full'}: "
+                          + " ".join(f"{n} {t:.3f}" for n, t in ms.items()) + " | "
+                          + " ".join(f"{n} {t:.3f}" for n, t in pairs.items())
+                          + f" | best {best}, fa4+fa4 / best {pairs['fa4+fa4'] / pairs[best]:.3f}, max rel err "
+                          f"{max(errors.values()):.1e}", flush=True)
+                    torch.cuda.empty_cache()
+                    write_rows(a.json, a, rows)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", nargs="+", default=["thd", "dense"], choices=["thd", "dense"])
@@ -89,8 +145,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--map", help="write (merge into) the cost map the backend reads")
+    ap.add_argument("--split", action="store_true", help="each direction apart, and mixed forward/backward pairs")
     a = ap.parse_args()
     print(f"filled {fill_free_memory(0.3):.0f} GiB with random values")
+    if a.split:
+        return main_split(a)
     build = {"thd": thd_providers, "dense": dense_providers}
     rows = []
     print(f"{'layout':>6} {'T':>6} {'Hkv':>3} {'D':>3} {'mask':>6} | {'program':>8} {'cudnn':>8} {'fa4':>8} | best  program/best  max rel err")

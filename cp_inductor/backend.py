@@ -49,23 +49,55 @@ def trace_over_warnings() -> bool:
     the BlockMask gets graphs of its own every step, and its T x T mask stays alive though
     document_mask lowered the flex calls that read it (inside the step's graph it is dead code).
     Dynamo has no per-backend setting for this, so it is process-wide from the moment
-    torch.compile looks this backend up. Left off where torch's compile-metrics logger cannot
-    write the setting out (torch 2.11: an exception logged at every compile), unless
-    ``CP_INDUCTOR_TRACE_OVER_WARNINGS=1`` asks for it there too.
+    torch.compile looks this backend up. Where torch's compile-metrics logger cannot write the
+    setting out (torch 2.11 writes every Dynamo setting as JSON, and a function is not JSON: an
+    exception logged at every compile), the logger is handed the settings without this entry.
     """
     setting = os.environ.get(TRACE_OVER_WARNINGS_ENV, "").strip().lower()
     ignored = torch._dynamo.config.ignore_logging_functions
     if setting in ("0", "false", "off", "no"):
         return warnings.warn in ignored  # (the program's own setting stands)
     ignored.add(warnings.warn)
-    if setting in ("1", "true", "on", "yes"):
+    if _settings_log_written():
         return True
+    _log_settings_without_warn()
+    if _settings_log_written() or setting in ("1", "true", "on", "yes"):
+        return True
+    ignored.discard(warnings.warn)  # the logger fails on something else too: leave torch's behaviour
+    return False
+
+
+def _settings_log_written() -> bool:
+    log = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
     try:
-        torch._dynamo.utils._get_dynamo_config_for_logging()
-    except TypeError:  # its list of settings not to write misses this one
-        ignored.discard(warnings.warn)
+        if log is not None:
+            log()
+    except TypeError:
         return False
     return True
+
+
+def _log_settings_without_warn() -> None:
+    """Wrap the compile-metrics logger's reader of Dynamo's settings (looked up by name at every
+    compile) so that it reads them with ``warnings.warn`` left out of ``ignore_logging_functions``
+    for the moment of the read; compiles single-threaded, so nothing traces meanwhile."""
+    utils = torch._dynamo.utils
+    original = utils._get_dynamo_config_for_logging
+    if getattr(original, "leaves_out_warn", False):
+        return
+
+    def settings_without_warn():
+        ignored = torch._dynamo.config.ignore_logging_functions
+        if warnings.warn not in ignored:
+            return original()
+        ignored.discard(warnings.warn)
+        try:
+            return original()
+        finally:
+            ignored.add(warnings.warn)
+
+    settings_without_warn.leaves_out_warn = True  # type: ignore[attr-defined]
+    utils._get_dynamo_config_for_logging = settings_without_warn
 
 
 trace_over_warnings()

@@ -1,6 +1,8 @@
 """The backend as torch.compile sees it: entry point, mode/options, config, chained passes,
 cache key."""
 
+import functools
+import json
 import subprocess
 import sys
 
@@ -395,8 +397,8 @@ def test_a_warm_cache_without_the_stored_report_says_so(tmp_path, monkeypatch):
 def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
     """HF's flex BlockMask warns on every trace (backend.trace_over_warnings): the program stays one
     graph, the warning is not issued from compiled code, and CP_INDUCTOR_TRACE_OVER_WARNINGS=0
-    leaves torch's behaviour (a break at the warning), as does a torch whose compile-metrics
-    logger cannot write the setting out (2.11)."""
+    leaves torch's behaviour (a break at the warning). A compile-metrics logger that cannot write
+    the setting out (torch 2.11) reads the settings without it."""
     import warnings
 
     from torch._dynamo.utils import counters
@@ -417,21 +419,29 @@ def test_a_warning_in_the_program_does_not_break_the_graph(monkeypatch):
             torch.testing.assert_close(torch.compile(program, backend="cp_inductor")(x), x.sin().cos())
         return counters["stats"]["unique_graphs"], len(caught)
 
-    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")  # (on torch 2.11 it is off unless asked for)
+    monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")
     assert trace_over_warnings() and warnings.warn in torch._dynamo.config.ignore_logging_functions
     assert graphs_and_warnings() == (1, 0)
     monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", set())
     monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "0")
     assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
     assert graphs_and_warnings() == (2, 1)
-    # torch 2.11's compile-metrics logger cannot write the setting out: it stays off there,
-    # unless asked for
+    # torch 2.11's compile-metrics logger writes every setting as JSON: it is handed the settings
+    # without our entry, and writes them; one that fails on something else leaves it off
     monkeypatch.delenv(TRACE_OVER_WARNINGS_ENV)
 
-    def unwritable():
-        raise TypeError("Object of type builtin_function_or_method is not JSON serializable")
+    def as_json(also_unwritable=False):
+        settings = {"ignore_logging_functions": sorted(torch._dynamo.config.ignore_logging_functions, key=id),
+                    "another": [len] if also_unwritable else []}
+        return json.dumps(settings)
 
-    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", unwritable)
+    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", as_json)
+    assert trace_over_warnings() and warnings.warn in torch._dynamo.config.ignore_logging_functions
+    assert json.loads(torch._dynamo.utils._get_dynamo_config_for_logging())["ignore_logging_functions"] == []
+    assert warnings.warn in torch._dynamo.config.ignore_logging_functions
+    assert graphs_and_warnings() == (1, 0)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", set())
+    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", functools.partial(as_json, True))
     assert not trace_over_warnings() and not torch._dynamo.config.ignore_logging_functions
     monkeypatch.setenv(TRACE_OVER_WARNINGS_ENV, "1")
     assert trace_over_warnings() and warnings.warn in torch._dynamo.config.ignore_logging_functions

@@ -788,7 +788,7 @@ def test_flex_training_matches_single_device():
         import cp_inductor.backend  # noqa: F401 - its import decides, as in the ranks
 
         checked = ["checked on device" in line for got in results[0][2:] for line in got["lines"]]
-        one_graph = warnings.warn in torch._dynamo.config.ignore_logging_functions  # not on torch 2.11
+        one_graph = warnings.warn in torch._dynamo.config.ignore_logging_functions
         assert checked == [not one_graph] * 4 + [True] * 2 + [not one_graph] * 2, results[0][2:]  # two calls a step
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 

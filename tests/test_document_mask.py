@@ -984,7 +984,7 @@ def test_hf_llama_flex_compiled_forward():
             got = torch.compile(model, backend="cp_inductor", options=options)(**inputs, use_cache=False).logits
     lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
     assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
-    if warnings.warn in torch._dynamo.config.ignore_logging_functions:  # not on torch 2.11 (backend.trace_over_warnings)
+    if warnings.warn in torch._dynamo.config.ignore_logging_functions:  # (backend.trace_over_warnings)
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
         # the mask over T x T compares positions: nothing compares once the BlockMask is dead
         assert not {torch.ops.aten.eq.Tensor, torch.ops.aten.le.Tensor, torch.ops.aten.ge.Tensor} & set(kept), kept
