@@ -65,12 +65,20 @@ class Plain(torch.nn.Module):  # no CP: the same block with SDPA over the local 
 
 stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
 x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
+import os
+profile = os.environ.get("CP_BENCH_PROFILE")
+if profile:  # in the script, not `python -m cProfile`: that changes the globals Dynamo guards on
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
 start = time.perf_counter()  # before the backend's lookup: cp_inductor's imports its Inductor there
 fn = torch.compile(stack, backend=backend, fullgraph=True)
 fn(x).sum().backward()
 if device == "cuda":
     torch.cuda.synchronize()
-import os
+if profile:
+    profiler.disable()
+    profiler.dump_stats(profile)
 fa4_dir = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1" else None
 print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
                   "fa4_cached_files": sum(len(f) for _, _, f in os.walk(fa4_dir)) if fa4_dir else None,
@@ -80,9 +88,10 @@ print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pas
 
 
 def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
-               fa4_cache: bool = True) -> dict:
+               fa4_cache: bool = True, profile: str | None = None) -> dict:
     """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
-    (FA4's kernels too unless ``fa4_cache`` is False)."""
+    (FA4's kernels too unless ``fa4_cache`` is False); ``profile``: cProfile's stats of the timed
+    part written to that file."""
     if cache_dir is None:
         env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -91,9 +100,27 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         if not fa4_cache:
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
+    if profile:
+        env["CP_BENCH_PROFILE"] = profile
     out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def profiled(a, style: str, layers: int) -> None:
+    """One restart per backend under cProfile: each one's top functions by cumulative time."""
+    import pstats
+
+    os.makedirs(a.profile, exist_ok=True)
+    for backend in ("inductor", "cp_inductor"):
+        path = os.path.join(a.profile, f"{style}_{backend}.pstats")
+        with tempfile.TemporaryDirectory() as cache:
+            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache)
+            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path)["seconds"]
+        print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
+        stats = pstats.Stats(path)
+        stats.sort_stats("tottime").print_stats(15)
+        stats.sort_stats("cumulative").print_stats("cp_inductor/|_find_and_load|backends/registry", 25)
 
 
 def main() -> int:
@@ -104,6 +131,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--restart", action="store_true", help="time a restarted job's first call (warm caches)")
     ap.add_argument("--no-fa4-cache", action="store_true", help="--restart: FA4 compiles its kernels in every process")
+    ap.add_argument("--profile", metavar="DIR", help="--restart: one more restart per backend and style under "
+                    "cProfile (DIR/<style>_<backend>.pstats), its top functions printed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
@@ -130,6 +159,8 @@ def main() -> int:
             top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
             print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
+            if a.restart and a.profile:
+                profiled(a, style, layers)
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump({"args": vars(a), "rows": rows}, f, indent=1)
