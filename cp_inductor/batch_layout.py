@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 
 POSITION_KEYS = ("position_ids", "positions")  # the positions' names: HF transformers', torchtitan's
+# What a BlockMask shard_batch cut for this rank reads as its documents (``key_of``'s answer).
+BLOCK_MASK_DOCUMENTS = "block mask documents"
 
 
 @dataclass(frozen=True)

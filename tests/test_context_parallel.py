@@ -62,22 +62,82 @@ class TestLayout(TestCase):
         with fake_pg(2) as group, pytest.raises(ValueError, match="drop attention_mask"):
             shard_batch(batch, group)
 
-    def test_a_block_mask_made_before_the_model_is_refused(self):
-        """torchtitan builds its flex BlockMask from the full batch before the model runs; flex
-        would refuse it on this rank's shorter rows when the model is traced, and no mask over
-        the rank's tokens alone is the model's answer: refused, with what to do."""
+    def test_a_block_mask_made_before_the_model_is_cut(self):
+        """torchtitan builds its flex BlockMask from the full batch before the model runs (documents
+        from end-of-document tokens, and causal): the rank gets a BlockMask over its own tokens,
+        whose mask_mod reads its tokens' documents, and the layout's documents are the mask's."""
+        batch = auto_cp.titan_block_mask_batch([6, 8, 2])
+        block_mask = batch["attention_masks"]["full"]
+        assert "positions" not in batch
+        with fake_pg(2, rank=1) as group:
+            local = shard_batch(batch, group)
+            shard = shard_of(local["tokens"])
+        places = shard.query_positions[0]
+        assert torch.equal(shard.doc_ids, document_ids(POSITIONS))  # from the mask's table
+        assert torch.equal(local["positions"][0], places)  # the tokens' places: the model's rotary
+        rank_mask = local["attention_masks"]["full"]
+        assert rank_mask.seq_lengths == (8, 8)
+        dense = torch.nn.attention.flex_attention.create_mask(rank_mask.mask_mod, 1, 1, 8, 8)
+        full = torch.nn.attention.flex_attention.create_mask(block_mask.mask_mod, 1, 1, 16, 16)
+        # the full mask between the rank's own tokens (held in row order): what the rank's reads
+        same = document_ids(POSITIONS)[0, places]
+        want = (same[:, None] == same[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
+        assert torch.equal(dense[0, 0], want) and torch.equal(full[0, 0][places][:, places], want)
+
+    def test_a_table_over_the_tokens_with_positions_is_cut(self):
+        """torchtitan's other document mask_mod: ids ``[T]`` from positions that restart at 0,
+        read at the index alone, with the positions in the batch: the same layout as the
+        positions', and a BlockMask over the rank's tokens."""
+        from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+        positions = POSITIONS[0]
+        ids = torch.cumsum((positions == 0).int(), dim=0) - 1
+
+        def same_document(b, h, q_idx, kv_idx):
+            return ids[q_idx] == ids[kv_idx]
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        batch = {"tokens": torch.arange(16)[None], "positions": POSITIONS,
+                 "attention_masks": create_block_mask(and_masks(causal, same_document), 1, None, 16, 16, device="cpu")}
+        with fake_pg(2, rank=0) as group:
+            local = shard_batch(batch, group)
+            shard = shard_of(local["tokens"])
+        assert torch.equal(shard.doc_ids, document_ids(POSITIONS))
+        places = shard.query_positions[0]
+        dense = torch.nn.attention.flex_attention.create_mask(local["attention_masks"].mask_mod, 1, 1, 8, 8)
+        full = torch.nn.attention.flex_attention.create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
+        assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
+
+    def test_block_masks_that_are_not_cut(self):
+        """A BlockMask whose mask_mod is not documents / causal / a window, whose documents are
+        not runs of tokens, or whose documents are not where the batch's positions restart:
+        refused with the reason."""
         from torch.nn.attention.flex_attention import create_block_mask
 
+        batch = auto_cp.titan_block_mask_batch([6, 8, 2])
         ids = document_ids(POSITIONS)
+        split = ids.clone()
+        split[0, 14:] = 0  # the first document's id again, after the others
 
-        def documents(b, h, q_idx, kv_idx):
-            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        def prefix(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) | (kv_idx < 4)
 
-        block_mask = create_block_mask(documents, 1, None, 16, 16, device="cpu")
-        batch = {**auto_cp.packed_batch([6, 8, 2]), "attention_masks": {"full": block_mask}}
-        with fake_pg(2) as group, pytest.raises(ValueError, match="'attention_masks' holds a flex BlockMask made "
-                                                                  "before the model, for the full batch's 16 tokens"):
-            shard_batch(batch, group)
+        def documents_of(table):
+            return lambda b, h, q_idx, kv_idx: (table[b, q_idx] == table[b, kv_idx]) & (q_idx >= kv_idx)
+
+        cases = [({"attention_masks": create_block_mask(prefix, 1, None, 16, 16, device="cpu")},
+                  "not a document, causal or sliding-window mask"),
+                 ({"attention_masks": create_block_mask(documents_of(split), 1, None, 16, 16, device="cpu")},
+                  "one id in separate runs"),
+                 ({"attention_masks": create_block_mask(documents_of(ids), 1, None, 8, 8, device="cpu")},
+                  r"a BlockMask over \(8, 8\) tokens in a batch of 16"),
+                 ({"positions": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])},
+                  "not where the batch's positions restart")]
+        for change, reason in cases:
+            with fake_pg(2) as group, pytest.raises(ValueError, match=reason):
+                shard_batch({**batch, **change}, group)
 
     def test_padding_is_refused(self):
         batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
@@ -353,6 +413,34 @@ document_shard_attention_default = document_shard_attention(q_1, all_gather_tens
         self.assertExpectedInline("\n".join(line for line in summary.splitlines() if "document" in line), """\
 document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
 document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_17, cp_doc_ids, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
+
+    def test_a_block_mask_cut_by_shard_batch(self):
+        """torchtitan's BlockMask made before the model, as shard_batch hands it over: its mask_mod
+        reads the rank's documents, which the graph takes in as the layout's own (no device
+        check): the same gathered shard attention; nothing reads the BlockMask any more."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        batch = auto_cp.titan_block_mask_batch([6, 8, 2])
+
+        def titan(q, k, v, positions, attention_masks):
+            return flex_attention(*_rotated(q, k, v, positions), block_mask=attention_masks["full"], enable_gqa=True)
+
+        def backend(gm, example_inputs):
+            gm, example_inputs, supply = engine.run_input_passes(gm, example_inputs, snapshot({"context_parallel": name}))
+            _LAST["gm"] = gm
+            return supply(gm.forward)
+
+        with fake_pg(2, 0) as group, torch.no_grad():  # (torch has no flex backward on CPU)
+            name = group.group_name
+            local = shard_batch(batch, group)
+            torch.compile(titan, backend=backend)(q, k, k.clone(), local["positions"], local["attention_masks"])
+        code = _LAST["gm"].code
+        self.assertNotIn("flex_attention", code)
+        self.assertNotIn("ids_checked", code)
+        self.assertExpectedInline("\n".join(line for line in _summary(_LAST["gm"], name).splitlines() if "document" in line), """\
+document_shard_plan_default = document_shard_plan(cp_doc_ids, cp_query_positions, cp_key_positions, False, True)
+document_shard_attention_default = document_shard_attention(query, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, cp_doc_ids, cp_query_positions, cp_key_positions, 0.35355339059327373, True)""")
 
 
 def _flex_over(mask_mod, q, k, v):
@@ -752,6 +840,33 @@ def test_torchtitan_names_match_single_device():
             err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
             assert err < 1e-4, (name, err, got["lines"])
     assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
+
+
+def test_torchtitan_block_mask_training_matches_single_device():
+    """torchtitan's flex training batch: a BlockMask made by the trainer from the full batch
+    (documents from end-of-document tokens, causal; and with a sliding window shorter than the
+    documents), no positions, the model called ``model(tokens, attention_masks=...,
+    positions=...)`` with what shard_batch returns: through the all-gather and Ulysses at cp 2,
+    each the single-device step (the same BlockMask's mask_mod made dense, through SDPA: torch
+    has no CPU flex backward)."""
+    cases = [(functools.partial(auto_cp.decoder, "flex_given", titan_named=True),
+              functools.partial(auto_cp.titan_block_mask_batch, [6, 10, 8, 8], rows=2, window=window), options)
+             for window, options in ((-1, None), (-1, ULYSSES), (3, None))]
+    results = run_on_ranks(auto_cp.titan_flex_steps, 2, cases)
+    for (make, make_batch, _), got in zip(cases, results[0]):
+        batch = make_batch()
+        model = functools.partial(auto_cp.decoder, "dense_given", titan_named=True)()
+        targets = cp_batch.shift_labels(batch["labels"])
+        want_loss = auto_cp.titan_loss(model(batch["tokens"], attention_masks=batch["attention_masks"]), targets,
+                                       (targets != cp_batch.IGNORE_INDEX).sum())
+        want_loss.backward()
+        assert abs(got["loss"] - want_loss.item()) <= 1e-4 * abs(want_loss.item()), (got["loss"], want_loss.item())
+        for name, p in model.named_parameters():
+            err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
+            assert err < 1e-4, (name, err, got["lines"])
+        assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
+    assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
+    assert all("keys from q-3" in line for line in results[0][2]["lines"]), results[0][2]["lines"]
 
 
 def test_flex_training_matches_single_device():

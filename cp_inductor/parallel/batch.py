@@ -28,16 +28,29 @@ the compiled model beside each per-token tensor returned: the backend's context-
 finds it through whichever of them the model reads and hands it to the graph as inputs, so every
 step's batch may be packed differently without a recompile. A model called with tensors not made
 here has no layout: the compiled CP program refuses it (it cannot know where the tokens sit).
-A flex BlockMask in the batch (torchtitan builds one from the full batch before the model runs)
-is refused: build it in the model from the positions returned here.
+
+A flex BlockMask in the batch (torchtitan builds one from the full batch before the model runs,
+and hands it to the model as ``attention_masks``) is cut too, where its mask_mod is one the
+context-parallel pass knows: documents read from a table of the full batch (``[B, T]`` or
+``[T]``, each document one run of tokens), causal or not, a sliding window or not. Its documents
+are then the batch's (any positions the batch has must agree, or step by one through each row),
+and the model gets a BlockMask over this rank's tokens whose mask_mod reads this rank's document
+ids: flex checks a BlockMask's lengths against q and k when the model is traced. That mask means
+the full one only to the compiled CP program (the pass replaces the flex call by the CP
+attention over the full rows); run without it, it would attend within this rank's tokens alone.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
-from ..batch_layout import POSITION_KEYS, BatchShard, group_of, remember
+from ..batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, group_of, remember
 from .thd_allgather import plan_pack
 
 IGNORE_INDEX = -100  # HF transformers' label of a token that is not predicted
@@ -77,15 +90,94 @@ def plan_places(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).transpose(0, 1).contiguous()
 
 
-def _block_masks(value) -> bool:
-    """Whether ``value`` is, or holds in any container pytree knows, a flex BlockMask."""
-    import torch.utils._pytree as pytree
+def _is_block_mask(x) -> bool:
     from torch.nn.attention.flex_attention import BlockMask
 
-    def block_mask(x) -> bool:
-        return isinstance(x, BlockMask)
+    return isinstance(x, BlockMask)
 
-    return any(block_mask(x) for x in pytree.tree_leaves(value, is_leaf=block_mask))
+
+def _block_masks(value) -> list:
+    """The flex BlockMasks ``value`` is or holds in any container pytree knows."""
+    return [x for x in pytree.tree_leaves(value, is_leaf=_is_block_mask) if _is_block_mask(x)]
+
+
+@dataclass(frozen=True)
+class MaskMeaning:
+    """What a BlockMask made for the full batch computes, as the context-parallel pass reads it."""
+
+    doc_ids: torch.Tensor | None  # [B, T] int64, each document one run; None: one document per row
+    causal: bool
+    window: int  # keys from q - window on, -1: none
+
+
+def block_mask_meaning(mask, size: int, tokens: int) -> MaskMeaning:
+    """What ``mask`` (a BlockMask over the full batch) computes; raises ValueError with the reason
+    where it is not documents / causal / a window the pass takes."""
+    from ..passes.analysis import mask_analysis, mask_graph
+
+    if tuple(mask.seq_lengths) != (tokens, tokens):
+        raise ValueError(f"a BlockMask over {tuple(mask.seq_lengths)} tokens in a batch of {tokens}")
+    traced = mask_graph.trace_python_mask_mod(mask.mask_mod, mask.kv_num_blocks.device)
+    if isinstance(traced, str):
+        raise ValueError(f"its mask_mod cannot be read: {traced}")
+    try:
+        facts = mask_analysis.analyze_mask_mod(traced)
+    except mask_analysis.NotAMask as e:
+        raise ValueError(f"its mask_mod is not a document, causal or sliding-window mask: {e}") from None
+    if facts.positions is not None or facts.mapped or facts.bound:
+        raise ValueError(f"its mask_mod ({facts.describe()}) is not taken yet: documents read from a table at the "
+                         "query and key index, causal or not, with or without a sliding window, are")
+    if facts.doc_ids is None:
+        if not facts.causal and facts.window < 0:
+            raise ValueError("it attends everywhere (no documents, not causal): pass no mask")
+        return MaskMeaning(None, facts.causal, facts.window)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    table = traced.leaves[placeholders.index(facts.doc_ids)] if facts.doc_ids in placeholders else None
+    if table is None:
+        raise ValueError("its mask_mod computes its document ids itself: documents read from a table are taken")
+    table = table.detach().cpu().long()
+    if table.dim() == 1 or (table.dim() == 2 and table.shape[0] == 1):
+        table = table.reshape(1, -1).expand(size, -1)
+    if tuple(table.shape) != (size, tokens):
+        raise ValueError(f"its document table has shape {tuple(table.shape)}, not the batch's [{size}, {tokens}]")
+    runs = document_ids_of_table(table)
+    if any(int(row.unique().numel()) != int(r[-1]) + 1 for row, r in zip(table, runs)):
+        raise ValueError("its document table holds one id in separate runs of tokens: a document must be one run")
+    return MaskMeaning(runs, facts.causal, facts.window)
+
+
+def document_ids_of_table(table: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document of each token: a new document where the table's id changes."""
+    starts = torch.zeros_like(table, dtype=torch.int64)
+    starts[:, 1:] = (table[:, 1:] != table[:, :-1]).long()
+    return starts.cumsum(1)
+
+
+def local_block_mask(documents: torch.Tensor, meaning: MaskMeaning, block_size):
+    """A BlockMask over this rank's tokens whose mask_mod reads their documents (``documents``,
+    ``[B, T_local]``; not read where the full mask has none). Every block is listed as partial:
+    the CP program never reads the blocks (the pass replaces the call), and flex run without it
+    would evaluate the mask_mod everywhere."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    shape, causal, window, by_document = documents.shape, meaning.causal, meaning.window, meaning.doc_ids is not None
+
+    def rank_documents(b, h, q_idx, kv_idx):
+        kept = [documents[b, q_idx] == documents[b, kv_idx]] if by_document else []
+        if causal:
+            kept.append(q_idx >= kv_idx)
+        if window >= 0:
+            kept.append(q_idx - kv_idx <= window)
+        return functools.reduce(operator.and_, kept)
+
+    rows, tokens = shape
+    q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
+    q_blocks, kv_blocks = -(-tokens // q_block), -(-tokens // kv_block)
+    device = documents.device
+    counts = torch.full((rows, 1, q_blocks), kv_blocks, dtype=torch.int32, device=device)
+    indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(rows, 1, q_blocks, kv_blocks).contiguous()
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(q_block, kv_block), mask_mod=rank_documents,
+                                    seq_lengths=(tokens, tokens))
 
 
 def _per_token(value, batch_size: int, tokens: int) -> bool:
@@ -112,6 +204,15 @@ def shard_batch(batch: dict, mesh=None) -> dict:
         positions = torch.arange(tokens, device=device).expand(size, tokens)
     positions = positions.expand(size, tokens).long()
     doc_ids = document_ids(positions.cpu())
+    meanings = {}  # id -> (BlockMask, what it computes): torchtitan's, made from the full batch
+    for key, value in batch.items():
+        for block_mask in _block_masks(value):
+            try:
+                meanings[id(block_mask)] = (block_mask, block_mask_meaning(block_mask, size, tokens))
+            except ValueError as e:
+                raise ValueError(f"shard_batch: the flex BlockMask in {key!r} cannot be cut for context "
+                                 f"parallelism: {e}") from None
+    doc_ids = _documents_of(doc_ids, [meaning for _, meaning in meanings.values()], batch.get(positions_key) is not None)
     if mask is not None and bool((doc_ids[:, -1] > 0).any()):
         # HF reads documents from the position ids only without a mask: with one, the whole row
         # attends causally, which the model without the mask (what this rank runs) would not do
@@ -120,6 +221,7 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     places = plan_places(doc_ids, cp).to(device)
     mine = places[rank]
     out = {}
+    rank_documents = doc_ids.to(device).gather(1, mine)  # what this rank's BlockMasks read
     full = dict(batch)
     full[positions_key] = positions
     labels = batch.get("labels")
@@ -133,15 +235,9 @@ def shard_batch(batch: dict, mesh=None) -> dict:
         if key == "attention_mask":
             continue  # all ones: the documents, not a padding mask, say what attends to what
         if _block_masks(value):
-            # flex checks a BlockMask's lengths against q and k when the model is traced: one
-            # made for the full rows fails there, and a mask over this rank's tokens alone would
-            # be another answer than the model's
-            raise ValueError(
-                f"shard_batch: {key!r} holds a flex BlockMask made before the model, for the full batch's {tokens} "
-                f"tokens; this rank's model sees {tokens // cp}. Build it in the model from the positions shard_batch "
-                "returns (as HF transformers does; the context-parallel pass reads it there): a BlockMask made "
-                "before the model is not sharded yet")
-        if _per_token(value, size, tokens):
+            out[key] = pytree.tree_map(lambda x: local_block_mask(rank_documents, meanings[id(x)][1], x.BLOCK_SIZE)
+                                       if _is_block_mask(x) else x, value, is_leaf=_is_block_mask)
+        elif _per_token(value, size, tokens):
             index = mine.view(size, -1, *([1] * (value.dim() - 2))).expand(size, -1, *value.shape[2:])
             out[key] = value.gather(1, index.to(value.device))
         else:
@@ -151,7 +247,21 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     for key, value in out.items():  # each a tensor of its own (a gather): the layout is kept beside it
         if key in full and _per_token(full[key], size, tokens):
             remember(value, shard, key)
+    remember(rank_documents, shard, BLOCK_MASK_DOCUMENTS)
     return out
+
+
+def _documents_of(from_positions: torch.Tensor, meanings: list, positions_given: bool) -> torch.Tensor:
+    """The batch's documents: the positions' (where they restart), or those of the BlockMasks it
+    holds, which must agree with each other and with restarting positions."""
+    tables = [m.doc_ids for m in meanings if m.doc_ids is not None]
+    if not tables:
+        return from_positions
+    if any(not torch.equal(t, tables[0]) for t in tables[1:]):
+        raise ValueError("shard_batch: the batch's BlockMasks read different documents")
+    if positions_given and bool((from_positions != 0).any()) and not torch.equal(from_positions, tables[0]):
+        raise ValueError("shard_batch: the BlockMask's documents are not where the batch's positions restart")
+    return tables[0]
 
 
 def combine_losses(loss: torch.Tensor, mesh=None) -> torch.Tensor:

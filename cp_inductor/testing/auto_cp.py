@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from ..parallel import batch as cp_batch
 from ..parallel.batch import IGNORE_INDEX
@@ -87,7 +88,8 @@ class Block(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None, max_seqlen=None,
+                block_mask=None) -> torch.Tensor:
         b, t, _ = h.shape
         x = self.norm1(h)
         q = self.wq(x).view(b, t, self.heads, self.head_dim)
@@ -102,6 +104,11 @@ class Block(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids, window), enable_gqa=True)
         elif self.mask == "flex":
             out = flex_documents(q, k, v, position_ids)
+        elif self.mask == "flex_given":  # the BlockMask the trainer made (torchtitan's attention_masks)
+            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        elif self.mask == "dense_given":  # its single-device twin: the same mask_mod, dense, through SDPA
+            dense = create_mask(block_mask.mask_mod, b, 1, t, t, device=q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.mask == "causal", enable_gqa=True)
         h = h + self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -144,7 +151,7 @@ class TitanNamed(Decoder):
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h, positions)
+            h = block(h, positions, block_mask=attention_masks["full"] if attention_masks is not None else None)
         return self.head(self.norm(h)).float()
 
 
@@ -154,9 +161,10 @@ def titan_loss(logits: torch.Tensor, targets: torch.Tensor, count) -> torch.Tens
 
 
 def _titan_loss_of(compiled, local: dict) -> torch.Tensor:
-    """The model called with ``tokens`` and ``positions``, the loss computed outside it."""
-    return titan_loss(compiled(local["tokens"], positions=local["positions"]), local["shift_labels"],
-                      local["num_items_in_batch"])
+    """The model called with ``tokens``, ``positions`` and any ``attention_masks``, the loss
+    computed outside it."""
+    return titan_loss(compiled(local["tokens"], attention_masks=local.get("attention_masks"), positions=local["positions"]),
+                      local["shift_labels"], local["num_items_in_batch"])
 
 
 def titan_steps(rank: int, cp: int, cases: list) -> list:
@@ -182,6 +190,42 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
     labels = input_ids.clone()
     labels[position_ids == 0] = IGNORE_INDEX
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+EOS = 1  # the end-of-document token of titan_block_mask_batch
+
+
+def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1) -> dict:
+    """A batch as torchtitan's trainer hands it to a flex model: ``tokens`` (each document ends in
+    :data:`EOS`), ``labels``, no positions, and ``attention_masks`` ({"full": BlockMask}) made
+    from the full batch: the documents from the end-of-document tokens, causal, keys from
+    q - ``window`` on where it is >= 0. (Its mask_mod is a closure: make it in the process
+    that uses it.)"""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    batch = packed_batch(lengths, rows)
+    tokens = batch["input_ids"].clamp(min=EOS + 1)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    tokens[:, ends] = EOS
+    eos = tokens == EOS
+    documents = torch.zeros_like(tokens)
+    documents[:, 1:] = eos.long().cumsum(1)[:, :-1]  # a document starts after each end
+
+    def same_document(b, h, q_idx, kv_idx):
+        return documents[b, q_idx] == documents[b, kv_idx]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= window
+
+    mods = [causal, same_document] + ([sliding] if window >= 0 else [])
+    block_mask = create_block_mask(and_masks(*mods), rows, None, tokens.shape[1], tokens.shape[1], device="cpu")
+    labels = tokens.clone()
+    labels[:, 0] = IGNORE_INDEX
+    labels[:, (ends + 1)[:-1]] = IGNORE_INDEX  # the first token of each document is not predicted
+    return {"tokens": tokens, "labels": labels, "attention_masks": {"full": block_mask}}
 
 
 def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
@@ -263,6 +307,17 @@ def cp_flex_steps(rank: int, cp: int, cases: list) -> list:
 
     with mock.patch.object(flex, "_validate_device", lambda *tensors: None):
         return cp_steps(rank, cp, cases)
+
+
+def titan_flex_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`titan_steps` with flex's CPU gradient refusal lifted, as :func:`cp_flex_steps` does;
+    each case's batch made here by calling it (a BlockMask's closure does not pickle)."""
+    from unittest import mock
+
+    import torch.nn.attention.flex_attention as flex
+
+    with mock.patch.object(flex, "_validate_device", lambda *tensors: None):
+        return titan_steps(rank, cp, [(make, make_batch(), *options) for make, make_batch, *options in cases])
 
 
 def _compiled(make_model, options: dict | None = None):

@@ -118,6 +118,45 @@ def trace_mask_mod(mask_mod: torch.fx.GraphModule, buffers, device: torch.device
     return trace_module(mask_mod, [None] * 4 + list(buffers), index + [_dummy(n) for n in buffers], "fake")
 
 
+def trace_python_mask_mod(mask_mod, device: torch.device) -> Traced | str:
+    """A flex ``mask_mod`` as a Python function (a BlockMask's, made before the model), in aten
+    ops: its four index inputs, then one input per tensor it reads from its closures (leaves: those
+    tensors, None for the indices). Traced on small index tensors with the tables as they are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    index = [torch.zeros([2 + i if d == i else 1 for d in range(4)], dtype=torch.int32, device=device) for i in range(4)]
+    try:
+        with torch._guards.tracing(None):
+            module = make_fx(lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx), tracing_mode="real")(*index)
+    except Exception as error:  # noqa: BLE001 - a mask we cannot trace is a mask we cannot shard
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        return f"tracing the mask_mod failed ({type(error).__name__}: {first})"
+    graph, env = torch.fx.Graph(), {}
+    inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    tables: dict[str, torch.fx.Node] = {}
+    leaves: list = [None] * len(inputs)
+    for n in module.graph.nodes:
+        if n.op == "get_attr" and n.target not in tables:
+            with graph.inserting_after(list(graph.nodes)[len(inputs) + len(tables) - 1]):
+                tables[n.target] = graph.placeholder(f"table_{len(tables)}")
+            tables[n.target].meta = dict(n.meta)
+            leaves.append(_attr(module, n.target))
+    for n in module.graph.nodes:
+        if n.op == "get_attr":
+            env[n] = tables[n.target]
+        elif n.op == "call_function":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        elif n.op == "output":
+            output = n.args[0]
+    if not isinstance(output, torch.fx.Node) or len(inputs) != 4:
+        return "the mask_mod does not take (b, h, q_idx, kv_idx) and return one tensor"
+    graph.output(env[output])
+    return Traced(graph, leaves, env[output])
+
+
 def trace_module(module: torch.fx.GraphModule, leaves: list, dummies: list, mode: str = "symbolic") -> Traced | str:
     if any(d is None for d in dummies):
         return "the mask reads an input the analysis cannot stand in for (not a tensor or size, or over 64 MiB)"

@@ -71,7 +71,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
-from ...batch_layout import POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
+from ...batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph
@@ -275,9 +275,11 @@ def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
     return None  # a graph with no attention at all is left as it is by apply
 
 
-def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node, torch.fx.Node | None, BatchShard] | None:
+def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.fx.Node, torch.fx.Node | None, BatchShard,
+                                                                    torch.fx.Node | None] | None:
     """(the index of the first input shard_batch made, its node, the position_ids input if the
-    graph reads it, the layout), or None where the graph reads none."""
+    graph reads it, the layout, the documents a BlockMask shard_batch cut reads if the graph
+    reads them), or None where the graph reads none."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found: list[tuple[int, torch.fx.Node, BatchShard, str | None]] = []
     for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
@@ -289,7 +291,8 @@ def _layout_input(gm: torch.fx.GraphModule, example_inputs) -> tuple[int, torch.
     if len({id(shard) for _, _, shard, _ in found}) > 1:
         raise ContextParallelError("context_parallel: the inputs come from more than one shard_batch call")
     positions = next((node for _, node, _, key in found if key in POSITION_KEYS), None)
-    return found[0][0], found[0][1], positions, found[0][2]
+    documents = next((node for _, node, _, key in found if key == BLOCK_MASK_DOCUMENTS), None)
+    return found[0][0], found[0][1], positions, found[0][2], documents
 
 
 def _flex_mask(site: Site, args: dict) -> mask_analysis.DocumentMask:
@@ -323,9 +326,11 @@ class Checks:
     positions: torch.fx.Node | None = None  # read as positions: must be the position ids
 
 
-def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> tuple[Semantics, Checks]:
+def _semantics(site: Site, args: dict, positions: torch.fx.Node | None,
+               documents: torch.fx.Node | None = None) -> tuple[Semantics, Checks]:
     """What the call computes over the full rows, and the tables to check on device where the
-    graph takes them in rather than computing them from the position ids."""
+    graph takes them in rather than computing them from the position ids (``documents``: the
+    documents of a BlockMask shard_batch cut, the layout's own: nothing to check)."""
     node, mask = site.node, site.outer(args.get("attn_mask"))
     if mask is None:
         return Semantics(ONE_DOCUMENT, bool(args.get("is_causal"))), Checks()
@@ -336,7 +341,9 @@ def _semantics(site: Site, args: dict, positions: torch.fx.Node | None) -> tuple
     except mask_analysis.NotAMask as e:
         raise ContextParallelError(f"context_parallel: attention {node.name}'s mask is not one it can shard: {e}") from None
     checks = Checks()
-    if facts.doc_ids is not None and not (positions is not None and site.outer(mask_analysis.reset_leaf(facts)) is positions):
+    layouts = documents is not None and site.outer(mask_analysis.table_input(facts, facts.doc_ids)) is documents
+    if facts.doc_ids is not None and not layouts and not (
+            positions is not None and site.outer(mask_analysis.reset_leaf(facts)) is positions):
         checks = Checks(ids=_input_like(site, mask_analysis.table_input(facts, facts.doc_ids), positions))
         if checks.ids is None:
             raise ContextParallelError(
@@ -591,15 +598,16 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         raise ContextParallelError(f"context_parallel: {untaken} is not taken yet; computing it over this "
                                    "rank's tokens alone would change the answer")
     gm, nodes = _own_copy(gm)
-    index, batch_input, positions, shard = layout
+    index, batch_input, positions, shard, documents = layout
     batch_input, positions = nodes[batch_input], nodes.get(positions) if positions is not None else None
+    documents = nodes.get(documents) if documents is not None else None
     if shard.group_name != cfg.context_parallel:
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
     sites = _sites(gm)
     checked = [(site, _check_call(site, tokens)) for site in sites]
-    semantics = [(site, args, *_semantics(site, args, positions)) for site, args in checked]
+    semantics = [(site, args, *_semantics(site, args, positions, documents)) for site, args in checked]
     packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
     inputs = _add_inputs(gm, shard, batch_input)
     # AOTAutograd fakes a real input Dynamo did not see with sizes of its own, symbols no
