@@ -110,6 +110,35 @@ class TestLayout(TestCase):
         full = torch.nn.attention.flex_attention.create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
         assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
 
+    def test_keys_from_the_document_start_are_cut(self):
+        """torchtitan's interval form: keys from ``starts[ids[q]]`` on (each document's first place,
+        read through two tables), with causal: the documents are the runs of the starts; a start
+        table that is not the documents' first places is refused."""
+        from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+        positions = POSITIONS[0]
+        ids = torch.cumsum((positions == 0).int(), dim=0) - 1
+        starts = torch.tensor([0, 6, 14] + [16] * 5)
+
+        def interval(table):
+            def from_start(b, h, q_idx, kv_idx):
+                return kv_idx >= table[ids[q_idx]]
+            return and_masks(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, from_start)
+
+        batch = {"tokens": torch.arange(16)[None], "positions": POSITIONS,
+                 "attention_masks": create_block_mask(interval(starts), 1, None, 16, 16, device="cpu")}
+        with fake_pg(2, rank=1) as group:
+            local = shard_batch(batch, group)
+            shard = shard_of(local["tokens"])
+        assert torch.equal(shard.doc_ids, document_ids(POSITIONS))
+        places = shard.query_positions[0]
+        dense = torch.nn.attention.flex_attention.create_mask(local["attention_masks"].mask_mod, 1, 1, 8, 8)
+        full = torch.nn.attention.flex_attention.create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
+        assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
+        off_by_one = {**batch, "attention_masks": create_block_mask(interval(starts + 1), 1, None, 16, 16, device="cpu")}
+        with fake_pg(2) as group, pytest.raises(ValueError, match="not each token's document's first place"):
+            shard_batch(off_by_one, group)
+
     def test_block_masks_that_are_not_cut(self):
         """A BlockMask whose mask_mod is not documents / causal / a window, whose documents are
         not runs of tokens, or whose documents are not where the batch's positions restart:

@@ -32,7 +32,8 @@ here has no layout: the compiled CP program refuses it (it cannot know where the
 A flex BlockMask in the batch (torchtitan builds one from the full batch before the model runs,
 and hands it to the model as ``attention_masks``) is cut too, where its mask_mod is one the
 context-parallel pass knows: documents read from a table of the full batch (``[B, T]`` or
-``[T]``, each document one run of tokens), causal or not, a sliding window or not. Its documents
+``[T]``, each document one run of tokens) or keys from each query's document start on, causal or
+not, a sliding window or not. Its documents
 are then the batch's (any positions the batch has must agree, or step by one through each row),
 and the model gets a BlockMask over this rank's tokens whose mask_mod reads this rank's document
 ids: flex checks a BlockMask's lengths against q and k when the model is traced. That mask means
@@ -124,9 +125,13 @@ def block_mask_meaning(mask, size: int, tokens: int) -> MaskMeaning:
         facts = mask_analysis.analyze_mask_mod(traced)
     except mask_analysis.NotAMask as e:
         raise ValueError(f"its mask_mod is not a document, causal or sliding-window mask: {e}") from None
+    if facts.bound == "start" and not facts.mapped and facts.positions is None \
+            and isinstance(facts.bound_position, torch.fx.Node):
+        return MaskMeaning(_documents_from_starts(traced, facts.bound_position, size, tokens), facts.causal, facts.window)
     if facts.positions is not None or facts.mapped or facts.bound:
         raise ValueError(f"its mask_mod ({facts.describe()}) is not taken yet: documents read from a table at the "
-                         "query and key index, causal or not, with or without a sliding window, are")
+                         "query and key index, or keys from the query's document start, causal or not, with or "
+                         "without a sliding window, are")
     if facts.doc_ids is None:
         if not facts.causal and facts.window < 0:
             raise ValueError("it attends everywhere (no documents, not causal): pass no mask")
@@ -144,6 +149,31 @@ def block_mask_meaning(mask, size: int, tokens: int) -> MaskMeaning:
     if any(int(row.unique().numel()) != int(r[-1]) + 1 for row, r in zip(table, runs)):
         raise ValueError("its document table holds one id in separate runs of tokens: a document must be one run")
     return MaskMeaning(runs, facts.causal, facts.window)
+
+
+def _documents_from_starts(traced, start: torch.fx.Node, size: int, tokens: int) -> torch.Tensor:
+    """torchtitan's interval form (keys from ``start[q]`` on, ``start`` read through its tables
+    at the query index): ``start`` evaluated at every query, which must be each token's
+    document's first place; its runs are the documents."""
+    sub, env = torch.fx.Graph(), {}
+    for n in traced.graph.nodes:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+        if n is start:
+            break
+    sub.output(env[start])
+    rows = torch.arange(size).view(size, 1)
+    places = torch.arange(tokens, dtype=torch.int32).view(1, tokens)
+    zero = torch.zeros(1, 1, dtype=torch.int32)
+    with torch.no_grad():
+        starts = torch.fx.GraphModule({}, sub)(rows, zero, places, zero, *traced.leaves[4:])
+    starts = starts.long().cpu().expand(size, tokens)
+    documents = document_ids_of_table(starts)
+    first = torch.ones_like(starts, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first_place = torch.cummax(torch.where(first, places.long().expand(size, tokens), 0), 1).values
+    if not torch.equal(starts, first_place):
+        raise ValueError("its key bound is not each token's document's first place (keys from start[q] on)")
+    return documents
 
 
 def document_ids_of_table(table: torch.Tensor) -> torch.Tensor:
