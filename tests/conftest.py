@@ -23,12 +23,32 @@ def cold_fx_graph_cache(monkeypatch):
 # inherit the variable; cp_inductor.config reads it at import).
 os.environ["CP_INDUCTOR_STRICT"] = "1"
 
+# Inductor's CPU kernels scalar: its vectorized C++ (the tiling analysis, then the compiler on
+# at::vec templates) is a sixth of a gloo numerics test's time on 2 cores (decoder training at cp
+# 2: 101 s -> 86 s), and no test here asks how fast CPU code runs; they check graphs and
+# numbers. Spawned ranks inherit the variable; Inductor reads it at every kernel it picks an
+# instruction set for. A machine's own setting stands. Tests marked ``vectorized_cpu`` get the
+# machine's setting back: Inductor lowers flex attention on the CPU only with a vector ISA.
+_MACHINE_CPU_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY")
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
+
+
+@pytest.fixture(autouse=True)
+def machine_cpu_capability_where_marked(request, monkeypatch):
+    if request.node.get_closest_marker("vectorized_cpu"):
+        if _MACHINE_CPU_CAPABILITY is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", _MACHINE_CPU_CAPABILITY)
+    yield
+
 
 # The wide tier: the cp = 4 and 8 repeats of gloo numerics that also run at cp = 2 (the CPU CI
 # runs the cp = 2 ones, the goldens at cp = 2, 4 and 8, recall at cp = 2 and 4).
 # CP_INDUCTOR_TESTS=all runs them too (docs/testing.md).
 def pytest_configure(config):
     config.addinivalue_line("markers", "wide: a cp = 4 or 8 repeat of a cp = 2 gloo numerics test (CP_INDUCTOR_TESTS=all)")
+    config.addinivalue_line("markers", "vectorized_cpu: compiles flex attention with Inductor on the CPU (needs a vector ISA)")
 
 
 def pytest_collection_modifyitems(config, items):

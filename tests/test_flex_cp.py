@@ -76,6 +76,7 @@ none: documents from arg4_1 (checked on device), causal, queries at positions th
 headtail: documents from arg5_1 (checked on device), causal, queries at positions the mask_mod computes (index), keys at positions the mask_mod computes (index_1): fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place
 ptrr: documents from arg5_1 (checked on device), causal, queries at positions the mask_mod computes (index), keys at positions the mask_mod computes (index_1): fa4_varlen: queries of a shard over every key: FA4 varlen per document segment, keys in place""")
 
+    @pytest.mark.vectorized_cpu  # the kept flex call is compiled by Inductor on the CPU
     def test_causal_over_local_indices_is_kept(self):
         """Documents read at the shard's place but causal over the LOCAL query index: not a
         document-causal mask over the pack (a CP mask written wrong), kept with the reason."""
@@ -152,6 +153,7 @@ def test_shard_op_with_bounds_packs_documents_and_computes_others_densely(bounds
                                                                             0.25, True), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.vectorized_cpu  # the kept flex call is compiled by Inductor on the CPU
 def test_bounds_read_at_the_local_index_as_well_are_kept():
     """A table of bounds read at the query's place AND at its local index: the pass would
     evaluate it at the place over the pack, which is not what the program reads: kept."""
