@@ -51,6 +51,10 @@ before the plan reads the layout (``ids_checked``: a device error otherwise)::
     ->
     doc_ids = cp_inductor.ids_checked(cp_doc_ids, position_ids, [ids], [positions])
 
+A BlockMask made before the model (torchtitan's) comes cut by ``shard_batch``: its mask_mod
+reads the rank's documents from a table ``shard_batch`` keeps as the layout's own
+(``BLOCK_MASK_DOCUMENTS``), taken as the layout's documents with nothing to check.
+
 A varlen call over this rank's rows flattened (``torch.nn.attention.varlen_attn``; aten's
 flash op with ``cum_seq_q`` and flash-attn's varlen function are read alike, as
 ``varlen_calls`` reads them, but have not run under CP: CUDA only) takes its documents from the
