@@ -155,7 +155,8 @@ def _documents_from_starts(traced, start: torch.fx.Node, size: int, tokens: int)
     """torchtitan's interval form (keys from ``start[q]`` on, ``start`` read through its tables
     at the query index): ``start`` evaluated at every query, which must be each token's
     document's first place; its runs are the documents."""
-    sub, env = torch.fx.Graph(), {}
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in traced.graph.nodes:
         env[n] = sub.node_copy(n, lambda a: env[a])
         if n is start:
