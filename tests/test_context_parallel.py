@@ -849,7 +849,9 @@ def test_torchtitan_names_match_single_device():
     """A batch named as torchtitan names it (``tokens``, ``positions`` where the pack has them),
     the model called ``model(tokens, positions=...)`` and the loss computed outside it: the
     document mask on a pack (all-gather) and causal attention on a plain batch, whose positions
-    shard_batch makes under torchtitan's name (Ulysses): the single-device step."""
+    shard_batch makes under torchtitan's name (Ulysses); and torchtitan's varlen attention, its
+    ``VarlenMetadata`` of the full pack made by the trainer and handed to the model as
+    ``attention_masks`` (all-gather): the single-device step."""
     def titan(batch):
         named = {"tokens": batch["input_ids"], "labels": batch["labels"]}
         return {**named, "positions": batch["position_ids"]} if "position_ids" in batch else named
@@ -857,18 +859,24 @@ def test_torchtitan_names_match_single_device():
     pack, plain = (titan(b) for b in _batches(rows=2))
     cases = [(functools.partial(auto_cp.decoder, "documents", titan_named=True), pack),
              (functools.partial(auto_cp.decoder, "causal", titan_named=True), plain, ULYSSES)]
+    if varlen_programs.register_cpu_kernels():  # (a torch with varlen_attn)
+        cases.append((functools.partial(auto_cp.decoder, "varlen", titan_named=True),
+                      auto_cp.titan_varlen_batch([6, 10, 8, 8], rows=2)))
     results = run_on_ranks(auto_cp.titan_steps, 2, cases)
     for (make, batch, *_), got in zip(cases, results[0]):
         model = make()
         targets = cp_batch.shift_labels(batch["labels"])
-        want_loss = auto_cp.titan_loss(model(batch["tokens"], positions=batch.get("positions")), targets,
-                                       (targets != cp_batch.IGNORE_INDEX).sum())
+        logits = model(batch["tokens"], attention_masks=batch.get("attention_masks"), positions=batch.get("positions"))
+        want_loss = auto_cp.titan_loss(logits, targets, (targets != cp_batch.IGNORE_INDEX).sum())
         want_loss.backward()
         assert abs(got["loss"] - want_loss.item()) <= 1e-4 * abs(want_loss.item()), (got["loss"], want_loss.item())
         for name, p in model.named_parameters():
             err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
             assert err < 1e-4, (name, err, got["lines"])
-    assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
+    styles = [{_style(line) for line in case["lines"]} for case in results[0]]
+    assert styles == [{"allgather"}, {"ulysses"}, {"allgather"}][:len(cases)], styles
+    if len(cases) == 3:
+        assert all("documents of its cu_seqlens" in line for line in results[0][2]["lines"]), results[0][2]["lines"]
 
 
 def test_torchtitan_block_mask_training_matches_single_device():

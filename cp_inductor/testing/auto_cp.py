@@ -11,6 +11,8 @@ batch's ``cu_seqlens`` bound: :func:`varlen_batch`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -150,6 +152,10 @@ class TitanNamed(Decoder):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         h = self.embed(tokens)
+        if isinstance(attention_masks, VarlenMetadata):  # torchtitan's varlen attention
+            for block in self.blocks:
+                h = block(h, positions, attention_masks.cu_seq_q, attention_masks.max_q)
+            return self.head(self.norm(h)).float()
         for block in self.blocks:
             h = block(h, positions, block_mask=attention_masks["full"] if attention_masks is not None else None)
         return self.head(self.norm(h)).float()
@@ -226,6 +232,26 @@ def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1) 
     labels[:, 0] = IGNORE_INDEX
     labels[:, (ends + 1)[:-1]] = IGNORE_INDEX  # the first token of each document is not predicted
     return {"tokens": tokens, "labels": labels, "attention_masks": {"full": block_mask}}
+
+
+class VarlenMetadata(NamedTuple):
+    """torchtitan's varlen attention metadata, as its trainer hands it to the model in
+    ``attention_masks``: the bounds of the rows' documents flattened, the longest document."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def titan_varlen_batch(lengths: list[int], rows: int = 1) -> dict:
+    """A batch as torchtitan's trainer hands it to a varlen model: ``tokens``, ``labels``,
+    ``positions`` that restart at each document, and ``attention_masks``, the
+    :class:`VarlenMetadata` of the full batch (made before the model, from the positions)."""
+    batch = varlen_batch(lengths, rows)
+    metadata = VarlenMetadata(batch["cu_seqlens"], batch["cu_seqlens"], batch["max_seqlen"], batch["max_seqlen"])
+    return {"tokens": batch["input_ids"], "labels": batch["labels"], "positions": batch["position_ids"],
+            "attention_masks": metadata}
 
 
 def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
