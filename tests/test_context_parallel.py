@@ -983,6 +983,17 @@ def test_packs_change_between_steps():
     assert [graphs for *_, graphs in steps] == [1, 2, 2, 2, 2], steps
 
 
+def test_block_masks_made_anew_each_step_share_one_graph():
+    """The trainer makes a new BlockMask every step (a new closure over a new table), for packs of
+    new document lengths of one size: one graph serves them all, and every step is the
+    single-device step."""
+    packs = [[6, 10, 8, 8], [4, 12, 8, 8], [16, 16]]
+    steps = run_on_ranks(auto_cp.titan_flex_varying_steps, 2, packs)[0]
+    for got, want, err, _ in steps:
+        assert abs(got - want) <= 1e-4 * abs(want) and err < 1e-4, steps
+    assert [graphs for *_, graphs in steps] == [1, 1, 1], steps
+
+
 @pytest.mark.wide
 def test_hf_architectures_forward_match_single_device():
     """A survey beyond Llama (CP_INDUCTOR_TESTS=all): HF transformers' Qwen2, Qwen3, Mistral, Phi-3,

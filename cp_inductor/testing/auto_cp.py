@@ -11,6 +11,7 @@ batch's ``cu_seqlens`` bound: :func:`varlen_batch`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -433,6 +434,33 @@ def cp_forwards(rank: int, cp: int, cases: list) -> list:
         with torch.no_grad():
             loss = cp_batch.combine_losses(_loss(compiled(**cp_batch.shard_batch(batch)))).item()
         out.append({"loss": loss, "lines": _report_lines()})
+    return out
+
+
+def titan_flex_varying_steps(rank: int, cp: int, packs: list) -> list:
+    """Training steps of one compiled torchtitan-style flex decoder over batches whose BlockMask
+    the trainer makes anew each step (:func:`titan_block_mask_batch`, documents of the given
+    lengths): per step, the combined loss, the single-device loss (the dense twin), the largest
+    relative error of the summed gradients, and how many graphs Dynamo had compiled by then."""
+    from unittest import mock
+
+    import torch.nn.attention.flex_attention as flex
+
+    model, compiled = _compiled(functools.partial(decoder, "flex_given", titan_named=True))
+    twin = decoder("dense_given", titan_named=True)
+    torch._dynamo.utils.counters.clear()
+    out = []
+    with mock.patch.object(flex, "_validate_device", lambda *tensors: None):  # (as cp_flex_steps)
+        for lengths in packs:
+            batch = titan_block_mask_batch(lengths)
+            loss, got = _train_step(model, compiled, batch, loss_of=_titan_loss_of)
+            twin.zero_grad(set_to_none=True)
+            targets = cp_batch.shift_labels(batch["labels"])
+            want_loss = titan_loss(twin(batch["tokens"], attention_masks=batch["attention_masks"]), targets,
+                                   (targets != IGNORE_INDEX).sum())
+            want_loss.backward()
+            err = max(((got[n] - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in twin.named_parameters())
+            out.append((loss, want_loss.item(), err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return out
 
 
