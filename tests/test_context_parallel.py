@@ -27,6 +27,21 @@ from cp_inductor.testing.launch import run_on_ranks
 POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])  # documents of 6, 8, 2 tokens
 
 
+def _cut_as_the_positions(batch: dict, rank: int) -> None:
+    """``batch``'s BlockMask cut for ``rank`` of 2: the layout's documents are POSITIONS', and the
+    rank's mask is the full mask between the rank's own tokens."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    with fake_pg(2, rank=rank) as group:
+        local = shard_batch(batch, group)
+        shard = shard_of(local["tokens"])
+    assert torch.equal(shard.doc_ids, document_ids(POSITIONS))
+    places = shard.query_positions[0]
+    dense = create_mask(local["attention_masks"].mask_mod, 1, 1, 8, 8)
+    full = create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
+    assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
+
+
 class TestLayout(TestCase):
     def test_head_tail_per_document(self):
         """Each document cut in 2cp pieces, rank r keeps pieces r and 2cp-1-r; leftover tokens go to
@@ -101,14 +116,7 @@ class TestLayout(TestCase):
 
         batch = {"tokens": torch.arange(16)[None], "positions": POSITIONS,
                  "attention_masks": create_block_mask(and_masks(causal, same_document), 1, None, 16, 16, device="cpu")}
-        with fake_pg(2, rank=0) as group:
-            local = shard_batch(batch, group)
-            shard = shard_of(local["tokens"])
-        assert torch.equal(shard.doc_ids, document_ids(POSITIONS))
-        places = shard.query_positions[0]
-        dense = torch.nn.attention.flex_attention.create_mask(local["attention_masks"].mask_mod, 1, 1, 8, 8)
-        full = torch.nn.attention.flex_attention.create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
-        assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
+        _cut_as_the_positions(batch, rank=0)
 
     def test_keys_from_the_document_start_are_cut(self):
         """torchtitan's interval form: keys from ``starts[ids[q]]`` on (each document's first place,
@@ -127,14 +135,7 @@ class TestLayout(TestCase):
 
         batch = {"tokens": torch.arange(16)[None], "positions": POSITIONS,
                  "attention_masks": create_block_mask(interval(starts), 1, None, 16, 16, device="cpu")}
-        with fake_pg(2, rank=1) as group:
-            local = shard_batch(batch, group)
-            shard = shard_of(local["tokens"])
-        assert torch.equal(shard.doc_ids, document_ids(POSITIONS))
-        places = shard.query_positions[0]
-        dense = torch.nn.attention.flex_attention.create_mask(local["attention_masks"].mask_mod, 1, 1, 8, 8)
-        full = torch.nn.attention.flex_attention.create_mask(batch["attention_masks"].mask_mod, 1, 1, 16, 16)
-        assert torch.equal(dense[0, 0], full[0, 0][places][:, places])
+        _cut_as_the_positions(batch, rank=1)
         off_by_one = {**batch, "attention_masks": create_block_mask(interval(starts + 1), 1, None, 16, 16, device="cpu")}
         with fake_pg(2) as group, pytest.raises(ValueError, match="not each token's document's first place"):
             shard_batch(off_by_one, group)

@@ -11,6 +11,7 @@ batch's ``cu_seqlens`` bound: :func:`varlen_batch`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -322,28 +323,29 @@ def cp_steps(rank: int, cp: int, cases: list) -> list:
     return [cp_step(rank, cp, *case) for case in cases]
 
 
-def cp_flex_steps(rank: int, cp: int, cases: list) -> list:
-    """:func:`cp_steps` for flex attention programs on the CPU. torch refuses to trace flex with
-    gradients there (it has no CPU flex backward); the context-parallel pass replaces every flex
-    call before AOTAutograd traces the backward, so the refusal is lifted for these steps. A call
-    the pass could not take would fail the compile (local attention is another answer), never
-    reach a CPU flex backward."""
+@contextlib.contextmanager
+def flex_backward_on_cpu():
+    """torch refuses to trace flex with gradients on the CPU (it has no CPU flex backward); the
+    context-parallel pass replaces every flex call before AOTAutograd traces the backward, so
+    the refusal is lifted here. A call the pass could not take fails the compile (local attention
+    is another answer), never reaches a CPU flex backward."""
     from unittest import mock
 
     import torch.nn.attention.flex_attention as flex
 
     with mock.patch.object(flex, "_validate_device", lambda *tensors: None):
+        yield
+
+
+def cp_flex_steps(rank: int, cp: int, cases: list) -> list:
+    """:func:`cp_steps` for flex attention programs on the CPU (:func:`flex_backward_on_cpu`)."""
+    with flex_backward_on_cpu():
         return cp_steps(rank, cp, cases)
 
 
 def titan_flex_steps(rank: int, cp: int, cases: list) -> list:
-    """:func:`titan_steps` with flex's CPU gradient refusal lifted, as :func:`cp_flex_steps` does;
-    each case's batch made here by calling it (a BlockMask's closure does not pickle)."""
-    from unittest import mock
-
-    import torch.nn.attention.flex_attention as flex
-
-    with mock.patch.object(flex, "_validate_device", lambda *tensors: None):
+    """:func:`titan_steps` under :func:`flex_backward_on_cpu`; each case's batch made here by calling it (a BlockMask's closure does not pickle)."""
+    with flex_backward_on_cpu():
         return titan_steps(rank, cp, [(make, make_batch(), *options) for make, make_batch, *options in cases])
 
 
@@ -442,15 +444,11 @@ def titan_flex_varying_steps(rank: int, cp: int, packs: list) -> list:
     the trainer makes anew each step (:func:`titan_block_mask_batch`, documents of the given
     lengths): per step, the combined loss, the single-device loss (the dense twin), the largest
     relative error of the summed gradients, and how many graphs Dynamo had compiled by then."""
-    from unittest import mock
-
-    import torch.nn.attention.flex_attention as flex
-
     model, compiled = _compiled(functools.partial(decoder, "flex_given", titan_named=True))
     twin = decoder("dense_given", titan_named=True)
     torch._dynamo.utils.counters.clear()
     out = []
-    with mock.patch.object(flex, "_validate_device", lambda *tensors: None):  # (as cp_flex_steps)
+    with flex_backward_on_cpu():
         for lengths in packs:
             batch = titan_block_mask_batch(lengths)
             loss, got = _train_step(model, compiled, batch, loss_of=_titan_loss_of)
