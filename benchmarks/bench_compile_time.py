@@ -45,7 +45,17 @@ class Passes(logging.Handler):
         if m and m.group(1) not in NESTED:
             by_pass[m.group(1)] = by_pass.get(m.group(1), 0.0) + float(m.group(2)) / 1e3
 
+class CacheWhy(logging.Handler):  # why AOTAutograd's cache missed or was bypassed, in its words
+    seen = []
+    def emit(self, record):
+        message = record.getMessage()
+        if "ypass" in message or "unable to" in message or "miss" in message:
+            self.seen.append(message[:300])
+
 logging.getLogger("cp_inductor").addHandler(Passes())
+for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache"):
+    logging.getLogger(name).addHandler(CacheWhy())
+    logging.getLogger(name).setLevel(logging.INFO)
 logging.getLogger("cp_inductor").setLevel(logging.INFO)
 logging.getLogger("cp_inductor").propagate = False
 cfg = StepConfig(style=style if style != "none" else "a2a", seq=256, dim=256, heads=4, kv_heads=2, batch=1)
@@ -83,7 +93,8 @@ fa4_dir = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if os.environ.get
 print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
                   "fa4_cached_files": sum(len(f) for _, _, f in os.walk(fa4_dir)) if fa4_dir else None,
                   "regions": len(cp_inductor.report()),
-                  "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]}))
+                  "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"],
+                  "aot_cache": dict(torch._dynamo.utils.counters["aot_autograd"]), "cache_log": CacheWhy.seen}))
 """
 
 
@@ -159,6 +170,10 @@ def main() -> int:
             top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
             print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
+            if a.restart:
+                for b, rs in runs.items():  # why a restart missed AOTAutograd's cache, where it did
+                    for why in dict.fromkeys(line for r in rs for line in r["cache_log"]):
+                        print(f"    {b} restart: {why}", flush=True)
             if a.restart and a.profile:
                 profiled(a, style, layers)
             if a.json:
