@@ -37,11 +37,7 @@ os.environ["CP_INDUCTOR_STRICT"] = "1"
 # numbers. Spawned ranks inherit the variable; Inductor reads it at every kernel it picks an
 # instruction set for. A machine's own setting stands. Tests marked ``vectorized_cpu`` get the
 # machine's setting back: Inductor lowers flex attention on the CPU only with a vector ISA.
-# (The machine's own is kept in a variable of ours: pytest-xdist's workers inherit the controller's
-# environment, where the setting below is already made.)
-_MACHINE_KEY = "CP_INDUCTOR_TESTS_MACHINE_CPU_CAPABILITY"
-os.environ.setdefault(_MACHINE_KEY, os.environ.get("ATEN_CPU_CAPABILITY", ""))
-_MACHINE_CPU_CAPABILITY = os.environ[_MACHINE_KEY] or None
+_MACHINE_CPU_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 
 
@@ -49,7 +45,7 @@ os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 def machine_cpu_capability_where_marked(request, monkeypatch):
     if request.node.get_closest_marker("vectorized_cpu"):
         if _MACHINE_CPU_CAPABILITY is None:
-            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY")
         else:
             monkeypatch.setenv("ATEN_CPU_CAPABILITY", _MACHINE_CPU_CAPABILITY)
     yield
@@ -71,10 +67,3 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=wide)
         items[:] = [item for item in items if not item.get_closest_marker("wide")]
 
-
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject's addopts): one worker per core, at most 4. On CI's 2 cores two
-    workers cut the suite's time by about a quarter: a test compiling in one process leaves the
-    second core idle while Python traces and lowers, a gloo test's ranks fill both. More workers
-    than 4 would each start gloo ranks and a fork server of their own."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
