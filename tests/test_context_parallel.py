@@ -538,11 +538,14 @@ def test_wrong_tables_fail_in_the_compiled_step():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.filterwarnings("error:Raw Sym")
 def test_the_layout_inputs_bring_no_symbol_of_their_own(dynamic):
     """The inputs the pass adds (where each token sits) reach AOTAutograd sized by the batch
     input. Given as real tensors, AOTAutograd made symbols of their sizes that Dynamo cannot
     name in a guard: the first guard on one (Inductor's 32-bit index check, at T64K on a GPU)
-    failed the compile in Dynamo's guard building."""
+    failed the compile in Dynamo's guard building. Nor does a symbol reach the graph as a value:
+    the softmax scale of a symbolic head dim is read from the query's size in the graph (torch.fx
+    warns of a raw SymFloat among a node's arguments, an error here)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     made = []

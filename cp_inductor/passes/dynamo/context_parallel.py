@@ -86,7 +86,7 @@ from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass
 from . import checkpoint_body, flex_calls, varlen_calls
 from .checkpoint_body import CheckpointBody
-from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
+from .sdpa_calls import SDPA, erase_dead, sdpa_args, softmax_scale, unrepeated
 
 NAME = "context_parallel"
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
@@ -534,8 +534,7 @@ def _cp_attention(g: torch.fx.Graph, args: dict, semantics: Semantics, style: st
     ``style``, inserted where ``g`` inserts; its output node."""
     ids, *parts, meta, query_positions, key_positions, order, places = layout
     q = args["query"]
-    scale = args.get("scale")
-    scale = float(scale) if scale is not None else value(q).shape[-1] ** -0.5
+    scale = softmax_scale(g, args)
     if style == RING:
         from ...parallel import ring  # the helpers load only where a ring is put in
 

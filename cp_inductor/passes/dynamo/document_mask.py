@@ -49,7 +49,7 @@ from ..analysis.op_schema import value
 from ..record import DYNAMO, CallPass
 from . import checkpoint_body, flex_calls
 from .checkpoint_body import CheckpointBody
-from .sdpa_calls import SDPA, erase_dead, sdpa_args, unrepeated
+from .sdpa_calls import SDPA, erase_dead, sdpa_args, softmax_scale, unrepeated
 
 aten = torch.ops.aten
 
@@ -472,7 +472,7 @@ def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     return env
 
 
-def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float) -> torch.fx.Node:
+def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float | torch.fx.Node) -> torch.fx.Node:
     a, g = call.args, gm.graph
     assert call.facts is not None  # (why_not read the mask)
     if "plan" not in call.shared:
@@ -504,8 +504,8 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     k, v = (unrepeated(a[name], q_heads) for name in ("key", "value"))
     if k is None or v is None:
         k, v = a["key"], a["value"]
-    scale = a.get("scale")
-    scale = float(scale) if scale is not None else value(a["query"]).shape[-1] ** -0.5
+    with g.inserting_before(call.node):
+        scale = softmax_scale(g, a)
     if call.facts.mapped:
         out = _apply_shard(gm, call, k, v, scale)
         call.path = PACKED[call.provider]

@@ -21,6 +21,21 @@ def sdpa_args(node: torch.fx.Node) -> dict:
     return {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
 
 
+def softmax_scale(g: torch.fx.Graph, args: dict):
+    """The call's softmax scale where ``g`` inserts: its own, else 1/sqrt(head dim). Under symbolic
+    shapes the head dim is a symbol: the scale is then a node reading the query's size, since a
+    SymFloat put among a node's arguments is a value of the trace, not of the graph."""
+    scale = args.get("scale")
+    if scale is not None:
+        return float(scale)
+    query = args["query"]
+    head_dim = value(query).shape[-1]
+    if isinstance(head_dim, int):
+        return head_dim ** -0.5
+    size = g.call_function(torch.ops.aten.sym_size.int, (query, value(query).dim() - 1))
+    return g.call_function(operator.pow, (size, -0.5))
+
+
 def unrepeated(node, q_heads):
     """``x`` where ``node`` is HF's K/V head repeat ``x[:, :, None].expand(B, Hkv, g, T, D)
     .reshape(B, Hq, T, D)`` (or ``repeat_interleave(g, dim=1)``) read only by SDPA, else None."""
