@@ -23,16 +23,13 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from . import config, report_cache
 from .config_snapshot import ConfigSnapshot, snapshot
-from .lowerings import registering_ops
-
-with registering_ops():  # (imports every op of ours, and torch's varlen ops: a restart pays this)
-    from .passes import engine
-    from .passes.hook_pass import CPGraphPass
-    from .lowerings import fa4_functions
-    from .batch_layout import group_of
-    from .passes.observe import timed
-    from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected,
-                            record_varlen, replay, since)
+from .passes import engine
+from .passes.hook_pass import CPGraphPass
+from .lowerings import fa4_functions
+from .batch_layout import group_of
+from .passes.observe import timed
+from .reporting import (Rejected, clear_report, mark, record, record_backward_route, record_rejected, record_varlen,
+                        replay, since)
 
 OPTION_PREFIX = "cp_inductor."
 

@@ -1,7 +1,6 @@
 """The backend as torch.compile sees it: entry point, mode/options, config, chained passes,
 cache key."""
 
-import contextlib
 import functools
 import json
 import subprocess
@@ -55,29 +54,6 @@ def test_in_a_fresh_process_found_by_name_apart_from_the_helpers_and_forkable():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.stdout.splitlines() == ["[]", "True 1"], proc.stdout + proc.stderr
-
-
-def test_ops_registered_cheaply_record_the_place_torch_would():
-    """The backend's imports register ops under ``registering_ops`` (a restart's import time):
-    the place torch records for each registration is the one its own lookup gives, and torch's
-    lookup is back afterwards."""
-    import torch._library.utils as library_utils
-    from torch._library.simple_registry import singleton
-
-    from cp_inductor.lowerings import registering_ops
-
-    exact = library_utils.get_source
-    lib = torch.library.Library("cp_inductor_test_sources", "FRAGMENT")
-    places = []
-    for name, cheaply in (("torch_lookup", False), ("frame_lookup", True)):
-        lib.define(f"{name}(Tensor x) -> Tensor")
-        with registering_ops() if cheaply else contextlib.nullcontext():
-            torch.library.register_fake(f"cp_inductor_test_sources::{name}", lambda x: torch.empty_like(x), lib=lib)
-        places.append(singleton.find(f"cp_inductor_test_sources::{name}").fake_impl.kernel.source)
-    lib._destroy()
-    assert library_utils.get_source is exact
-    (torch_file, torch_line), (frame_file, frame_line) = (p.rsplit(":", 1) for p in places)
-    assert (frame_file, frame_line) == (torch_file, torch_line) == (__file__, frame_line)
 
 
 def test_a_config_snapshot_is_read_only():

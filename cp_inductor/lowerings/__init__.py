@@ -15,35 +15,3 @@ fused_a2a needs no op here: its pack is an ``aten.cat`` of relaid views and its 
 a ``clone``, which Inductor lowers into one copy kernel each. A hand-written Triton pack was
 measured against it and lost (docs/measurements.md, "Pack kernels"); it was removed.
 """
-
-import contextlib
-import sys
-
-
-@contextlib.contextmanager
-def registering_ops():
-    """Op registrations made inside this block record their place without reading the source.
-
-    ``torch.library`` notes where each kernel and fake function was registered ("file:line", for
-    its error messages) through ``inspect.getframeinfo``, which reads the caller's source file and
-    walks every module in ``sys.modules``: about 7 ms a registration once torch is loaded, a third
-    of the time the backend takes to import (our ops and ``torch.nn.attention.varlen``'s), paid
-    again by every restarted job. The frame gives the same "file:line" for nothing.
-    """
-    import torch._library.utils as library_utils
-
-    exact = getattr(library_utils, "get_source", None)
-    if exact is None:  # (a torch that records it some other way)
-        yield
-        return
-
-    def frame_source(stacklevel: int) -> str:
-        # One frame deeper than get_source's own lookup: this function stands where it stood.
-        frame = sys._getframe(stacklevel)
-        return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-    library_utils.get_source = frame_source
-    try:
-        yield
-    finally:
-        library_utils.get_source = exact
