@@ -66,4 +66,3 @@ def pytest_collection_modifyitems(config, items):
     if wide:
         config.hook.pytest_deselected(items=wide)
         items[:] = [item for item in items if not item.get_closest_marker("wide")]
-

@@ -24,7 +24,7 @@ def warm() -> None:
     cpu_vec_isa.valid_vec_isa_list()
     joint_graph.lazy_init()
     post_grad.lazy_init()
-    # Every rank compiles with our backend: its import (about 0.5 s a rank on 2 cores) is paid
+    # Every rank compiles with our backend: its import (0.2-0.4 s a rank on 2 cores) is paid
     # here once. (Not HF transformers', 2-3 s a rank where a launch builds an HF model: it loads
     # scipy's OpenBLAS, which starts a thread.)
     import cp_inductor.backend  # noqa: F401
