@@ -18,7 +18,6 @@ from helpers import fake_pg
 import cp_inductor
 from cp_inductor.config_snapshot import snapshot
 from cp_inductor.batch_layout import shard_of
-from cp_inductor.parallel import batch as cp_batch
 from cp_inductor.parallel.batch import document_ids, plan_places, shard_batch
 from cp_inductor.passes import engine
 from cp_inductor.testing import auto_cp, varlen_programs
@@ -849,6 +848,16 @@ def test_fsdp2_over_the_cp_ranks_matches_single_device():
     assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
 
 
+def _assert_titan_step(got: dict, model, batch: dict) -> None:
+    """A CP step's combined loss and summed gradients against ``model``'s single-device step on the
+    full batch, the torchtitan way: relative error below 1e-4."""
+    want_loss, want = auto_cp.titan_reference_step(model, batch)
+    assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss)
+    for name, grad in want.items():
+        err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+        assert err < 1e-4, (name, err, got["lines"])
+
+
 def test_torchtitan_names_match_single_device():
     """A batch named as torchtitan names it (``tokens``, ``positions`` where the pack has them),
     the model called ``model(tokens, positions=...)`` and the loss computed outside it: the
@@ -868,15 +877,7 @@ def test_torchtitan_names_match_single_device():
                       auto_cp.titan_varlen_batch([6, 10, 8, 8], rows=2)))
     results = run_on_ranks(auto_cp.titan_steps, 2, cases)
     for (make, batch, *_), got in zip(cases, results[0]):
-        model = make()
-        targets = cp_batch.shift_labels(batch["labels"])
-        logits = model(batch["tokens"], attention_masks=batch.get("attention_masks"), positions=batch.get("positions"))
-        want_loss = auto_cp.titan_loss(logits, targets, (targets != cp_batch.IGNORE_INDEX).sum())
-        want_loss.backward()
-        assert abs(got["loss"] - want_loss.item()) <= 1e-4 * abs(want_loss.item()), (got["loss"], want_loss.item())
-        for name, p in model.named_parameters():
-            err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
-            assert err < 1e-4, (name, err, got["lines"])
+        _assert_titan_step(got, make(), batch)
     styles = [{_style(line) for line in case["lines"]} for case in results[0]]
     assert styles == [{"allgather"}, {"ulysses"}, {"allgather"}][:len(cases)], styles
     if len(cases) == 3:
@@ -895,16 +896,7 @@ def test_torchtitan_block_mask_training_matches_single_device():
              for window, options in ((-1, None), (-1, ULYSSES), (3, None))]
     results = run_on_ranks(auto_cp.titan_flex_steps, 2, cases)
     for (make, make_batch, _), got in zip(cases, results[0]):
-        batch = make_batch()
-        model = functools.partial(auto_cp.decoder, "dense_given", titan_named=True)()
-        targets = cp_batch.shift_labels(batch["labels"])
-        want_loss = auto_cp.titan_loss(model(batch["tokens"], attention_masks=batch["attention_masks"]), targets,
-                                       (targets != cp_batch.IGNORE_INDEX).sum())
-        want_loss.backward()
-        assert abs(got["loss"] - want_loss.item()) <= 1e-4 * abs(want_loss.item()), (got["loss"], want_loss.item())
-        for name, p in model.named_parameters():
-            err = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
-            assert err < 1e-4, (name, err, got["lines"])
+        _assert_titan_step(got, auto_cp.decoder("dense_given", titan_named=True), make_batch())
         assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     assert all("keys from q-3" in line for line in results[0][2]["lines"]), results[0][2]["lines"]

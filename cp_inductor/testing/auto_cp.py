@@ -318,6 +318,17 @@ def reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def titan_reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
+    """:func:`reference_step` the torchtitan way: the model called with ``tokens`` and any
+    ``attention_masks`` and ``positions``, the loss computed outside it."""
+    model.zero_grad(set_to_none=True)
+    targets = cp_batch.shift_labels(batch["labels"])
+    logits = model(batch["tokens"], attention_masks=batch.get("attention_masks"), positions=batch.get("positions"))
+    loss = titan_loss(logits, targets, (targets != IGNORE_INDEX).sum())
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def cp_steps(rank: int, cp: int, cases: list) -> list:
     """:func:`cp_step` for each ``(make_model, batch[, options[, dynamo]])`` of ``cases``, in one process per rank."""
     return [cp_step(rank, cp, *case) for case in cases]
@@ -452,13 +463,9 @@ def titan_flex_varying_steps(rank: int, cp: int, packs: list) -> list:
         for lengths in packs:
             batch = titan_block_mask_batch(lengths)
             loss, got = _train_step(model, compiled, batch, loss_of=_titan_loss_of)
-            twin.zero_grad(set_to_none=True)
-            targets = cp_batch.shift_labels(batch["labels"])
-            want_loss = titan_loss(twin(batch["tokens"], attention_masks=batch["attention_masks"]), targets,
-                                   (targets != IGNORE_INDEX).sum())
-            want_loss.backward()
-            err = max(((got[n] - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in twin.named_parameters())
-            out.append((loss, want_loss.item(), err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+            want_loss, want = titan_reference_step(twin, batch)
+            err = max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in want.items())
+            out.append((loss, want_loss, err, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return out
 
 
