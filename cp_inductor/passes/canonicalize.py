@@ -127,7 +127,7 @@ def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
 def _rng_wrapped(node: torch.fx.Node):
     """``(attention op, its args, its kwargs)`` of an RNG-state wrapper around an attention op
     without dropout, else None."""
-    from .analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+    from .analysis.sdpa_ops import SDPA, bound_args
 
     hops = torch.ops.higher_order
     first = {hops.run_and_save_rng_state: 0, hops.run_with_rng_state: 1}
@@ -137,7 +137,7 @@ def _rng_wrapped(node: torch.fx.Node):
     if node.op != "call_function" or node.target not in first:
         return None
     op = node.args[first[node.target]]
-    if op not in SDPA_FORWARD + SDPA_BACKWARD:
+    if op not in SDPA:
         return None
     kwargs = {k: v for k, v in node.kwargs.items() if k != "rng_state"}  # graphsafe: the generator state
     plain = torch.fx.Node(node.graph, "probe", "call_function", op, node.args[first[node.target] + 1:], kwargs)
@@ -184,7 +184,7 @@ def rewrap_rng_attention(graph: torch.fx.Graph) -> int:
     """Give every generator input that :func:`unwrap_rng_attention` left unread its one
     ``graphsafe_run_with_rng_state`` again, around the call that was unwrapped, else around the
     first attention call without dropout; how many were wrapped."""
-    from .analysis.sdpa_ops import SDPA_BACKWARD, SDPA_FORWARD, bound_args
+    from .analysis.sdpa_ops import SDPA, bound_args
 
     graphsafe = getattr(torch.ops.higher_order, "graphsafe_run_with_rng_state", None)
     count = 0
@@ -193,7 +193,7 @@ def rewrap_rng_attention(graph: torch.fx.Graph) -> int:
             continue
         calls = [
             n for n in graph.nodes
-            if n.op == "call_function" and n.target in SDPA_FORWARD + SDPA_BACKWARD
+            if n.op == "call_function" and n.target in SDPA
             and bound_args(n).get("dropout_p", 0.0) == 0.0 and n.meta.get("val") is not None
         ]
         marked = [n for n in calls if n.meta.get(GENERATOR) is gen]

@@ -4,6 +4,9 @@ cu_seqlens) ops of torch's ``varlen_attn`` and of our cuDNN lowering."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
 import torch
 import torch.fx
 
@@ -32,40 +35,66 @@ SDPA_BACKWARD = _ops(
 )
 
 
+class Ops(Sequence):
+    """Attention ops, some named ``namespace::name`` and looked up in torch's registry when asked
+    rather than imported: a program's graph can hold torch's ``torch_attn`` ops only once it has
+    imported ``torch.nn.attention.varlen`` (ours, once it has imported our lowerings), and
+    importing that here would add 37 ms to every process that imports the backend (a restarted
+    job's first call included), which default Inductor does not pay. While a name is missing it
+    is looked up again after new imports."""
 
+    def __init__(self, *parts) -> None:
+        self._parts = parts  # OpOverloads, "namespace::name" strings, other Ops
+        self._found: tuple = ()
+        self._modules: int | None = -1  # len(sys.modules) when last looked up; None once all were found
 
-def _custom_ops(*names):
-    """``namespace::name`` ops that exist in this process (torch_attn's appear once
-    ``torch.nn.attention.varlen`` is imported; ours with ``cp_inductor.lowerings``)."""
-    import importlib
+    def _ops(self) -> tuple:
+        if self._modules is not None and self._modules != len(sys.modules):
+            self._modules = len(sys.modules)
+            found: list = []
+            missing = False
+            for part in self._parts:
+                if isinstance(part, Ops):
+                    found += part._ops()
+                    missing |= part._modules is not None
+                elif isinstance(part, str):
+                    namespace, name = part.split("::")
+                    packet = getattr(getattr(torch.ops, namespace), name, None)
+                    missing |= packet is None
+                    found += [] if packet is None else [packet.default]
+                else:
+                    found.append(part)
+            self._found = tuple(found)
+            if not missing:
+                self._modules = None
+        return self._found
 
-    for module in ("torch.nn.attention.varlen", "cp_inductor.lowerings.varlen_attention",
-                   "cp_inductor.lowerings.fa4_attention"):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
-    ops = []
-    for name in names:
-        namespace, op = name.split("::")
-        packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
-        if packet is not None and hasattr(packet, "default"):
-            ops.append(packet.default)
-    return tuple(ops)
+    def __getitem__(self, i):
+        return self._ops()[i]
 
+    def __len__(self) -> int:
+        return len(self._ops())
+
+    def __contains__(self, op) -> bool:
+        return op in self._ops()
+
+    def __add__(self, other) -> Ops:
+        return Ops(self, other)
 
 # Packed sequences: (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, ...) -> (out
 # [T, Hq, Dv], lse, ...), and the backward (grad_out, query, key, value, out, lse, ...) -> (dq, dk, dv).
-VARLEN_FORWARD = _custom_ops("torch_attn::_varlen_attn", "cp_inductor::varlen_attention")
-VARLEN_BACKWARD = _custom_ops("torch_attn::_varlen_attn_backward", "cp_inductor::varlen_attention_backward")
+VARLEN_FORWARD = Ops("torch_attn::_varlen_attn", "cp_inductor::varlen_attention", "cp_inductor::fa4_varlen_attention")
+VARLEN_BACKWARD = Ops("torch_attn::_varlen_attn_backward", "cp_inductor::varlen_attention_backward",
+                      "cp_inductor::fa4_varlen_attention_backward")
 # FA4 (``lowerings/fa4_attention.py``): the dense op takes and returns aten's layouts, so the
 # detectors read it as one of aten's; its packed op reads like the varlen ones.
-SDPA_FORWARD += _custom_ops("cp_inductor::fa4_sdpa")
-SDPA_BACKWARD += _custom_ops("cp_inductor::fa4_sdpa_backward")
-VARLEN_FORWARD += _custom_ops("cp_inductor::fa4_varlen_attention")
-VARLEN_BACKWARD += _custom_ops("cp_inductor::fa4_varlen_attention_backward")
+SDPA_FORWARD = Ops(*SDPA_FORWARD, "cp_inductor::fa4_sdpa")
+SDPA_BACKWARD = Ops(*SDPA_BACKWARD, "cp_inductor::fa4_sdpa_backward")
 FORWARD = SDPA_FORWARD + VARLEN_FORWARD
 BACKWARD = SDPA_BACKWARD + VARLEN_BACKWARD
+SDPA = SDPA_FORWARD + SDPA_BACKWARD
+VARLEN = VARLEN_FORWARD + VARLEN_BACKWARD
+ATTENTION = FORWARD + BACKWARD
 
 
 # One spelling per role: the memory-efficient backward calls its first argument ``grad_out_``,

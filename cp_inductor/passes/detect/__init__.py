@@ -20,13 +20,13 @@ import torch.fx
 from ..analysis import graph_walk
 from ..analysis.graph_walk import MAX_NODES, node_order, reached_below  # noqa: F401 - reached_below: the detectors' import
 from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op, node_val
-from ..analysis.sdpa_ops import BACKWARD, SDPA_BACKWARD, SDPA_FORWARD, tuple_outputs
+from ..analysis.sdpa_ops import BACKWARD, SDPA, tuple_outputs
 from ..guard import internal_error
 
 aten = torch.ops.aten
 
 
-def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None, ops=SDPA_FORWARD + SDPA_BACKWARD) -> list:
+def find_with(match_one, graph: torch.fx.Graph, graph_kind: str, cfg, log=None, ops=SDPA) -> list:
     """``match_one(attention_node, graph_kind)`` on every attention op of ``graph`` (``ops``: the
     dense SDPA ops unless the style takes more): the matches
     it returns, in graph order. A ``LayoutError`` is the reason the op is not a region, an

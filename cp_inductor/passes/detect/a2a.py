@@ -46,7 +46,7 @@ from ..analysis.layout_algebra import (
 )
 from ..analysis.match import CPMatch, attention_facts
 from ..analysis.sym_sizes import Size, exact_div, hint, may_guard, size_of, sizes_of, specialize
-from ..analysis.sdpa_ops import BACKWARD, FORWARD, bound_args, tuple_outputs
+from ..analysis.sdpa_ops import ATTENTION, BACKWARD, FORWARD, bound_args, tuple_outputs
 from . import find_with, match_or_none
 
 aten = torch.ops.aten
@@ -360,7 +360,7 @@ def _provenance(node, cp: int, memo: dict | None = None, budget: list | None = N
         elif node.target in _ROW_OPS:
             inner = follow(node.args[1] if node.target is aten.addmm.default else node.args[0])
             out = _matmul_rows(inner, node) if inner is not None and len(inner.dims) == 2 else None
-        elif node.op == "call_function" and (node.target in FORWARD + BACKWARD or _is_attention_piece(node)):
+        elif node.op == "call_function" and (node.target in ATTENTION or _is_attention_piece(node)):
             out = None
         else:
             inputs = [a for a in node.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
@@ -391,7 +391,7 @@ def _received(sent: Layout, node: torch.fx.Node, cp: int) -> Layout:
 
 def _is_attention_piece(node) -> bool:
     src = node.args[0] if node.target is operator.getitem and node.args else None
-    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in FORWARD + BACKWARD
+    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in ATTENTION
 
 
 def _incoming(node: torch.fx.Node, allow_broadcast: bool):
@@ -653,7 +653,7 @@ STYLE = A2AMatch.style
 def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[A2AMatch]:
     """Every Ulysses region in ``graph``. ``log(node, reason)`` hears why an attention op is
     not one."""
-    return find_with(_region, graph, graph_kind, cfg, log, ops=FORWARD + BACKWARD)
+    return find_with(_region, graph, graph_kind, cfg, log, ops=ATTENTION)
 
 
 def match_at(node: torch.fx.Node, graph_kind: str, cfg) -> A2AMatch | None:

@@ -35,7 +35,7 @@ import torch.fx
 from ..analysis.graph_walk import MAX_NODES
 from ..analysis.layout_algebra import LayoutError, is_layout_op, is_value_op
 from ..analysis.match import CPMatch, attention_facts
-from ..analysis.sdpa_ops import BACKWARD, FORWARD, VARLEN_BACKWARD, VARLEN_FORWARD, bound_args
+from ..analysis.sdpa_ops import ATTENTION, FORWARD, VARLEN, bound_args
 from . import find_with, in_graph_order, kv_gradients_reach, match_or_none, moved_from, query_layout, reached_below
 
 aten = torch.ops.aten
@@ -146,7 +146,7 @@ def _forward_match(node, graph_kind) -> AllGatherMatch | None:
 def _layout(attention, rank_tensor) -> str:
     """"thd" for packed-sequence attention (``[tokens, heads, head_dim]`` with cu_seqlens), else how
     the rank holds q or dO."""
-    if attention.target in VARLEN_FORWARD + VARLEN_BACKWARD:
+    if attention.target in VARLEN:
         return "thd"
     return query_layout(rank_tensor)
 
@@ -216,7 +216,7 @@ def find(graph: torch.fx.Graph, graph_kind: str, cfg, log=None) -> list[AllGathe
     """Every K/V all-gather attention op in ``graph``. ``log(node, reason)`` hears why an attention
     op fed by an all-gather is not a region (ops no all-gather feeds are not this detector's),
     including the attention of PyTorch's flex CP (``FLEX_REASON``)."""
-    matches = find_with(_match, graph, graph_kind, cfg, log, ops=FORWARD + BACKWARD)
+    matches = find_with(_match, graph, graph_kind, cfg, log, ops=ATTENTION)
     if log is not None:
         for attention, op in _flex_attention_ops(graph):
             log(attention, FLEX_REASON.format(op=op))

@@ -34,10 +34,8 @@ ATEN_FLASH = "aten::_flash_attention_forward"
 
 def _varlen_ops() -> tuple:
     ops = (torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_forward.default)
-    try:
-        from torch.nn.attention import varlen  # noqa: F401 - defines torch_attn::_varlen_attn
-    except ImportError:
-        return ops
+    # Looked up, not imported: the op is in a graph only where the program imported
+    # torch.nn.attention.varlen (sdpa_ops.Ops says why).
     packet = getattr(torch.ops.torch_attn, "_varlen_attn", None)
     return ops if packet is None else (*ops, packet, packet.default)
 
