@@ -281,18 +281,20 @@ def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False)
     return model
 
 
-HF_ARCHITECTURES = ("qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2")
+HF_ARCHITECTURES = ("qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2", "gemma", "gemma3", "granite", "starcoder2",
+                    "gpt_neox", "cohere", "smollm3", "olmo3")
 
 
 def hf_causal_lm(arch: str, sliding_window: int | None = None, attn: str = "sdpa") -> nn.Module:
     """A tiny HF transformers causal LM of architecture ``arch`` (random weights, seed 0, ``attn``,
     GQA 4:2 where the architecture has it, no dropout), for surveys beyond Llama; Mistral with
-    ``sliding_window`` where given."""
+    ``sliding_window`` where given (Gemma 3 and OLMo 3 slide over 5 keys in some layers)."""
     import transformers as tf
 
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, attn_implementation=attn, use_cache=False)
+    tokens = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
     configs = {
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8)),
@@ -302,6 +304,17 @@ def hf_causal_lm(arch: str, sliding_window: int | None = None, attn: str = "sdpa
         # learned positions, read at the position ids
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="sdpa",
                                                          use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=8)),
+        # a sliding-window layer, then a global one
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=5,
+                                                                   layer_types=["sliding_attention", "full_attention"])),
+        "granite": lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**common)),  # scaled embeddings, residuals, logits
+        "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**common, **tokens, sliding_window=None)),
+        # fused QKV, rotary over a quarter of each head, parallel residual; no GQA
+        "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"})),
+        "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(**common, **tokens)),  # attention and MLP in parallel
+        "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**common, **tokens, no_rope_layer_interval=2)),  # a layer without rotary
+        "olmo3": lambda: tf.Olmo3ForCausalLM(tf.Olmo3Config(**common, **tokens, sliding_window=5)),
     }
     return configs[arch]()
 
