@@ -81,6 +81,7 @@ class Ops(Sequence):
     def __add__(self, other) -> Ops:
         return Ops(self, other)
 
+
 # Packed sequences: (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, ...) -> (out
 # [T, Hq, Dv], lse, ...), and the backward (grad_out, query, key, value, out, lse, ...) -> (dq, dk, dv).
 VARLEN_FORWARD = Ops("torch_attn::_varlen_attn", "cp_inductor::varlen_attention", "cp_inductor::fa4_varlen_attention")
