@@ -32,7 +32,7 @@ def test_in_a_fresh_process_found_by_name_apart_from_the_helpers_and_forkable():
         "torch.testing.assert_close(f(x), x.sin() * 2)\n"
         "import cp_inductor.backend, cp_inductor.passes.engine\n"
         "print(sorted(m for m in sys.modules if m.startswith(('cp_inductor.testing', 'cp_inductor.parallel'))))\n"
-        # torch's varlen ops are looked up, not imported (37 ms of every restart's import), and
+        # torch's varlen ops are looked up, not imported (a cost of every restart's import), and
         # are known once the program imports them, after the backend has compiled
         "print('torch.nn.attention.varlen' in sys.modules)\n"
         "import torch.nn.attention.varlen\n"

@@ -772,16 +772,21 @@ class TestRefused:
 # --- training numerics on gloo ------------------------------------------------------------------
 
 
+def _assert_matches(got: dict, want_loss: float, want: dict) -> None:
+    """A CP step's combined loss and summed gradients against the single-device step's: relative
+    error below 1e-4."""
+    assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss, got["lines"])
+    for name, grad in want.items():
+        err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+        assert err < 1e-4, (name, err, got["lines"])
+
+
 def _assert_steps(results, cases, references: dict | None = None):
     """Each case's combined loss and summed gradients against the single-device step on the full
     batch (fp32; ``references[i]`` makes case i's single-device model where it is not the case's
     own): relative error below 1e-4."""
     for i, ((make, batch, *_), got) in enumerate(zip(cases, results[0])):
-        want_loss, want = auto_cp.reference_step((references or {}).get(i, make)(), batch)
-        assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss, got["lines"])
-        for name, grad in want.items():
-            err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
-            assert err < 1e-4, (name, err, got["lines"])
+        _assert_matches(got, *auto_cp.reference_step((references or {}).get(i, make)(), batch))
         assert got["lines"] and all("context-parallel attention" in line for line in got["lines"]), got["lines"]
     for other in results[1:]:  # every rank combined the same loss
         assert [r["loss"] for r in other] == [r["loss"] for r in results[0]]
@@ -848,16 +853,6 @@ def test_fsdp2_over_the_cp_ranks_matches_single_device():
     assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}]
 
 
-def _assert_titan_step(got: dict, model, batch: dict) -> None:
-    """A CP step's combined loss and summed gradients against ``model``'s single-device step on the
-    full batch, the torchtitan way: relative error below 1e-4."""
-    want_loss, want = auto_cp.titan_reference_step(model, batch)
-    assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss), (got["loss"], want_loss)
-    for name, grad in want.items():
-        err = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
-        assert err < 1e-4, (name, err, got["lines"])
-
-
 def test_torchtitan_names_match_single_device():
     """A batch named as torchtitan names it (``tokens``, ``positions`` where the pack has them),
     the model called ``model(tokens, positions=...)`` and the loss computed outside it: the
@@ -877,7 +872,7 @@ def test_torchtitan_names_match_single_device():
                       auto_cp.titan_varlen_batch([6, 10, 8, 8], rows=2)))
     results = run_on_ranks(auto_cp.titan_steps, 2, cases)
     for (make, batch, *_), got in zip(cases, results[0]):
-        _assert_titan_step(got, make(), batch)
+        _assert_matches(got, *auto_cp.titan_reference_step(make(), batch))
     styles = [{_style(line) for line in case["lines"]} for case in results[0]]
     assert styles == [{"allgather"}, {"ulysses"}, {"allgather"}][:len(cases)], styles
     if len(cases) == 3:
@@ -896,7 +891,7 @@ def test_torchtitan_block_mask_training_matches_single_device():
              for window, options in ((-1, None), (-1, ULYSSES), (3, None))]
     results = run_on_ranks(auto_cp.titan_flex_steps, 2, cases)
     for (make, make_batch, _), got in zip(cases, results[0]):
-        _assert_titan_step(got, auto_cp.decoder("dense_given", titan_named=True), make_batch())
+        _assert_matches(got, *auto_cp.titan_reference_step(auto_cp.decoder("dense_given", titan_named=True), make_batch()))
         assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
     assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
     assert all("keys from q-3" in line for line in results[0][2]["lines"]), results[0][2]["lines"]

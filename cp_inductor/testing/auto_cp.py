@@ -448,21 +448,6 @@ def fsdp_cp_steps(rank: int, cp: int, cases: list) -> list:
     return out
 
 
-def cp_forwards(rank: int, cp: int, cases: list) -> list:
-    """Per ``(make_model, batch[, options])``: the loss of one forward (no gradients: flex has no
-    CPU backward to trace) on this rank's share, combined over the ranks, and the report's lines."""
-    import cp_inductor
-
-    out = []
-    for make_model, batch, *options in cases:
-        cp_inductor.clear_report()
-        _, compiled = _compiled(make_model, *options)
-        with torch.no_grad():
-            loss = cp_batch.combine_losses(_loss(compiled(**cp_batch.shard_batch(batch)))).item()
-        out.append({"loss": loss, "lines": _report_lines()})
-    return out
-
-
 def titan_flex_varying_steps(rank: int, cp: int, packs: list) -> list:
     """Training steps of one compiled torchtitan-style flex decoder over batches whose BlockMask
     the trainer makes anew each step (:func:`titan_block_mask_batch`, documents of the given

@@ -35,37 +35,34 @@ SDPA_BACKWARD = _ops(
 )
 
 
+def registered(name: str) -> torch._ops.OpOverload | None:
+    """The default overload of ``namespace::name`` where torch's registry holds it, looked up
+    without importing the module that registers it (``Ops`` says why)."""
+    namespace, op = name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), op, None)
+    return None if packet is None else packet.default
+
+
 class Ops(Sequence):
     """Attention ops, some named ``namespace::name`` and looked up in torch's registry when asked
     rather than imported: a program's graph can hold torch's ``torch_attn`` ops only once it has
     imported ``torch.nn.attention.varlen`` (ours, once it has imported our lowerings), and
-    importing that here would add 37 ms to every process that imports the backend (a restarted
-    job's first call included), which default Inductor does not pay. While a name is missing it
-    is looked up again after new imports."""
+    importing that here would put its import on every process that imports the backend (a
+    restarted job's first call included; measured in ``docs/measurements.md``), which default
+    Inductor does not pay. While a name is missing it is looked up again after new imports."""
 
     def __init__(self, *parts) -> None:
-        self._parts = parts  # OpOverloads, "namespace::name" strings, other Ops
+        # OpOverloads and "namespace::name" strings; an Ops among them gives its own parts
+        self._parts: tuple = tuple(q for p in parts for q in (p._parts if isinstance(p, Ops) else (p,)))
         self._found: tuple = ()
         self._modules: int | None = -1  # len(sys.modules) when last looked up; None once all were found
 
     def _ops(self) -> tuple:
         if self._modules is not None and self._modules != len(sys.modules):
             self._modules = len(sys.modules)
-            found: list = []
-            missing = False
-            for part in self._parts:
-                if isinstance(part, Ops):
-                    found += part._ops()
-                    missing |= part._modules is not None
-                elif isinstance(part, str):
-                    namespace, name = part.split("::")
-                    packet = getattr(getattr(torch.ops, namespace), name, None)
-                    missing |= packet is None
-                    found += [] if packet is None else [packet.default]
-                else:
-                    found.append(part)
-            self._found = tuple(found)
-            if not missing:
+            found = [registered(p) if isinstance(p, str) else p for p in self._parts]
+            self._found = tuple(op for op in found if op is not None)
+            if len(self._found) == len(self._parts):
                 self._modules = None
         return self._found
 

@@ -24,6 +24,7 @@ from . import flash_attn_calls
 from ..analysis.collectives import KNOWN_ALL_TO_ALLS
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import bind, qualname, value
+from ..analysis.sdpa_ops import registered
 
 KEPT = "kept"
 
@@ -34,10 +35,8 @@ ATEN_FLASH = "aten::_flash_attention_forward"
 
 def _varlen_ops() -> tuple:
     ops = (torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_forward.default)
-    # Looked up, not imported: the op is in a graph only where the program imported
-    # torch.nn.attention.varlen (sdpa_ops.Ops says why).
-    packet = getattr(torch.ops.torch_attn, "_varlen_attn", None)
-    return ops if packet is None else (*ops, packet, packet.default)
+    varlen = registered("torch_attn::_varlen_attn")  # in a graph only where the program imported it
+    return ops if varlen is None else (*ops, varlen.overloadpacket, varlen)
 
 
 def _normalized(node: torch.fx.Node) -> dict | None:
