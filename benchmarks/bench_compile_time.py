@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import cp_inductor
 from cp_inductor.testing.train_step import StepConfig, TransformerBlock
+import os
+if os.environ.get("CP_BENCH_PROVIDER"):  # --provider: which kernel our lowerings pick
+    cp_inductor.config.attention_provider = os.environ["CP_BENCH_PROVIDER"]
 
 style, layers, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -99,10 +102,10 @@ print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pas
 
 
 def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
-               fa4_cache: bool = True, profile: str | None = None) -> dict:
+               fa4_cache: bool = True, profile: str | None = None, provider: str | None = None) -> dict:
     """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
     (FA4's kernels too unless ``fa4_cache`` is False); ``profile``: cProfile's stats of the timed
-    part written to that file."""
+    part written to that file; ``provider``: cp_inductor's ``attention_provider``."""
     if cache_dir is None:
         env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -113,6 +116,8 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
     if profile:
         env["CP_BENCH_PROFILE"] = profile
+    if provider:
+        env["CP_BENCH_PROVIDER"] = provider
     out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -126,8 +131,9 @@ def profiled(a, style: str, layers: int) -> None:
     for backend in ("inductor", "cp_inductor"):
         path = os.path.join(a.profile, f"{style}_{backend}.pstats")
         with tempfile.TemporaryDirectory() as cache:
-            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache)
-            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path)["seconds"]
+            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, provider=a.provider)
+            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path,
+                                 provider=a.provider)["seconds"]
         print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
@@ -144,6 +150,7 @@ def main() -> int:
     ap.add_argument("--no-fa4-cache", action="store_true", help="--restart: FA4 compiles its kernels in every process")
     ap.add_argument("--profile", metavar="DIR", help="--restart: one more restart per backend and style under "
                     "cProfile (DIR/<style>_<backend>.pstats), its top functions printed")
+    ap.add_argument("--provider", help="cp_inductor's attention_provider (auto, fa4, cudnn, program)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
@@ -157,10 +164,10 @@ def main() -> int:
                 for b in runs:
                     if a.restart:
                         with tempfile.TemporaryDirectory() as cache:
-                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache)  # the job before
-                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache))
+                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, provider=a.provider)  # the job before
+                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, provider=a.provider))
                     else:
-                        runs[b].append(first_call(style, layers, b, a.device))
+                        runs[b].append(first_call(style, layers, b, a.device, provider=a.provider))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
             paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))

@@ -15,7 +15,8 @@
 #   models:   HF Llama T16K, sdpa then flex_attention, packed and plain, every arm (eager included)
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
 #             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
-#   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP)
+#   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP;
+#             RESTART_ARGS="--profile $OUT/prof --provider program" passed on; TAG names the logs)
 #   graphs:   the tests, then HF Llama sdpa T16K packed and plain under CUDA graphs (reduce-overhead):
 #             default Inductor against cp_inductor with document_mask_capacity
 source benchmarks/gpu_fa4_install.sh
@@ -73,7 +74,8 @@ no-break)
     | tee "$out/hf_flex_no_break_t16k.log" | tail -14 ;;
 restart)  # none alone: each row's cold fills compile Triton kernels (a2a's did not fit 300 s)
   timeout "${RESTART_S:-540}" python3 bench_compile_time.py --restart --device cuda --layers 4 --styles ${STYLES:-none} \
-    --repeats "${REPEATS:-2}" --json "$out/compile_restart_cuda.json" 2>&1 | filter | tee "$out/compile_restart_cuda.log" | tail -4 ;;
+    --repeats "${REPEATS:-2}" ${RESTART_ARGS:-} --json "$out/compile_restart_cuda${TAG:-}.json" 2>&1 | filter \
+    | tee "$out/compile_restart_cuda${TAG:-}.log" | tail -"${TAIL:-4}" ;;
 hf-sdpa) hf sdpa 560 ;;
 graphs)
   timeout 330 python3 bench_hf_masks.py --impl sdpa --tokens 16384 --docs 8 1 --iters 10 --capacity 32 \

@@ -207,6 +207,7 @@ def cp_inductor_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, opt
         outcome["did"] = f"{len(routes)} packed calls"
     for route in routes:
         record_varlen(route)
+    inductor_patches.update(engine.cache_patches(gm, inductor_patches))
     # A warm AOTAutograd cache serves the compile without running our passes: the report of the
     # cold compile is stored beside it and replayed (report_cache.py).
     # (our options by the snapshot's digest: a mesh option's repr holds an address)

@@ -571,6 +571,44 @@ def test_the_layout_inputs_bring_no_symbol_of_their_own(dynamic):
     assert made and not [name for name in made if "unknown_tensor" in name], made
 
 
+@pytest.mark.parametrize("style", ["allgather", "ulysses", "ring"])
+def test_rewritten_graphs_are_served_by_the_caches(style):
+    """AOTAutograd's cache serves no graph calling a Python function it does not know, and each
+    style puts some into the Dynamo graph (the all-to-alls of heads, torch's differentiable
+    all-gather, the ring's call): without the patches the engine adds, a restarted job would
+    compile every CP graph again. Every call in the rewritten graph passes the cache's check
+    with them, and one does not without; every emitted name is a function."""
+    import importlib
+
+    import torch._inductor.config as inductor_config
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
+
+    from cp_inductor.passes.dynamo import context_parallel
+
+    def causal(q, k, v, position_ids):
+        return F.scaled_dot_product_attention(*_rotated(q, k, v, position_ids), is_causal=True, enable_gqa=True)
+
+    plain = {"input_ids": torch.zeros(1, 16, dtype=torch.long), "position_ids": torch.arange(16)[None]}
+    q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+    options = {} if style == "allgather" else {"context_parallel_style": style}
+    lines = _rewritten(causal, q, k, k.clone(), batch=plain, **options)
+    gm = _LAST["gm"]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    refused = []
+    for node in calls:
+        try:
+            check_node_safe(node)
+        except BypassAOTAutogradCache:
+            refused.append(node.name)
+    assert refused, lines  # the check this test is about still refuses such graphs
+    with inductor_config.patch(engine.cache_patches(gm, {})):
+        for node in calls:
+            check_node_safe(node)
+    for name in context_parallel.EMITS:
+        module, _, attr = name.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), attr)), name
+
+
 def test_ulysses_call_is_one_round_per_document():
     """The op Ulysses' rewrite calls: every token in row order, positions the index (None): one
     segment and one round per document, and the packed path (reference kernels standing in for

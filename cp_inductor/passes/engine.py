@@ -232,6 +232,14 @@ def _apply_tried(graph, match, rewrite, match_at, cfg, performs) -> bool:
 _TRIED = checked_rewrite.Applier(_apply_tried)
 
 
+MARKED_CACHEABLE = "unsafe_marked_cacheable_functions"  # Inductor's config: function name -> cache key
+
+
+def _qualified_name(target) -> str:
+    """A call target's name as AOTAutograd's cache reads it."""
+    return f"{getattr(target, '__module__', None)}.{getattr(target, '__name__', None)}"
+
+
 class Engine:
     """The passes of a table and the detectors of the CP styles, run: ``Engine(PASSES,
     DETECTORS)`` is the pipeline (:data:`ENGINE`); a test may build one of fewer passes."""
@@ -261,6 +269,25 @@ class Engine:
             if p.stage in hooks:
                 patches.update(p.functorch_patches)
         return patches
+
+    def cache_patches(self, gm: torch.fx.GraphModule, inductor_patches: dict) -> dict:
+        """Inductor config that lets AOTAutograd's and Inductor's caches serve ``gm`` where our
+        Dynamo passes put Python functions into it (their records' ``emits``): each such function
+        in ``gm`` named cacheable (beside those the user's ``inductor_patches`` or config name),
+        keyed by our sources and torch's version, so that a change to either is a new key.
+        Without it a restarted job compiles again what it compiled before."""
+        import torch._inductor.config as inductor_config
+
+        emitted = {name for p in self.passes for name in p.emits}
+        found = {name for n in gm.graph.nodes
+                 if n.op == "call_function" and (name := _qualified_name(n.target)) in emitted}
+        if not found or not hasattr(inductor_config, MARKED_CACHEABLE):
+            return {}
+        from .hook_pass import source_hash
+
+        key = f"cp_inductor {source_hash()} torch {torch.__version__}"
+        users = inductor_patches.get(MARKED_CACHEABLE, getattr(inductor_config, MARKED_CACHEABLE))
+        return {MARKED_CACHEABLE: {**users, **dict.fromkeys(sorted(found), key)}}
 
     def _graph_passes(self, stage: str) -> tuple[GraphPass, ...]:
         return tuple(p for p in self.passes if p.stage == stage and isinstance(p, GraphPass))
@@ -556,6 +583,7 @@ ENGINE = Engine(PASSES, DETECTORS)
 hooks_with_passes = ENGINE.hooks_with_passes
 hooks_with_work = ENGINE.hooks_with_work
 functorch_patches = ENGINE.functorch_patches
+cache_patches = ENGINE.cache_patches
 canonicalize = ENGINE.canonicalize
 run_dynamo_passes = ENGINE.run_dynamo_passes
 run_input_passes = ENGINE.run_input_passes
@@ -572,6 +600,6 @@ def run_hook(hook: str, graph: torch.fx.Graph, cfg: ConfigSnapshot, only=None) -
     ENGINE.run_hook(hook, graph, cfg, only)
 
 
-__all__ = ["ENGINE", "HOOKS", "Engine", "analyze", "backward_routes", "canonicalize", "decide", "functorch_patches",
+__all__ = ["ENGINE", "HOOKS", "Engine", "analyze", "backward_routes", "cache_patches", "canonicalize", "decide", "functorch_patches",
            "hooks_with_passes", "hooks_with_work", "inductor_patch_keys", "rewrite_graph", "run_dynamo_passes",
            "run_hook", "run_input_passes"]

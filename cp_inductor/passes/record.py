@@ -134,6 +134,11 @@ class Pass:
     wanted: Callable | None = None
     # AOTAutograd config the whole compile needs where this pass's hook is set.
     functorch_patches: dict = field(default_factory=dict)
+    # The Python functions (not ops) it puts into the graph Dynamo hands the backend, by
+    # qualified name (module.name). AOTAutograd's cache serves no graph that calls a function it
+    # does not know; the engine names these cacheable, keyed by our sources and torch's version
+    # (``Engine.cache_patches``).
+    emits: tuple[str, ...] = ()
     # backward_route(node, cfg) -> the op it sends this attention backward to (``.path``,
     # ``.reason``), or None where the node is not of its kind: the report's route lines.
     backward_route: Callable | None = None

@@ -756,4 +756,9 @@ def _supplier(index: int, group_name: str):
     return supply
 
 
-PASS = InputsPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, switched=False)
+# The Python functions _cp_attention puts into the graph, by the names AOTAutograd's cache reads
+# (the ring's by name: its module loads only where a ring is put in).
+EMITS = (*(f"{f.__module__}.{f.__name__}" for f in (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd)),
+         "cp_inductor.parallel.ring.ring_in_graph")
+
+PASS = InputsPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, switched=False, emits=EMITS)
