@@ -53,7 +53,7 @@ def _worker(rank, cp, port, fn, args, queue, backend):
 # environment variables when imported, so the server serves only launches whose environment is
 # the one it started with; any other launch spawns its ranks afresh. The imports start no thread;
 # the last sets up what every rank's first compile would (``rank_warmup``: a 2-rank launch of two
-# tiny compiles measured 3.9 s without it, 1.5 s with it).
+# tiny compiles measured 3.9 s without it, 1.5 s with it; docs/measurements.md has the rest).
 # NCCL launches (GPU machines, where the imports are cheap next to the run) always spawn: no
 # forked rank inherits anything a CUDA-aware import might have set up.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "cp_inductor",
