@@ -5,6 +5,12 @@ process on that dir is timed (Inductor's and AOTAutograd's caches on, as by defa
 
     python benchmarks/bench_compile_time.py --layers 4 8 16 32 --styles a2a allgather ring none --repeats 3
     python benchmarks/bench_compile_time.py --restart --layers 4 --styles none a2a --repeats 3
+    python benchmarks/bench_compile_time.py --restart --layers 4 --styles auto_ulysses auto_allgather auto_ring --repeats 3
+
+``auto_ulysses``, ``auto_allgather``, ``auto_ring``: context parallelism the model does not write
+(``cp_inductor.testing.auto_cp.Decoder``, causal, the same sizes, a batch of one row cut by
+``shard_batch``) under cp_inductor with that style forced, against default Inductor compiling the
+same single-device model on the full row (it cannot make it context-parallel).
 
 The stack: ``cp_inductor.testing.train_step.TransformerBlock`` layers (RMSNorm, QKV projection, CP
 attention through our helpers on PyTorch's fake group of 2 ranks, output projection, MLP), dim
@@ -76,8 +82,15 @@ class Plain(torch.nn.Module):  # no CP: the same block with SDPA over the local 
         x = x + b.wo(o.flatten(2))
         return x + b.mlp(b.norm2(x))
 
-stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
-x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
+if style.startswith("auto_"):  # CP the model does not write: our decoder, cp_inductor inserts the style
+    from cp_inductor.parallel import shard_batch
+    from cp_inductor.testing.auto_cp import Decoder, packed_batch
+    torch.manual_seed(0)
+    stack = Decoder(mask="causal", dim=cfg.dim, heads=cfg.heads, kv_heads=cfg.kv_heads, layers=layers).to(device)
+    batch = {k: v.to(device) for k, v in packed_batch([cfg.seq]).items() if k != "position_ids"}
+else:
+    stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
+    x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
 import os
 profile = os.environ.get("CP_BENCH_PROFILE")
 if profile:  # in the script, not `python -m cProfile`: that changes the globals Dynamo guards on
@@ -85,8 +98,14 @@ if profile:  # in the script, not `python -m cProfile`: that changes the globals
     profiler = cProfile.Profile()
     profiler.enable()
 start = time.perf_counter()  # before the backend's lookup: cp_inductor's imports its Inductor there
-fn = torch.compile(stack, backend=backend, fullgraph=True)
-fn(x).sum().backward()
+if style.startswith("auto_") and backend == "cp_inductor":  # this rank's tokens, the style forced
+    options = {"cp_inductor.context_parallel": dist.group.WORLD, "cp_inductor.context_parallel_style": style[5:]}
+    torch.compile(stack, backend=backend, fullgraph=True, options=options)(**shard_batch(batch)).backward()
+elif style.startswith("auto_"):  # default Inductor: the same single-device model on the full batch
+    torch.compile(stack, backend=backend, fullgraph=True)(**batch).backward()
+else:
+    fn = torch.compile(stack, backend=backend, fullgraph=True)
+    fn(x).sum().backward()
 if device == "cuda":
     torch.cuda.synchronize()
 if profile:
@@ -153,6 +172,14 @@ def main() -> int:
     ap.add_argument("--provider", help="cp_inductor's attention_provider (auto, fa4, cudnn, program)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.restart:
+        # A restarted job imports our package from byte code (pip writes it at install; an editable
+        # install at the first import), unless PYTHONDONTWRITEBYTECODE is set, as on the benchmark
+        # machines: written here, as pip would, so that no arm compiles our sources at each restart.
+        import compileall
+
+        import cp_inductor
+        compileall.compile_dir(os.path.dirname(cp_inductor.__file__), quiet=1)
     print(f"{'style':>9} {'layers':>6} | {'inductor s':>10} {'cp_inductor s':>13} {'ratio':>6} {'paired':>6} | {'our passes s':>12} | largest passes (s)")
     rows = []
     for style in a.styles:
