@@ -121,13 +121,15 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """Embedding, blocks, head; returns the loss HF transformers' way: the summed token losses
-    over ``num_items_in_batch`` (the mean where it is not given)."""
+    over ``num_items_in_batch`` (the mean where it is not given). ``mask``: every block's, or a
+    tuple of one per block (``layers`` then unused)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                 mask: str = "causal"):
+                 mask: str | tuple[str, ...] = "causal"):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, mask) for _ in range(layers))
+        masks = mask if isinstance(mask, tuple) else (mask,) * layers
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, m) for m in masks)
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -182,7 +184,7 @@ def titan_steps(rank: int, cp: int, cases: list) -> list:
             for make_model, batch, *options in cases]
 
 
-def decoder(mask: str = "causal", kv_heads: int = 2, titan_named: bool = False) -> Decoder:
+def decoder(mask: str | tuple[str, ...] = "causal", kv_heads: int = 2, titan_named: bool = False) -> Decoder:
     """A :class:`Decoder` (:class:`TitanNamed`) with seed-0 weights."""
     torch.manual_seed(0)
     return (TitanNamed if titan_named else Decoder)(mask=mask, kv_heads=kv_heads)
