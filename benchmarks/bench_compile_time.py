@@ -91,7 +91,6 @@ if style.startswith("auto_"):  # CP the model does not write: our decoder, cp_in
 else:
     stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
     x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
-import os
 profile = os.environ.get("CP_BENCH_PROFILE")
 if profile:  # in the script, not `python -m cProfile`: that changes the globals Dynamo guards on
     import cProfile

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from ..config_snapshot import ConfigSnapshot, snapshot
@@ -46,7 +47,7 @@ from .guard import internal_error, reason_or_error
 from .observe import rewrite_observed, timed
 from .pipeline import DETECTORS, PASSES
 from .record import (CANONICAL, DISABLED, HOOKS, POST_GRAD, CallPass, GraphPass, InputsPass, Pass, RegionPass, Verdicts,
-                     check_order)
+                     check_order, qualified_name)
 PACKED_REASON = "packed (THD) region: this rewrite works on dense [B, S, H, D] attention"
 
 
@@ -216,8 +217,6 @@ def _why_no_region(by_style: dict, node) -> str:
 def _set_inductor_patches(rewrite: RegionPass) -> None:
     """The Inductor config ``rewrite`` needs, set once it is kept on a graph: Inductor reads it
     after the post-grad hooks (its scheduler), so a rewrite the trial undid sets nothing."""
-    from torch._inductor import config as inductor_config
-
     for key, value in rewrite.inductor_patches.items():
         setattr(inductor_config, key, value)
 
@@ -233,11 +232,6 @@ _TRIED = checked_rewrite.Applier(_apply_tried)
 
 
 MARKED_CACHEABLE = "unsafe_marked_cacheable_functions"  # Inductor's config: function name -> cache key
-
-
-def _qualified_name(target) -> str:
-    """A call target's name as AOTAutograd's cache reads it."""
-    return f"{getattr(target, '__module__', None)}.{getattr(target, '__name__', None)}"
 
 
 class Engine:
@@ -276,11 +270,9 @@ class Engine:
         in ``gm`` named cacheable (beside those the user's ``inductor_patches`` or config name),
         keyed by our sources and torch's version, so that a change to either is a new key.
         Without it a restarted job compiles again what it compiled before."""
-        import torch._inductor.config as inductor_config
-
         emitted = {name for p in self.passes for name in p.emits}
         found = {name for n in gm.graph.nodes
-                 if n.op == "call_function" and (name := _qualified_name(n.target)) in emitted}
+                 if n.op == "call_function" and (name := qualified_name(n.target)) in emitted}
         if not found or not hasattr(inductor_config, MARKED_CACHEABLE):
             return {}
         from .hook_pass import source_hash
@@ -460,8 +452,6 @@ class Engine:
         """The Inductor config keys a rewrite may set, with their values now: the compile of a graph
         runs under a patch of them (``backend._inner_compile``), so that what a kept rewrite sets
         (:func:`_set_inductor_patches`) lasts for that graph's compile only."""
-        from torch._inductor import config as inductor_config
-
         return {key: getattr(inductor_config, key) for r in self.rewrites for key in r.inductor_patches}
 
     # --- Inductor's hooks -------------------------------------------------------------------

@@ -211,6 +211,11 @@ class InputsPass(Pass):
     why_not: InputsWhyNot = _applies
 
 
+def qualified_name(target) -> str:
+    """A function's name as ``Pass.emits`` holds it and AOTAutograd's cache reads it."""
+    return f"{getattr(target, '__module__', None)}.{getattr(target, '__name__', None)}"
+
+
 def check_order(passes) -> None:
     """Every name a record declares is a pass decided before it (raises otherwise)."""
     seen: set[str] = set()

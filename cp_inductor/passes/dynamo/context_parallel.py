@@ -83,7 +83,7 @@ from ..analysis.graph_walk import Walk
 from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
 from ..detect.ring import ROTATES_INSIDE
-from ..record import DYNAMO, InputsPass
+from ..record import DYNAMO, InputsPass, qualified_name
 from . import checkpoint_body, flex_calls, varlen_calls
 from .checkpoint_body import CheckpointBody
 from .sdpa_calls import SDPA, erase_dead, sdpa_args, softmax_scale, unrepeated
@@ -758,7 +758,7 @@ def _supplier(index: int, group_name: str):
 
 # The Python functions _cp_attention puts into the graph, by the names AOTAutograd's cache reads
 # (the ring's by name: its module loads only where a ring is put in).
-EMITS = (*(f"{f.__module__}.{f.__name__}" for f in (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd)),
+EMITS = (*map(qualified_name, (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd)),
          "cp_inductor.parallel.ring.ring_in_graph")
 
 PASS = InputsPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, switched=False, emits=EMITS)
