@@ -120,10 +120,10 @@ print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pas
 
 
 def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
-               fa4_cache: bool = True, profile: str | None = None, provider: str | None = None) -> dict:
+               fa4_cache: bool = True, profile: str | None = None) -> dict:
     """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
     (FA4's kernels too unless ``fa4_cache`` is False); ``profile``: cProfile's stats of the timed
-    part written to that file; ``provider``: cp_inductor's ``attention_provider``."""
+    part written to that file."""
     if cache_dir is None:
         env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -134,8 +134,6 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
     if profile:
         env["CP_BENCH_PROFILE"] = profile
-    if provider:
-        env["CP_BENCH_PROVIDER"] = provider
     out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,9 +147,8 @@ def profiled(a, style: str, layers: int) -> None:
     for backend in ("inductor", "cp_inductor"):
         path = os.path.join(a.profile, f"{style}_{backend}.pstats")
         with tempfile.TemporaryDirectory() as cache:
-            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, provider=a.provider)
-            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path,
-                                 provider=a.provider)["seconds"]
+            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache)
+            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path)["seconds"]
         print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
@@ -171,6 +168,8 @@ def main() -> int:
     ap.add_argument("--provider", help="cp_inductor's attention_provider (auto, fa4, cudnn, program)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.provider:  # every child reads it (they inherit the environment)
+        os.environ["CP_BENCH_PROVIDER"] = a.provider
     if a.restart:
         # A restarted job imports our package from byte code (pip writes it at install; an editable
         # install at the first import), unless PYTHONDONTWRITEBYTECODE is set, as on the benchmark
@@ -190,10 +189,10 @@ def main() -> int:
                 for b in runs:
                     if a.restart:
                         with tempfile.TemporaryDirectory() as cache:
-                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, provider=a.provider)  # the job before
-                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, provider=a.provider))
+                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache)  # the job before
+                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache))
                     else:
-                        runs[b].append(first_call(style, layers, b, a.device, provider=a.provider))
+                        runs[b].append(first_call(style, layers, b, a.device))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
             paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))
