@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
+# ``funcol.all_to_all_single``, not its ``_autograd`` twin: the op is differentiable itself (torch
+# 2.11 on), and torch 2.11's twin wraps the result in an autograd.Function, which AOTAutograd's
+# cache refuses: every restarted Ulysses job would compile again.
+
 
 def scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
     """Sequence-sharded ``x`` -> all heads' full sequence for this rank's head block, BHSD."""
@@ -14,12 +18,12 @@ def scatter_heads(x: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor:
         b, s_l, h, d = x.shape
         # [cp, B, S_l, H/cp, D]: chunk j holds head block j, sent to rank j.
         send = x.reshape(b, s_l, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        recv = funcol.all_to_all_single(send, None, None, group)
         # recv chunk j is source rank j's sequence slice: sequence = (rank, local position).
         return recv.permute(1, 3, 0, 2, 4).reshape(b, h // cp, cp * s_l, d)
     b, h, s_l, d = x.shape
     send = x.reshape(b, cp, h // cp, s_l, d).transpose(0, 1).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    recv = funcol.all_to_all_single(send, None, None, group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
 
 
@@ -29,11 +33,11 @@ def gather_heads(out: torch.Tensor, layout: str, cp: int, group) -> torch.Tensor
     s_l = s // cp
     if layout == "bshd":
         send = out.reshape(b, h_l, cp, s_l, d).permute(2, 0, 3, 1, 4).contiguous()
-        recv = funcol.all_to_all_single_autograd(send, None, None, group)
+        recv = funcol.all_to_all_single(send, None, None, group)
         # recv chunk j is head block j of this rank's sequence slice.
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_l, cp * h_l, d)
     send = out.reshape(b, h_l, cp, s_l, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
+    recv = funcol.all_to_all_single(send, None, None, group)
     return recv.transpose(0, 1).reshape(b, cp * h_l, s_l, d)
 
 
