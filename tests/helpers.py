@@ -4,6 +4,7 @@ every numerics test makes on ``cp_inductor.testing.checks.check_cp_attention``."
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import re
@@ -20,6 +21,7 @@ from cp_inductor.passes import engine
 from cp_inductor.passes.pipeline import PASSES
 from cp_inductor.passes.record import JOINT, POST_GRAD, REGION
 from cp_inductor.passes.detect.a2a import find
+from cp_inductor.testing.launch import run_on_ranks
 
 
 def allgather_qkv():
@@ -281,6 +283,20 @@ def tally_detection(stats, misses: list, spec, regions: int, found: dict, reject
         if any(found.values()):
             stats["false_positive"] += 1
             misses.append((spec, found))
+
+
+def _survey_share(rank: int, shares: int, survey, jobs: list) -> tuple:
+    return survey(*jobs[rank])
+
+
+def survey_side_by_side(survey, jobs: list[tuple]) -> tuple[collections.Counter, list]:
+    """``survey(*job)`` for each job, one process each (a survey traces on one core; CI has two),
+    their tallies added and their misses joined."""
+    stats, misses = collections.Counter(), []
+    for share_stats, share_misses in run_on_ranks(_survey_share, len(jobs), survey, jobs, pg_backend=None):
+        stats.update(share_stats)
+        misses += share_misses
+    return stats, misses
 
 
 @contextlib.contextmanager

@@ -831,7 +831,11 @@ def _assert_steps(results, cases, references: dict | None = None):
 
 
 ULYSSES = {"cp_inductor.context_parallel_style": "ulysses"}
-RING = {"cp_inductor.context_parallel_style": "ring"}
+
+
+def _per_call(*styles: str) -> dict:
+    """Options forcing the i-th attention call's style (one model, a layer per style: docs/testing.md)."""
+    return {"cp_inductor.context_parallel_style": ",".join(styles)}
 
 
 def _style(line: str) -> str:
@@ -846,37 +850,37 @@ def _batches(rows: int) -> tuple[dict, dict]:
 
 
 def test_decoder_training_matches_single_device_cp2():
-    """Our decoder (GQA 4:2, rotary over the positions), two rows: on a pack, one layer of each
+    """Our decoder (GQA 4:2, rotary over the positions), two rows: on a pack, a layer of each
     attention form (the document mask, ``is_causal`` across documents, bidirectional, the
-    document mask with a sliding window shorter than the documents) in one model; the causal
-    form on a plain batch; the document and window forms through Ulysses (heads divide by cp),
-    and the causal one on the plain batch; the causal form on the plain batch through the ring.
-    (A layer per form in one model, not a model per form: docs/testing.md.)"""
+    document mask with a sliding window shorter than the documents) through the all-gather, then
+    the document and window forms through Ulysses (heads divide by cp); on a plain batch, causal
+    layers through the all-gather, Ulysses and the ring. (A layer per form and style in one model,
+    not a model per form: docs/testing.md.)"""
     pack, plain = _batches(rows=2)
     decoder = functools.partial(functools.partial, auto_cp.decoder)
-    forms = ("documents", "causal", "bidirectional", "window")
-    cases = [(decoder(forms), pack), (decoder("causal"), plain), (decoder(("documents", "window")), pack, ULYSSES),
-             (decoder("causal"), plain, ULYSSES), (decoder("causal"), plain, RING)]
+    cases = [(decoder(("documents", "causal", "bidirectional", "window", "documents", "window")), pack,
+              _per_call("allgather", "allgather", "allgather", "allgather", "ulysses")),
+             (decoder(("causal",) * 3), plain, _per_call("allgather", "ulysses", "ring"))]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     styles = [[_style(line) for line in case["lines"]] for case in results[0]]
-    assert styles == [["allgather"] * 4, ["allgather"] * 2, ["ulysses"] * 2, ["ulysses"] * 2, ["ring"] * 2], styles
-    windowed = [f"keys from q-{auto_cp.WINDOW}" in line for case in results[0][:4:2] for line in case["lines"]]
-    assert windowed == [False, False, False, True, False, True], [case["lines"] for case in results[0]]
+    assert styles == [["allgather"] * 4 + ["ulysses"] * 2, ["allgather", "ulysses", "ring"]], styles
+    windowed = [f"keys from q-{auto_cp.WINDOW}" in line for line in results[0][0]["lines"]]
+    assert windowed == [False, False, False, True, False, True], results[0][0]["lines"]
 
 
 def test_decoder_training_matches_single_device_cp4():
-    """cp 4 (every rank holds pieces of every document): the document mask on a pack; Ulysses
-    with 2 key/value heads, each repeated to one per rank; the ring on a plain batch."""
+    """cp 4 (every rank holds pieces of every document): the document mask on a pack; on a plain
+    batch, a layer through Ulysses with 2 key/value heads, each repeated to one per rank, and a
+    layer through the ring."""
     pack, plain = _batches(rows=1)
     cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
-             (functools.partial(auto_cp.decoder, "causal"), plain, ULYSSES),
-             (functools.partial(auto_cp.decoder, "causal"), plain, RING)]
+             (functools.partial(auto_cp.decoder, "causal"), plain, _per_call("ulysses", "ring"))]
     results = run_on_ranks(auto_cp.cp_steps, 4, cases)
     _assert_steps(results, cases)
-    assert all(_style(line) == "ulysses" and "key/value heads repeated to 4" in line
-               for line in results[0][1]["lines"]), results[0][1]["lines"]
-    assert all(_style(line) == "ring" for line in results[0][2]["lines"]), results[0][2]["lines"]
+    ulysses, ring = results[0][1]["lines"]
+    assert _style(ulysses) == "ulysses" and "key/value heads repeated to 4" in ulysses, ulysses
+    assert _style(ring) == "ring", ring
 
 
 def test_fsdp2_over_the_cp_ranks_matches_single_device():
@@ -922,23 +926,23 @@ def test_torchtitan_block_mask_training_matches_single_device():
     """torchtitan's flex training batch: a BlockMask made by the trainer from the full batch
     (documents from end-of-document tokens, causal; and with a sliding window shorter than the
     documents), no positions, the model called ``model(tokens, attention_masks=...,
-    positions=...)`` with what shard_batch returns: through the all-gather and Ulysses at cp 2,
-    each the single-device step (the same BlockMask's mask_mod made dense, through SDPA: torch
-    has no CPU flex backward)."""
+    positions=...)`` with what shard_batch returns: a layer through the all-gather and one through
+    Ulysses at cp 2 (the window: the all-gather), each the single-device step (the same
+    BlockMask's mask_mod made dense, through SDPA: torch has no CPU flex backward)."""
     cases = [(functools.partial(auto_cp.decoder, "flex_given", titan_named=True),
               functools.partial(auto_cp.titan_block_mask_batch, [6, 10, 8, 8], rows=2, window=window), options)
-             for window, options in ((-1, None), (-1, ULYSSES), (3, None))]
+             for window, options in ((-1, _per_call("allgather", "ulysses")), (3, None))]
     results = run_on_ranks(auto_cp.titan_flex_steps, 2, cases)
     for (make, make_batch, _), got in zip(cases, results[0]):
         _assert_matches(got, *auto_cp.titan_reference_step(auto_cp.decoder("dense_given", titan_named=True), make_batch()))
         assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
-    assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
-    assert all("keys from q-3" in line for line in results[0][2]["lines"]), results[0][2]["lines"]
+    assert [_style(line) for line in results[0][0]["lines"]] == ["allgather", "ulysses"], results[0][0]["lines"]
+    assert all("keys from q-3" in line for line in results[0][1]["lines"]), results[0][1]["lines"]
 
 
 def test_flex_training_matches_single_device():
     """flex attention at cp 2, one training step: our decoder with its BlockMask built in the
-    model (same document, causal), all-gather and Ulysses; HF transformers' Llama with
+    model (same document, causal), a layer through the all-gather and one through Ulysses; HF transformers' Llama with
     ``flex_attention``, packed and plain (its BlockMask built in the step's graph, read from the
     position ids), and packed with the BlockMask before a graph break (torch's behaviour at
     HF's warning: its tables come in and are checked on device); HF Mistral with
@@ -946,9 +950,8 @@ def test_flex_training_matches_single_device():
     twin (the same weights and mask; torch has no CPU flex backward, and its CPU flex is off on
     HF's sliding BlockMask): the combined loss and every summed gradient."""
     pack, _ = _batches(rows=2)
-    flex = functools.partial(auto_cp.decoder, "flex")
-    cases = [(flex, pack), (flex, pack, ULYSSES)]
-    references = {0: functools.partial(auto_cp.decoder, "documents"), 1: functools.partial(auto_cp.decoder, "documents")}
+    cases = [(functools.partial(auto_cp.decoder, "flex"), pack, _per_call("allgather", "ulysses"))]
+    references = {0: functools.partial(auto_cp.decoder, "documents")}
     hf = importlib.util.find_spec("transformers") is not None
     if hf:
         hf_pack = auto_cp.packed_batch([6, 10, 8, 8])
@@ -963,29 +966,29 @@ def test_flex_training_matches_single_device():
     _assert_steps(results, cases, references)
     for got in results[0]:
         assert all("documents, causal" in line for line in got["lines"]), got["lines"]
-    assert [_style(line) for line in results[0][1]["lines"]] == ["ulysses", "ulysses"], results[0][1]["lines"]
+    assert [_style(line) for line in results[0][0]["lines"]] == ["allgather", "ulysses"], results[0][0]["lines"]
     if hf:
         import warnings
 
         import cp_inductor.backend  # noqa: F401 - its import decides, as in the ranks
 
-        checked = ["checked on device" in line for got in results[0][2:] for line in got["lines"]]
+        checked = ["checked on device" in line for got in results[0][1:] for line in got["lines"]]
         one_graph = warnings.warn in torch._dynamo.config.ignore_logging_functions
-        assert checked == [not one_graph] * 4 + [True] * 2 + [not one_graph] * 2, results[0][2:]  # two calls a step
+        assert checked == [not one_graph] * 4 + [True] * 2 + [not one_graph] * 2, results[0][1:]  # two calls a step
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 
 
 def test_varlen_decoder_training_matches_single_device():
     """Our decoder with torch's ``varlen_attn`` over its two rows flattened (GQA 4:2), the bounds
-    of the full pack handed in with the batch as a data loader makes them: through the all-gather
-    and through Ulysses at cp 2, each the single-device step."""
+    of the full pack handed in with the batch as a data loader makes them: a layer through the
+    all-gather and one through Ulysses at cp 2, the single-device step."""
     if not varlen_programs.register_cpu_kernels():
         pytest.skip("this torch has no varlen_attn")
     batch = auto_cp.varlen_batch([6, 10, 8, 8], rows=2)
-    cases = [(functools.partial(auto_cp.decoder, "varlen"), batch), (functools.partial(auto_cp.decoder, "varlen"), batch, ULYSSES)]
+    cases = [(functools.partial(auto_cp.decoder, "varlen"), batch, _per_call("allgather", "ulysses"))]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
-    assert [{_style(line) for line in case["lines"]} for case in results[0]] == [{"allgather"}, {"ulysses"}], results[0]
+    assert [_style(line) for line in results[0][0]["lines"]] == ["allgather", "ulysses"], results[0]
     assert all("documents of its cu_seqlens" in line for case in results[0] for line in case["lines"]), results[0]
 
 
@@ -1046,14 +1049,14 @@ def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a
     checkpointed body); Mistral's sliding window (5 tokens, shorter than the documents) over the
-    pack; the plain batch through the ring: no line of CP code in the model."""
+    pack; on the plain batch, the first layer as ``auto`` chooses, the second through the ring: no
+    line of CP code in the model."""
     pytest.importorskip("transformers")
     pack = auto_cp.packed_batch([6, 10, 8, 8])
     plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
-    cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), batch) for batch in (pack, plain)]
+    cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), pack), (functools.partial(auto_cp.hf_llama, "sdpa"), plain, _per_call("auto", "ring"))]
     cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack))
     cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5), pack))
-    cases.append((functools.partial(auto_cp.hf_llama, "sdpa"), plain, RING))
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     assert all("documents, causal" in line for line in results[0][0]["lines"]), results[0][0]["lines"]
@@ -1061,5 +1064,5 @@ def test_hf_llama_sdpa_training_matches_single_device():
     assert len(checkpointed) == 2 and all("tag_activation_checkpoint" in line for line in checkpointed), checkpointed
     windowed = results[0][3]["lines"]
     assert len(windowed) == 2 and all("documents, causal, keys from q-" in line for line in windowed), windowed
-    assert [_style(line) for line in results[0][4]["lines"]] == ["ring", "ring"], results[0][4]["lines"]
+    assert [_style(line) for line in results[0][1]["lines"]] == ["allgather", "ring"], results[0][1]["lines"]
 

@@ -141,6 +141,14 @@ class TestChoice(TestCase):
         self.assertEqual(style, cost.ULYSSES, why)
         self.assertExpectedInline(why, """auto, predicted (measured on NVIDIA H200): ulysses 93.75 ms (compute 89.22 + comm 4.53) < allgather 141.76 ms (compute 126.97 + comm 14.80); ring: not offered for this call""")
 
+    def test_forced_style_per_call(self):
+        """One style for every call, or one per call in the report's order, the last repeated."""
+        self.assertEqual([cost.forced_style("ring", i) for i in range(3)], ["ring"] * 3)
+        self.assertEqual([cost.forced_style("allgather, ulysses", i) for i in range(3)], ["allgather", "ulysses", "ulysses"])
+        self.assertEqual(cost.forced_style("auto,ring", 0), "auto")
+        with self.assertRaisesRegex(ValueError, "one per attention call"):
+            cost.forced_style("allgather,ulyses", 0)
+
     def test_forced_style_it_cannot_take(self):
         style, why = self._choose([4096], 4, 6, 2, forced="ulysses")
         self.assertEqual(style, cost.ALLGATHER)

@@ -13,7 +13,7 @@ import cp_inductor
 import ulysses_programs as up
 from cp_inductor.testing.launch import run_on_ranks
 from cp_inductor.passes import engine
-from helpers import aot_graphs, fake_pg, fused_a2a_pass, tally_detection
+from helpers import aot_graphs, fake_pg, fused_a2a_pass, survey_side_by_side, tally_detection
 
 SEEDS = range(90)
 # CI surveys each program once, half of them at cp = 2 and half at cp = 4; the wide tier
@@ -46,12 +46,7 @@ def _fn_and_inputs(spec, cp):
 
 
 def test_recall_precision_and_no_errors():
-    stats, misses = collections.Counter(), []
-    for cp, seeds in CI_HALVES.items():
-        half, half_misses = survey(cp, seeds)
-        stats.update(half)
-        misses += half_misses
-    check_survey(stats, misses)
+    check_survey(*survey_side_by_side(survey, list(CI_HALVES.items())))
 
 
 @pytest.mark.wide

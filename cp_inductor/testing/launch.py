@@ -1,4 +1,5 @@
-"""Run a function on ``cp`` local processes joined in one process group (gloo on CPU).
+"""Run a function on ``cp`` local processes joined in one process group (gloo on CPU), or on
+processes joined in none (work split over the cores).
 
 Used by the demo and the multi-process tests; under ``torchrun`` use the group torchrun made.
 """
@@ -27,7 +28,8 @@ def _worker(rank, cp, port, fn, args, queue, backend):
             import torch
 
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=cp)
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=cp)
         result = fn(rank, cp, *args)
         # Plain pickle: tensors travel by value, not as shared memory the exiting worker owns.
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -65,9 +67,9 @@ def _relevant(environ) -> dict:
     return {k: v for k, v in environ.items() if not k.startswith("PYTEST_")}  # pytest's per-test names
 
 
-def _context(environ, backend: str):
+def _context(environ, backend: str | None):
     global _server_environ
-    if backend == "gloo" and "forkserver" in mp.get_all_start_methods():
+    if backend in ("gloo", None) and "forkserver" in mp.get_all_start_methods():
         from multiprocessing import forkserver
 
         if _server_environ is None and getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
@@ -80,8 +82,9 @@ def _context(environ, backend: str):
     return mp.get_context("spawn")
 
 
-def run_on_ranks(fn, cp: int, *args, pg_backend: str = "gloo", timeout: float = 1800.0) -> list:
-    """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order."""
+def run_on_ranks(fn, cp: int, *args, pg_backend: str | None = "gloo", timeout: float = 1800.0) -> list:
+    """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order.
+    ``pg_backend=None``: the processes join no group (each its own share of independent work)."""
     ctx = _context(os.environ, pg_backend)
     queue = ctx.Queue()
     port = _free_port()

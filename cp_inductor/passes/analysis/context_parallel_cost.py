@@ -335,6 +335,18 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
     return out, f"measured on {device_name}"
 
 
+def forced_style(setting: str, ordinal: int) -> str:
+    """The style ``context_parallel_style`` sets for the ``ordinal``-th attention call of a graph
+    (from 0, in the order the report lists them): one style for every call, or a comma-separated
+    list of one per call, the calls past its end taking its last."""
+    styles = [s.strip() for s in setting.split(",")]
+    for style in styles:
+        if style != "auto" and style not in PRICED:
+            raise ValueError(f"context_parallel_style={setting!r}: expected auto or one of {PRICED} "
+                             "(or a comma-separated list of them, one per attention call)")
+    return styles[min(ordinal, len(styles) - 1)]
+
+
 def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str,
            ring_why_not: str | None) -> tuple[str, str]:
     """(style, why: the forced style or the priced candidates, cheapest first). The ring is a

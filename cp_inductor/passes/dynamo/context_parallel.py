@@ -461,8 +461,9 @@ def _ring_why_not(site: Site | None, semantics: Semantics, shard: BatchShard) ->
 
 
 def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, cfg,
-             ring_why_not: str | None) -> tuple[str, str, int]:
-    """(the style this call goes over the ranks by, why, the K/V heads it sends)."""
+             ring_why_not: str | None, ordinal: int) -> tuple[str, str, int]:
+    """(the style this call, the graph's ``ordinal``-th, goes over the ranks by, why, the K/V
+    heads it sends)."""
     call = _call_of(args, semantics.causal)
     key = (semantics, call.heads_q)
     if key not in works:  # one layout, priced once per kind of call
@@ -471,8 +472,9 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
         works[key] = context_parallel_cost.work(ids, shard.key_positions, shard.cp, semantics.causal, call.heads_q,
                                                 semantics.window)
     try:
+        forced = context_parallel_cost.forced_style(cfg.context_parallel_style, ordinal)
         style, why = context_parallel_cost.choose(call, works[key], shard.cp, _priced_on(value(args["query"]).device, cfg),
-                                                  cfg.context_parallel_style, ring_why_not)
+                                                  forced, ring_why_not)
     except ValueError as e:
         raise ContextParallelError(str(e)) from None
     kv_heads = context_parallel_cost.sent_kv_heads(call, style, shard.cp)
@@ -628,14 +630,14 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     plans: dict = {}
     works: dict = {}
     routes: list[VarlenRoute] = []
-    for site, args, meaning, checks in semantics:
+    for ordinal, (site, args, meaning, checks) in enumerate(semantics):
         name = site.node.name if site.region is None else f"{site.region.name}/{site.node.name}"  # checkpointed
         repeated = (args["key"], args["value"])
         heads = value(args["query"]).shape[1]
         k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
-        style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(site, meaning, shard))
+        style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(site, meaning, shard), ordinal)
         masks = _mask_inputs(args, site)
         layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)
         _rewrite(site.module.graph, site.node, args, meaning, style,
@@ -649,8 +651,8 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             attention=name, style=style, lengths="proven", layout="cp", path="ring" if style == RING else "document_shard",
             reason=why,
             detail=f"cp={shard.cp}, {meaning.describe()}{CHECKED if checks != Checks() else ''}, {DETAIL[style]}"))
-    for call, meaning in packed:
-        routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg))
+    for ordinal, (call, meaning) in enumerate(packed, len(semantics)):
+        routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
     for route in routes:  # reported once nothing refused the graph
@@ -685,8 +687,9 @@ def _check_varlen(call: varlen_calls.VarlenCall, rows, tokens) -> Semantics:
 
 
 def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, meaning: Semantics, shard: BatchShard,
-                    inputs: list, batch_input: torch.fx.Node, plans: dict, works: dict, cfg) -> VarlenRoute:
-    """``call`` (``[B*T, H, D]``: this rank's rows flattened) as the CP attention of its rows::
+                    inputs: list, batch_input: torch.fx.Node, plans: dict, works: dict, cfg, ordinal: int) -> VarlenRoute:
+    """``call`` (``[B*T, H, D]``: this rank's rows flattened; the graph's ``ordinal``-th attention
+    call) as the CP attention of its rows::
 
         out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_q, max_k, is_causal=True)
         ->
@@ -706,7 +709,7 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
                 y.meta["example_value"] = value(x).unflatten(0, rows_tokens).transpose(1, 2)
                 bhsd[name] = y
             args = {**bhsd, "scale": call.args.get("scale")}
-            style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(None, meaning, shard))
+            style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(None, meaning, shard), ordinal)
             bounds = ("cu_seqlens", call.args["cu_seq_q"])  # checked once, one plan for every call reading them
             if bounds not in plans:
                 plans[bounds] = g.call_function(torch.ops.cp_inductor.cu_seqlens_ids.default, (call.args["cu_seq_q"], inputs[2]))
