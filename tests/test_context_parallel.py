@@ -304,6 +304,28 @@ ring_in_graph = ring_in_graph(transpose, transpose_1, transpose_2, cp_query_posi
         self.assertExpectedInline(_rewritten(_attention, q, k, k.clone(), batch=plain, **ring).splitlines()[-1], """\
 ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, cp_doc_ids, True, 0, 2, cp, 0.3535533905932738)""")
 
+    def test_a_style_per_call(self):
+        """``context_parallel_style`` as a list: the first call by the ring, the second (and any
+        later) by the all-gather, in one graph; the first call's output, the second's query, is
+        read from the ring's op (the pass crashed on an attention that reads another's output)."""
+        def two_calls(q, k, v, position_ids):
+            q, k, v = _rotated(q, k, v, position_ids)
+            first = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(first, k, v, is_causal=True, enable_gqa=True)
+
+        plain = {"input_ids": torch.zeros(1, 16, dtype=torch.long), "position_ids": torch.arange(16)[None]}
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        summary = _rewritten(two_calls, q, k, k.clone(), batch=plain, context_parallel_style="ring, allgather")
+        self.assertExpectedInline("\n".join(line for line in summary.splitlines() if not line.startswith("input")), """\
+ring_in_graph = ring_in_graph(q_1, k_1, v, cp_query_positions, None, True, 0, 2, cp, 0.3535533905932738)
+zeros_like = zeros_like(cp_doc_ids)
+document_shard_plan_default = document_shard_plan(zeros_like, cp_query_positions, cp_key_positions, False, True)
+contiguous = contiguous(k_1)
+all_gather_tensor_autograd = all_gather_tensor_autograd(contiguous, 2, cp)
+contiguous_1 = contiguous(v)
+all_gather_tensor_autograd_1 = all_gather_tensor_autograd(contiguous_1, 2, cp)
+document_shard_attention_default = document_shard_attention(ring_in_graph, all_gather_tensor_autograd, all_gather_tensor_autograd_1, [7 plan tensors], getitem_12, zeros_like, cp_query_positions, cp_key_positions, 0.3535533905932738, True)""")
+
     def test_ring_on_a_pack_goes_to_the_allgather(self):
         """On a pack a row is cut per document, not in the ring's two pieces: the forced ring is
         not taken, and the report says why."""

@@ -517,17 +517,20 @@ def _plan(g: torch.fx.Graph, plans: dict, style: str, semantics: Semantics, inpu
 
 
 def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, args: dict, semantics: Semantics, style: str, layout: list,
-             shard: BatchShard, kv_heads: int) -> None:
-    """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``."""
+             shard: BatchShard, kv_heads: int) -> dict[torch.fx.Node, torch.fx.Node]:
+    """``node`` replaced in its graph ``g``; ``layout``: the plan's nodes (``_plan``) in ``g``.
+    Returns the erased node that held the attention's output -> the node that holds it now."""
     with g.inserting_before(node):
         out = _cp_attention(g, args, semantics, style, layout, shard.group_name, shard.cp, kv_heads, shard.rank)
     if args.get("flex"):  # (out, lse), lse unread (_check_call)
+        outputs = {user: out for user in node.users if user.args[1] == 0}
         flex_calls.replace(node, out)
-        return
+        return outputs
     out.meta["example_value"] = value(node)
     node.replace_all_uses_with(out)
     g.erase_node(node)
     erase_dead(g, args.get("attn_mask"))
+    return {node: out}
 
 
 def _cp_attention(g: torch.fx.Graph, args: dict, semantics: Semantics, style: str, layout: list, group_name: str,
@@ -630,7 +633,9 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     plans: dict = {}
     works: dict = {}
     routes: list[VarlenRoute] = []
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}  # calls' outputs taken so far (one may feed the next call)
     for ordinal, (site, args, meaning, checks) in enumerate(semantics):
+        args = {key: replaced.get(x, x) if isinstance(x, torch.fx.Node) else x for key, x in args.items()}
         name = site.node.name if site.region is None else f"{site.region.name}/{site.node.name}"  # checkpointed
         repeated = (args["key"], args["value"])
         heads = value(args["query"]).shape[1]
@@ -640,9 +645,9 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(site, meaning, shard), ordinal)
         masks = _mask_inputs(args, site)
         layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)
-        _rewrite(site.module.graph, site.node, args, meaning, style,
-                 [site.thread(n, name) if n is not None else None for n, name in zip(layout_nodes, LAYOUT_NAMES)],
-                 shard, kv_heads)
+        replaced.update(_rewrite(site.module.graph, site.node, args, meaning, style,
+                                 [site.thread(n, name) if n is not None else None for n, name in zip(layout_nodes, LAYOUT_NAMES)],
+                                 shard, kv_heads))
         for x in repeated:
             erase_dead(site.module.graph, x)
         for mask in masks:  # inputs of a checkpointed body nothing reads now
