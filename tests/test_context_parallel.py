@@ -872,29 +872,33 @@ def _batches(rows: int) -> tuple[dict, dict]:
 
 
 def test_decoder_training_matches_single_device_cp2():
-    """Our decoder (GQA 4:2, rotary over the positions), two rows: on a pack, a layer of each
+    """Our decoder (rotary over the positions), two rows: on a pack (GQA 4:2), a layer of each
     attention form (the document mask, ``is_causal`` across documents, bidirectional, the
     document mask with a sliding window shorter than the documents) through the all-gather, then
-    the document and window forms through Ulysses (heads divide by cp); on a plain batch, causal
-    layers through the all-gather, Ulysses and the ring. (A layer per form and style in one model,
-    not a model per form: docs/testing.md.)"""
+    the document and window forms through Ulysses (heads divide by cp); on a plain batch (GQA
+    4:1), causal layers through the all-gather, Ulysses (its one key/value head repeated to one
+    per rank) and the ring. (A layer per form and style in one model, not a model per form:
+    docs/testing.md.)"""
     pack, plain = _batches(rows=2)
     decoder = functools.partial(functools.partial, auto_cp.decoder)
     cases = [(decoder(("documents", "causal", "bidirectional", "window", "documents", "window")), pack,
               _per_call("allgather", "allgather", "allgather", "allgather", "ulysses")),
-             (decoder(("causal",) * 3), plain, _per_call("allgather", "ulysses", "ring"))]
+             (decoder(("causal",) * 3, kv_heads=1), plain, _per_call("allgather", "ulysses", "ring"))]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     styles = [[_style(line) for line in case["lines"]] for case in results[0]]
     assert styles == [["allgather"] * 4 + ["ulysses"] * 2, ["allgather", "ulysses", "ring"]], styles
     windowed = [f"keys from q-{auto_cp.WINDOW}" in line for line in results[0][0]["lines"]]
     assert windowed == [False, False, False, True, False, True], results[0][0]["lines"]
+    assert "key/value heads repeated to 2" in results[0][1]["lines"][1], results[0][1]["lines"]
 
 
+@pytest.mark.wide
 def test_decoder_training_matches_single_device_cp4():
     """cp 4 (every rank holds pieces of every document): the document mask on a pack; on a plain
     batch, a layer through Ulysses with 2 key/value heads, each repeated to one per rank, and a
-    layer through the ring."""
+    layer through the ring. The wide tier: four ranks on CI's two cores cost twice a cp 2 test,
+    and the cp 2 test covers the same forms, styles and the repeat of key/value heads."""
     pack, plain = _batches(rows=1)
     cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
              (functools.partial(auto_cp.decoder, "causal"), plain, _per_call("ulysses", "ring"))]
