@@ -99,14 +99,14 @@ def _ring(q, k, v):
     return ring_by_hand(q, k, v, causal=True)
 
 
-def _lengths_changing(rank, cp, mode, style="ulysses"):
+def _lengths_changing(rank, cp, mode, style="ulysses", backends=("cp_inductor",)):
     """Ulysses (or the hand-written zigzag ring) compiled once, run at three sequence lengths: the
-    fp64 reference errors per length, the report, and how many graphs Dynamo compiled, under
-    cp_inductor and default Inductor."""
+    fp64 reference errors per length, the report, and how many graphs Dynamo compiled, per
+    backend of ``backends``."""
     from torch._dynamo.utils import counters
 
     out = {}
-    for backend in ("cp_inductor", "inductor"):
+    for backend in backends:
         torch._dynamo.reset()
         cp_inductor.clear_report()
         counters.clear()
@@ -128,12 +128,23 @@ def _lengths_changing(rank, cp, mode, style="ulysses"):
     return out
 
 
+# Dynamo's graphs per mode over the three lengths, as default Inductor compiles them (torch 2.11
+# and 2.13; the `auto` test compiles default Inductor beside ours, the others check ours against
+# these and save a compile of every length): automatic dynamic recompiles once, at the second
+# length; mark_dynamic compiles one graph; dynamic=True two, since duck sizing gives the first
+# length's 16 tokens a rank and the head size 16 one symbol, which the second length breaks.
+GRAPHS = {"auto": 2, "mark": 1, "true": 2}
+
+
 @pytest.mark.parametrize("mode", ["auto", "mark"])
 def test_ulysses_rewritten_at_lengths_that_change(mode):
-    got = run_on_ranks(_lengths_changing, 2, mode)[0]
-    ours, default = got["cp_inductor"], got["inductor"]
-    assert max(ours["errors"]) < TOL and max(default["errors"]) < TOL, got
-    assert ours["graphs"] == default["graphs"] == (2 if mode == "auto" else 1), got
+    backends = ("cp_inductor", "inductor") if mode == "auto" else ("cp_inductor",)
+    got = run_on_ranks(_lengths_changing, 2, mode, "ulysses", backends)[0]
+    ours = got["cp_inductor"]
+    assert max(ours["errors"]) < TOL, got
+    assert ours["graphs"] == got.get("inductor", ours)["graphs"] == GRAPHS[mode], got
+    if "inductor" in got:
+        assert max(got["inductor"]["errors"]) < TOL, got
     # Every compiled graph, the dynamic one included, has its forward and backward fused.
     assert ours["regions"] and all(applied == ["fused_a2a"] for _, applied in ours["regions"]), ours
     assert len(ours["regions"]) == 2 * ours["graphs"] and not ours["rejected"], ours
@@ -144,10 +155,9 @@ def test_ulysses_rewritten_at_lengths_that_change(mode):
 def test_ring_found_at_lengths_that_change():
     # The ring's rewrites are GPU ones (copy engines, narrow dtypes): every compiled graph, the
     # dynamic one included, has its ring regions, and the answer is the reference's.
-    got = run_on_ranks(_lengths_changing, 2, "auto", "ring")[0]
-    ours, default = got["cp_inductor"], got["inductor"]
-    assert max(ours["errors"]) < TOL and max(default["errors"]) < TOL, got
-    assert ours["graphs"] == default["graphs"] == 2, got
+    ours = run_on_ranks(_lengths_changing, 2, "auto", "ring")[0]["cp_inductor"]
+    assert max(ours["errors"]) < TOL, ours
+    assert ours["graphs"] == GRAPHS["auto"], ours
     assert [kind for kind, _ in ours["regions"]].count("backward") == 2 * ours["graphs"], ours
     assert not ours["rejected"], ours
 
@@ -155,10 +165,9 @@ def test_ring_found_at_lengths_that_change():
 def test_dynamic_true_guards_head_counts_and_rewrites():
     # dynamic=True makes head counts symbols too: the forward guards them to the traced counts
     # (a model's never change) and the regions are rewritten as under automatic dynamic.
-    got = run_on_ranks(_lengths_changing, 2, "true")[0]
-    ours, default = got["cp_inductor"], got["inductor"]
-    assert max(ours["errors"]) < TOL and max(default["errors"]) < TOL, got
-    assert ours["graphs"] == default["graphs"], got
+    ours = run_on_ranks(_lengths_changing, 2, "true")[0]["cp_inductor"]
+    assert max(ours["errors"]) < TOL, ours
+    assert ours["graphs"] == GRAPHS["true"], ours
     assert ours["regions"] and all(applied == ["fused_a2a"] for _, applied in ours["regions"]), ours
     assert len(ours["regions"]) == 2 * ours["graphs"] and not ours["rejected"], ours
 
