@@ -1,5 +1,7 @@
 import compileall
+import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -59,10 +61,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vectorized_cpu: compiles flex attention with Inductor on the CPU (needs a vector ISA)")
 
 
+# Tests that start processes (gloo ranks, torchrun, fresh interpreters) keep both of CI's cores
+# busy; the others trace and lower in one process, a core idle. Under pytest-xdist (two workers:
+# pyproject's addopts) the first kind runs in one group, on one worker, in order, while the
+# other worker takes the one-process tests: two launches side by side would put four ranks on two
+# cores (docs/measurements.md, stop 68: each heavy gloo test 2.5x as long).
+_STARTS_PROCESSES = re.compile(r"\b(run_on_ranks|survey_side_by_side|subprocess|torchrun)\b")
+
+
+def _starts_processes(item) -> bool:
+    function = getattr(item, "function", None)
+    try:
+        return function is not None and bool(_STARTS_PROCESSES.search(inspect.getsource(function)))
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("CP_INDUCTOR_TESTS") == "all":
-        return
-    wide = [item for item in items if item.get_closest_marker("wide")]
-    if wide:
-        config.hook.pytest_deselected(items=wide)
-        items[:] = [item for item in items if not item.get_closest_marker("wide")]
+    if os.environ.get("CP_INDUCTOR_TESTS") != "all":
+        wide = [item for item in items if item.get_closest_marker("wide")]
+        if wide:
+            config.hook.pytest_deselected(items=wide)
+            items[:] = [item for item in items if not item.get_closest_marker("wide")]
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.xdist_group("processes"))
