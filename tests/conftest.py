@@ -39,14 +39,17 @@ os.environ["CP_INDUCTOR_STRICT"] = "1"
 # numbers. Spawned ranks inherit the variable; Inductor reads it at every kernel it picks an
 # instruction set for. A machine's own setting stands. Tests marked ``vectorized_cpu`` get the
 # machine's setting back: Inductor lowers flex attention on the CPU only with a vector ISA.
-_MACHINE_CPU_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY")
+# pytest-xdist's workers inherit the environment of the process that imported this first, so the
+# machine's setting is kept under a name of our own ("" where the machine sets none).
+_MACHINE_CPU_CAPABILITY = os.environ.setdefault("CP_INDUCTOR_MACHINE_CPU_CAPABILITY",
+                                                os.environ.get("ATEN_CPU_CAPABILITY", ""))
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 
 
 @pytest.fixture(autouse=True)
 def machine_cpu_capability_where_marked(request, monkeypatch):
     if request.node.get_closest_marker("vectorized_cpu"):
-        if _MACHINE_CPU_CAPABILITY is None:
+        if not _MACHINE_CPU_CAPABILITY:
             monkeypatch.delenv("ATEN_CPU_CAPABILITY")
         else:
             monkeypatch.setenv("ATEN_CPU_CAPABILITY", _MACHINE_CPU_CAPABILITY)
