@@ -1004,6 +1004,42 @@ def test_flex_training_matches_single_device():
         assert all("keys from q-4" in line for line in results[0][-1]["lines"]), results[0][-1]["lines"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_flex_training_matches_single_device():
+    """The flex forms' training step on the GPU kernels (bf16): two CP ranks sharing one GPU
+    (joined by gloo, their collectives through the host): HF transformers' Llama with
+    ``flex_attention`` (head_dim 64), packed and plain, its BlockMask built in the step's graph;
+    and torchtitan's batch, its BlockMask made by the trainer from the full batch and cut by
+    shard_batch (a layer through the all-gather, one through Ulysses; then with a sliding
+    window). Against the same model on the full batch on one GPU in fp32 (eager flex): the
+    combined loss and every summed gradient within twice the error of the model's own bf16
+    step (eager), or 1%. (The shard op runs FA4 where it is installed.)"""
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    lengths = [700, 300, 600, 448]
+    titan = functools.partial(auto_cp.decoder, "flex_given", titan_named=True, dim=256)
+    cases = [(functools.partial(auto_cp.titan_block_mask_batch, lengths, window=window, device="cuda"),
+              titan, options, "titan") for window, options in ((-1, _per_call("allgather", "ulysses")), (100, None))]
+    if importlib.util.find_spec("transformers") is not None:
+        llama = functools.partial(auto_cp.hf_llama, "flex_attention", head_dim=64)
+        plain = {k: v for k, v in auto_cp.packed_batch([sum(lengths)]).items() if k != "position_ids"}
+        for batch in (auto_cp.packed_batch(lengths), plain):
+            cases.append((functools.partial(auto_cp.on_device, batch, gpu), llama, None, "hf"))
+    results = run_on_ranks(auto_cp.gpu_cp_steps, 2, [(functools.partial(auto_cp.made_on, make, gpu, bf16), make_batch,
+                                                      options, caller) for make_batch, make, options, caller in cases])
+    for (make_batch, make, _, caller), got in zip(cases, results[0]):
+        step = auto_cp.titan_reference_step if caller == "titan" else auto_cp.reference_step
+        (want_loss, want), (base_loss, base) = (step(auto_cp.made_on(make, gpu, dtype), make_batch())
+                                                for dtype in (torch.float32, bf16))
+        loss_err, base_err = (abs(x - want_loss) / abs(want_loss) for x in (got["loss"], base_loss))
+        assert loss_err < max(2 * base_err, 1e-2), (loss_err, base_err, got["lines"])
+        for name, grad in want.items():
+            err, base_err = (float((x.float().cpu() - grad.cpu()).norm() / grad.norm()) for x in (got["grads"][name], base[name]))
+            assert err < max(2 * base_err, 1e-2), (name, err, base_err, got["lines"])
+        assert got["lines"] and all("documents, causal" in line for line in got["lines"]), got["lines"]
+    assert [_style(line) for line in results[0][0]["lines"]] == ["allgather", "ulysses"], results[0][0]["lines"]
+    assert all("keys from q-100" in line for line in results[0][1]["lines"]), results[0][1]["lines"]
+
+
 def test_varlen_decoder_training_matches_single_device():
     """Our decoder with torch's ``varlen_attn`` over its two rows flattened (GQA 4:2), the bounds
     of the full pack handed in with the batch as a data loader makes them: a layer through the

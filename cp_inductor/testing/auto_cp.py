@@ -184,10 +184,10 @@ def titan_steps(rank: int, cp: int, cases: list) -> list:
             for make_model, batch, *options in cases]
 
 
-def decoder(mask: str | tuple[str, ...] = "causal", kv_heads: int = 2, titan_named: bool = False) -> Decoder:
-    """A :class:`Decoder` (:class:`TitanNamed`) with seed-0 weights."""
+def decoder(mask: str | tuple[str, ...] = "causal", kv_heads: int = 2, titan_named: bool = False, dim: int = 32) -> Decoder:
+    """A :class:`Decoder` (:class:`TitanNamed`) of 4 query heads with seed-0 weights."""
     torch.manual_seed(0)
-    return (TitanNamed if titan_named else Decoder)(mask=mask, kv_heads=kv_heads)
+    return (TitanNamed if titan_named else Decoder)(dim=dim, mask=mask, kv_heads=kv_heads)
 
 
 def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int = 0) -> dict:
@@ -205,15 +205,15 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
 EOS = 1  # the end-of-document token of titan_block_mask_batch
 
 
-def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1) -> dict:
+def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1, device: str = "cpu") -> dict:
     """A batch as torchtitan's trainer hands it to a flex model: ``tokens`` (each document ends in
     :data:`EOS`), ``labels``, no positions, and ``attention_masks`` ({"full": BlockMask}) made
     from the full batch: the documents from the end-of-document tokens, causal, keys from
-    q - ``window`` on where it is >= 0. (Its mask_mod is a closure: make it in the process
-    that uses it.)"""
+    q - ``window`` on where it is >= 0, every tensor on ``device``. (Its mask_mod is a closure:
+    make it in the process that uses it.)"""
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-    batch = packed_batch(lengths, rows)
+    batch = on_device(packed_batch(lengths, rows), device)
     tokens = batch["input_ids"].clamp(min=EOS + 1)
     ends = torch.tensor(lengths).cumsum(0) - 1
     tokens[:, ends] = EOS
@@ -231,7 +231,7 @@ def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1) 
         return q_idx - kv_idx <= window
 
     mods = [causal, same_document] + ([sliding] if window >= 0 else [])
-    block_mask = create_block_mask(and_masks(*mods), rows, None, tokens.shape[1], tokens.shape[1], device="cpu")
+    block_mask = create_block_mask(and_masks(*mods), rows, None, tokens.shape[1], tokens.shape[1], device=device)
     labels = tokens.clone()
     labels[:, 0] = IGNORE_INDEX
     labels[:, (ends + 1)[:-1]] = IGNORE_INDEX  # the first token of each document is not predicted
@@ -269,13 +269,14 @@ def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
     return batch
 
 
-def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False) -> nn.Module:
-    """A tiny HF transformers ``LlamaForCausalLM`` (random weights, seed 0), each decoder layer
-    activation-checkpointed where ``checkpointing`` (HF's own switch)."""
+def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False, head_dim: int = 8) -> nn.Module:
+    """A tiny HF transformers ``LlamaForCausalLM`` (4 query heads of ``head_dim``, random weights,
+    seed 0), each decoder layer activation-checkpointed where ``checkpointing`` (HF's own switch)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, head_dim=8, attn_implementation=attn, use_cache=False)
+    config = LlamaConfig(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, attn_implementation=attn,
+                         use_cache=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     if checkpointing:
@@ -367,6 +368,33 @@ def cp_flex_steps(rank: int, cp: int, cases: list) -> list:
     """:func:`cp_steps` for flex attention programs on the CPU (:func:`flex_backward_on_cpu`)."""
     with flex_backward_on_cpu():
         return cp_steps(rank, cp, cases)
+
+
+def on_device(batch: dict, device) -> dict:
+    """``batch`` with its tensors on ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def made_on(make, device, dtype=None):
+    """``make()`` (a model or a batch) on ``device`` (a model also in ``dtype``)."""
+    made = make()
+    return on_device(made, device) if isinstance(made, dict) else made.to(device, dtype)
+
+
+def gpu_cp_steps(rank: int, cp: int, cases: list) -> list:
+    """One training step per ``(make_model, make_batch, options, caller)`` on this rank's share
+    (``caller``: "hf" or "titan", how the model is called and its loss computed), the ranks
+    sharing one GPU (``shared_device``: the collectives through the host); the gradients
+    returned in fp32 on the CPU."""
+    from .shared_device import collectives_through_host
+
+    loss_of = {"hf": _hf_loss_of, "titan": _titan_loss_of}
+    out = []
+    with collectives_through_host():
+        for make_model, make_batch, options, caller in cases:
+            got = cp_step(rank, cp, make_model, make_batch(), options, loss_of=loss_of[caller])
+            out.append({**got, "grads": {n: g.float().cpu() for n, g in got["grads"].items()}})
+    return out
 
 
 def titan_flex_steps(rank: int, cp: int, cases: list) -> list:

@@ -1,0 +1,72 @@
+"""CP ranks as processes sharing one GPU: gloo joins them, CUDA collectives relay through the host.
+
+One GPU cannot hold an NCCL world of two ranks (NCCL refuses two ranks on one device), and gloo
+has no CUDA kernel for every functional collective (``all_to_all_single`` among them). Inside
+:func:`collectives_through_host` each ``_c10d_functional`` collective on a CUDA tensor copies its
+input to the host, runs the gloo collective there and copies the answer back. Slow, but every
+rank's attention, shard plans and compiled code run on the GPU as in a real CP world of that
+size, so a training step's numerics on the GPU kernels can be checked against the single-device
+model on one GPU::
+
+    run_on_ranks(fn, 2, args)            # gloo ranks; in fn:
+    with collectives_through_host():
+        ...                              # compiled CP steps on torch.device("cuda")
+
+Eager ``torch.distributed`` calls (the gradient sum, the loss) go to gloo directly, which reduces
+CUDA tensors itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _functional(name: str):
+    return getattr(torch.ops._c10d_functional, name).default
+
+
+def _on_host(name: str, input: torch.Tensor, *args) -> torch.Tensor:
+    """The collective's answer for a CUDA ``input``, computed by the host's (gloo) kernel."""
+    return torch.ops._c10d_functional.wait_tensor(_functional(name)(input.cpu(), *args)).to(input.device)
+
+
+def _out_of_place(name: str):
+    def relay(input, *args):
+        return _on_host(name, input, *args)
+
+    return relay
+
+
+def _all_reduce_(input, reduce_op, group_name):
+    return input.copy_(_on_host("all_reduce", input, reduce_op, group_name))
+
+
+def _all_gather_into_tensor_out(input, group_size, group_name, *, out):
+    return out.copy_(_on_host("all_gather_into_tensor", input, group_size, group_name))
+
+
+_RELAYS = {
+    **{name: _out_of_place(name) for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                               "all_to_all_single", "broadcast")},
+    "all_reduce_": _all_reduce_,
+    "all_gather_into_tensor_out": _all_gather_into_tensor_out,
+}
+
+
+@contextlib.contextmanager
+def collectives_through_host():
+    """The functional collectives' CUDA kernels replaced by host relays for the duration."""
+    import warnings
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
+        for name, relay in _RELAYS.items():
+            lib.impl(name, relay, "CUDA")
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        lib._destroy()
