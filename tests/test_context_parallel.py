@@ -1025,7 +1025,8 @@ def test_gpu_flex_training_matches_single_device():
         for batch in (auto_cp.packed_batch(lengths), plain):
             cases.append((functools.partial(auto_cp.on_device, batch, gpu), llama, None, "hf"))
     results = run_on_ranks(auto_cp.gpu_cp_steps, 2, [(functools.partial(auto_cp.made_on, make, gpu, bf16), make_batch,
-                                                      options, caller) for make_batch, make, options, caller in cases])
+                                                      options, caller) for make_batch, make, options, caller in cases],
+                           spawn=True)
     for (make_batch, make, _, caller), got in zip(cases, results[0]):
         step = auto_cp.titan_reference_step if caller == "titan" else auto_cp.reference_step
         (want_loss, want), (base_loss, base) = (step(auto_cp.made_on(make, gpu, dtype), make_batch())

@@ -82,10 +82,13 @@ def _context(environ, backend: str | None):
     return mp.get_context("spawn")
 
 
-def run_on_ranks(fn, cp: int, *args, pg_backend: str | None = "gloo", timeout: float = 1800.0) -> list:
+def run_on_ranks(fn, cp: int, *args, pg_backend: str | None = "gloo", timeout: float = 1800.0,
+                 spawn: bool = False) -> list:
     """``fn(rank, cp, *args)`` on each of ``cp`` processes; returns every rank's result in order.
-    ``pg_backend=None``: the processes join no group (each its own share of independent work)."""
-    ctx = _context(os.environ, pg_backend)
+    ``pg_backend=None``: the processes join no group (each its own share of independent work).
+    ``spawn``: every rank a fresh interpreter (ranks that use CUDA under gloo: CUDA cannot start
+    in a fork of a process that has started it)."""
+    ctx = mp.get_context("spawn") if spawn else _context(os.environ, pg_backend)
     queue = ctx.Queue()
     port = _free_port()
     procs = [
