@@ -70,8 +70,7 @@ def _print(rows: list[dict], fits: dict, label: str) -> float:
     for r in sorted(rows, key=lambda r: (r["style"], r["tokens"], r["documents"], r["cp"])):
         if r["style"] not in fits:  # fewer than 3 rows: not fitted
             continue
-        slope, per_mib, intercept = fits[r["style"]]
-        predicted = slope * r["model_ms"] + per_mib * r["key_mib"] + intercept
+        predicted = fits[r["style"]].ms(r["model_ms"], r["key_mib"], cost.host_steps(r["style"], r["cp"]))
         worst = max(worst, abs(r["measured_ms"] / predicted - 1))
         print(f"{r['style']:>9} {r['tokens']:>7} {r['documents']:>4} {r['cp']:>3} {r['model_ms']:>8.2f} {r['key_mib']:>8.1f} "
               f"{r['measured_ms']:>9.2f} {predicted:>9.2f} {r['measured_ms'] / predicted:>9.3f}")
@@ -98,7 +97,8 @@ def main() -> None:
     kept = [r for r in json.loads(STYLES_JSON.read_text())["rows"] if r["style"] not in args.styles]
     fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
     fits = cost.fit_lines(kept + fit_rows)
-    print("  ".join(f"{s}: {a:.3f} x model + {b:.4f} ms/MiB x key MiB + {c:.2f} ms" for s, (a, b, c) in fits.items()))
+    print("  ".join(f"{s}: {f.slope:.3f} x model + {f.per_mib:.4f} ms/MiB x key MiB + {f.intercept:.2f} ms"
+                    + (f", at least {f.per_step:.2f} ms x cp" if f.per_step else "") for s, f in fits.items()))
     worst = {"fitted": _print(fit_rows, fits, "fitted rows")}
     if check_rows:
         worst["held out"] = _print(check_rows, fits, "held-out rows")

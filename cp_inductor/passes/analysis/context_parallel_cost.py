@@ -10,7 +10,8 @@ the layout ``shard_batch`` made for the batch the compile sees::
                      / 2^20: the per-round passes over all keys (the backward's dK / dV), which
                      the kernel rate does not count
     compute_ms     = slope(style) x model_ms + per_mib(style) x key_mib + intercept(style)
-                     (calibration(): measured)
+                     (calibration(): measured); the ring's at least per_step x cp (its host
+                     launches each step: small calls wait on it)
     comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
     total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
 
@@ -117,32 +118,93 @@ def ulysses_kv_heads(call: Call, cp: int) -> tuple[int | None, str | None]:
     return heads, None
 
 
+@dataclass(frozen=True)
+class Line:
+    """A style's measured one-rank compute against the model's terms::
+
+        compute_ms = max(slope x model_ms + per_mib x key_mib + intercept,  per_step x steps)
+
+    ``slope``: the style's kernel efficiency against the provider map's; ``per_mib``: its passes
+    over every key per round; ``intercept``: its costs per call (the plan's host read, FA4's
+    launches). ``per_step``: the host's time per step of a style that launches each step's
+    kernels and merges from Python (the ring: ``cp`` steps), the floor small calls sit on while
+    the GPU waits (0 for the others)."""
+
+    slope: float
+    per_mib: float
+    intercept: float
+    per_step: float = 0.0
+
+    def ms(self, model_ms: float, key_mib: float, steps: int = 1) -> float:
+        return max(self.slope * model_ms + self.per_mib * key_mib + self.intercept, self.per_step * steps)
+
+
+# Styles whose host launches every step from Python (``steps`` = cp): their line gets a host floor.
+HOST_STEPPED = (RING,)
+
+
 @functools.cache
-def calibration() -> dict[str, tuple[float, float, float]]:
-    """Per style (slope, ms per key MiB, intercept ms) of the measured one-rank compute against
-    the model's terms, fitted to ``cost_data/context_parallel_styles.json``'s rows
-    (``benchmarks/calibrate_context_parallel.py`` writes them). The slope is the style's kernel
-    efficiency against the provider map's; the second its passes over every key per round; the
-    intercept its costs per call (the plan's host read, FA4's launches)."""
+def calibration() -> dict[str, Line]:
+    """Per style its :class:`Line`, fitted to ``cost_data/context_parallel_styles.json``'s rows
+    (``benchmarks/calibrate_context_parallel.py`` writes them)."""
     return fit_lines(json.loads((DATA / "context_parallel_styles.json").read_text())["rows"])
 
 
-def fit_lines(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
-    """Per style ``measured = slope x model_ms + per_mib x key_mib + intercept`` of least relative
-    error (each row weighted by 1 / measured^2): the goal is a bound on measured / predicted, small
-    calls and large alike."""
+def _least_relative_error(terms: torch.Tensor, measured: torch.Tensor) -> list[float]:
+    """The coefficients of ``terms`` (one row per measurement) of least summed squared relative
+    error (each row weighted by 1 / measured^2): the goal is a bound on measured / predicted,
+    small calls and large alike."""
+    return [float(x) for x in torch.linalg.lstsq(terms / measured[:, None], torch.ones_like(measured)[:, None],
+                                                driver="gelsd").solution[:, 0]]  # SVD: rank-deficient terms too
+
+
+def _host_floor_fit(terms: torch.Tensor, steps: torch.Tensor, measured: torch.Tensor) -> Line:
+    """The kernel line and the host's time per step of least summed squared relative error:
+    for each per-step time on a 0.01 ms grid, the line is fitted to the rows it bounds (first
+    those the floor is under by 5% or more, then those the line puts above the floor), until
+    that split holds still."""
+    best: tuple[float, Line] | None = None
+    for per_step in (i / 100 for i in range(0, 301)):
+        floor = per_step * steps
+        bound = floor < 0.95 * measured
+        for _ in range(len(measured)):
+            if int(bound.sum()) < terms.shape[1]:
+                break
+            slope, per_mib, intercept = _least_relative_error(terms[bound], measured[bound])
+            line = Line(slope, per_mib, intercept, per_step)
+            split = terms @ torch.tensor([line.slope, line.per_mib, line.intercept], dtype=terms.dtype) >= floor
+            if torch.equal(split, bound):
+                break
+            bound = split
+        else:
+            continue
+        if int(bound.sum()) < terms.shape[1]:
+            continue
+        predicted = torch.maximum(terms @ torch.tensor([line.slope, line.per_mib, line.intercept], dtype=terms.dtype), floor)
+        error = float(((measured / predicted - 1) ** 2).sum())
+        if best is None or error < best[0] - 1e-12:
+            best = (error, line)
+    assert best is not None  # per_step 0 bounds every row by the line
+    return best[1]
+
+
+def fit_lines(rows: list[dict]) -> dict[str, Line]:
+    """Per style its :class:`Line` of least relative error over its rows (a style with fewer
+    than 3 rows: the all-gather and Ulysses the identity, the ring none: not priced)."""
     fits = {}
     for style in PRICED:
         mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0]
         if len(mine) < 3:
             if style in STYLES:
-                fits[style] = (1.0, 0.0, 0.0)
+                fits[style] = Line(1.0, 0.0, 0.0)
             continue
         terms = torch.tensor([[r["model_ms"], r["key_mib"], 1.0] for r in mine], dtype=torch.float64)
         measured = torch.tensor([r["measured_ms"] for r in mine], dtype=torch.float64)
-        solution = torch.linalg.lstsq(terms / measured[:, None], torch.ones_like(measured)[:, None]).solution
-        slope, per_mib, intercept = (float(x) for x in solution[:, 0])
-        fits[style] = (slope, per_mib, intercept)
+        if style in HOST_STEPPED:
+            fits[style] = _host_floor_fit(terms, torch.tensor([float(r["cp"]) for r in mine], dtype=torch.float64), measured)
+        else:
+            slope, per_mib, intercept = _least_relative_error(terms, measured)
+            fits[style] = Line(slope, per_mib, intercept)
     return fits
 
 
@@ -152,9 +214,13 @@ def calibrated(style: str) -> bool:
     return style in calibration()
 
 
-def calibrated_ms(style: str, model_ms: float, key_mib: float) -> float:
-    slope, per_mib, intercept = calibration()[style]
-    return slope * model_ms + per_mib * key_mib + intercept
+def host_steps(style: str, cp: int) -> int:
+    """The steps ``style``'s host launches per call (its line's floor counts them)."""
+    return cp if style in HOST_STEPPED else 1
+
+
+def calibrated_ms(style: str, model_ms: float, key_mib: float, cp: int) -> float:
+    return calibration()[style].ms(model_ms, key_mib, host_steps(style, cp))
 
 
 def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
@@ -331,7 +397,7 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
             continue
         kv_heads = sent_kv_heads(call, style, cp)
         assert kv_heads is not None  # model_terms gave the reason where the style cannot take the call
-        out[style] = Estimate(style, calibrated_ms(style, *terms), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
+        out[style] = Estimate(style, calibrated_ms(style, *terms, cp), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
     return out, f"measured on {device_name}"
 
 
