@@ -12,8 +12,8 @@ model on one GPU::
     with collectives_through_host():
         ...                              # compiled CP steps on torch.device("cuda")
 
-Eager ``torch.distributed`` calls (the gradient sum, the loss) go to gloo directly, which reduces
-CUDA tensors itself.
+Eager ``torch.distributed.all_reduce`` calls (the gradient sum, the loss) go through the host
+too.
 """
 
 from __future__ import annotations
@@ -55,10 +55,28 @@ _RELAYS = {
 }
 
 
+def _eager_all_reduce(all_reduce):
+    def relay(tensor, *args, **kwargs):
+        if not tensor.is_cuda:
+            return all_reduce(tensor, *args, **kwargs)
+        host = tensor.cpu()
+        work = all_reduce(host, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        tensor.copy_(host)
+        return None
+
+    return relay
+
+
 @contextlib.contextmanager
 def collectives_through_host():
-    """The functional collectives' CUDA kernels replaced by host relays for the duration."""
+    """The functional collectives' CUDA kernels, and eager all-reduces of CUDA tensors, replaced
+    by host relays for the duration."""
     import warnings
+    from unittest import mock
+
+    import torch.distributed as dist
 
     lib = torch.library.Library("_c10d_functional", "IMPL")
     with warnings.catch_warnings():
@@ -66,7 +84,8 @@ def collectives_through_host():
         for name, relay in _RELAYS.items():
             lib.impl(name, relay, "CUDA")
     try:
-        yield
+        with mock.patch.object(dist, "all_reduce", _eager_all_reduce(dist.all_reduce)):
+            yield
     finally:
         torch._dynamo.reset()
         lib._destroy()
