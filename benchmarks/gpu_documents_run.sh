@@ -13,7 +13,9 @@
 #             bench_ulysses --fake-rank arm through the shared timing harness
 #   verify:   the tests, the one-GPU regression tests with FA4 on the path, flex alone
 #   models:   HF Llama T16K, sdpa then flex_attention (IMPLS="sdpa": one), packed and plain, every
-#             arm (eager included); CP_TRAIN=1 first: the flex CP training test on the GPU kernels
+#             arm (eager included)
+#   cp-train: the context-parallel GPU tests (flex CP training, two ranks sharing the GPU)
+#   flex:     flex document attention alone, T32K and T64K
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
 #             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
 #   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP;
@@ -63,11 +65,14 @@ verify)
   cd benchmarks
   timeout 130 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
     | filter | tee "$out/flex_documents.log" | tail -8 ;;
+cp-train)
+  cd ..
+  timeout "${TEST_S:-240}" python3 -m pytest -q tests/test_context_parallel.py -k gpu -p no:cacheprovider -W ignore -rf \
+    --tb=short 2>&1 | tee "$out/gpu_cp_training.log" | grep -E "passed|failed|Error|^E " | tail -30 ;;
+flex)
+  timeout 130 python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
+    | filter | tee "$out/flex_documents.log" | tail -8 ;;
 models)
-  if [ -n "$CP_TRAIN" ]; then
-    (cd .. && timeout 200 python3 -m pytest -q tests/test_context_parallel.py -k gpu -p no:cacheprovider -W ignore -rf \
-      --tb=short 2>&1 | tee "$out/gpu_cp_training.log" | grep -E "passed|failed|^E " | head -30)
-  fi
   for impl in ${IMPLS:-sdpa flex_attention}; do
     timeout 270 python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters 5 --arms eager,inductor,cp_inductor,floor \
       --json "$out/hf_${impl}_t16k.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k.log" | tail -12
