@@ -74,8 +74,8 @@ context_parallel: str = ""
 # communication, passes/analysis/context_parallel_cost.py; the all-gather where the device has no
 # measured costs), "allgather" (K/V all-gathered: any heads, GQA as is) or "ulysses" (all-to-all of
 # heads: query heads divisible by cp, K/V heads repeated up to a multiple of cp where fewer) or
-# "ring" (K/V rotated rank to rank: rows of one document, no window; not priced, so auto does not
-# pick it); or a comma-separated list of these, one per attention call of a graph in the report's
+# "ring" (K/V rotated rank to rank: rows of one document, no window; auto takes it where
+# predicted cheapest, short rows at cp 2 on the measured tables); or a comma-separated list of these, one per attention call of a graph in the report's
 # order (calls past its end take its last: "allgather,ulysses" pins the first layer to the
 # all-gather). A call the forced style cannot take goes to the all-gather, the report says why.
 context_parallel_style: str = "auto"

@@ -1,9 +1,10 @@
 """CP ranks as processes sharing one GPU: gloo joins them, CUDA collectives relay through the host.
 
-One GPU cannot hold an NCCL world of two ranks (NCCL refuses two ranks on one device), and gloo
-has no CUDA kernel for every functional collective (``all_to_all_single`` among them). Inside
-:func:`collectives_through_host` each ``_c10d_functional`` collective on a CUDA tensor copies its
-input to the host, runs the gloo collective there and copies the answer back. Slow, but every
+One GPU cannot hold an NCCL world of two ranks (NCCL refuses two ranks on one device). Inside
+:func:`collectives_through_host` the ``_c10d_functional`` collectives the passes emit (and
+``broadcast_``, ``all_reduce_``, ``all_gather_into_tensor_out``) copy a CUDA input to the host,
+run gloo's CPU kernel there (the one CPU CI exercises, whatever gloo's CUDA support covers in
+the installed torch) and copy the answer back. Slow, but every
 rank's attention, shard plans and compiled code run on the GPU as in a real CP world of that
 size, so a training step's numerics on the GPU kernels can be checked against the single-device
 model on one GPU::
@@ -12,8 +13,8 @@ model on one GPU::
     with collectives_through_host():
         ...                              # compiled CP steps on torch.device("cuda")
 
-Eager ``torch.distributed.all_reduce`` calls (the gradient sum, the loss) go through the host
-too.
+Eager synchronous ``torch.distributed.all_reduce`` calls (the gradient sum, the loss) go
+through the host too.
 """
 
 from __future__ import annotations
@@ -47,22 +48,25 @@ def _all_gather_into_tensor_out(input, group_size, group_name, *, out):
     return out.copy_(_on_host("all_gather_into_tensor", input, group_size, group_name))
 
 
+def _broadcast_(input, src, group_name):
+    return input.copy_(_on_host("broadcast", input, src, group_name))
+
+
 _RELAYS = {
     **{name: _out_of_place(name) for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                                                "all_to_all_single", "broadcast")},
     "all_reduce_": _all_reduce_,
     "all_gather_into_tensor_out": _all_gather_into_tensor_out,
+    "broadcast_": _broadcast_,
 }
 
 
 def _eager_all_reduce(all_reduce):
     def relay(tensor, *args, **kwargs):
-        if not tensor.is_cuda:
+        if not tensor.is_cuda or kwargs.get("async_op") or len(args) > 2:  # an async call: gloo's own
             return all_reduce(tensor, *args, **kwargs)
         host = tensor.cpu()
-        work = all_reduce(host, *args, **kwargs)
-        if work is not None:
-            work.wait()
+        all_reduce(host, *args, **kwargs)
         tensor.copy_(host)
         return None
 
@@ -71,8 +75,8 @@ def _eager_all_reduce(all_reduce):
 
 @contextlib.contextmanager
 def collectives_through_host():
-    """The functional collectives' CUDA kernels, and eager all-reduces of CUDA tensors, replaced
-    by host relays for the duration."""
+    """The functional collectives' CUDA kernels, and eager synchronous all-reduces of CUDA
+    tensors, replaced by host relays for the duration."""
     import warnings
     from unittest import mock
 

@@ -138,6 +138,10 @@ class Line:
     def ms(self, model_ms: float, key_mib: float, steps: int = 1) -> float:
         return max(self.slope * model_ms + self.per_mib * key_mib + self.intercept, self.per_step * steps)
 
+    def kernel_ms(self, terms: torch.Tensor) -> torch.Tensor:
+        """The kernel line at rows of ``(model_ms, key_mib, 1)``."""
+        return terms @ torch.tensor([self.slope, self.per_mib, self.intercept], dtype=terms.dtype)
+
 
 # Styles whose host launches every step from Python (``steps`` = cp): their line gets a host floor.
 HOST_STEPPED = (RING,)
@@ -158,39 +162,43 @@ def _least_relative_error(terms: torch.Tensor, measured: torch.Tensor) -> list[f
                                                 driver="gelsd").solution[:, 0]]  # SVD: rank-deficient terms too
 
 
-def _host_floor_fit(terms: torch.Tensor, steps: torch.Tensor, measured: torch.Tensor) -> Line:
-    """The kernel line and the host's time per step of least summed squared relative error:
-    for each per-step time on a 0.01 ms grid, the line is fitted to the rows it bounds (first
-    those the floor is under by 5% or more, then those the line puts above the floor), until
-    that split holds still."""
-    best: tuple[float, Line] | None = None
-    for per_step in (i / 100 for i in range(0, 301)):
+def _host_floor_fit(terms: torch.Tensor, steps: torch.Tensor, measured: torch.Tensor) -> Line | None:
+    """The kernel line and the host's time per step of least summed squared relative error, or
+    None where the rows do not measure a kernel line. For each per-step time on a 0.01 ms grid
+    (up to the largest measured time a step), the line is fitted to the rows above the floor
+    (first those the floor is under by 5% or more, then those the line puts above it) until that
+    split holds; a line needs a positive slope and as many rows as it has terms. The floor alone
+    (no line) is a candidate too: where it fits best, the rows sit on the floor and say nothing of
+    the kernels, and a line fitted to them would price every large call wrongly, so None."""
+    best: tuple[float, Line | None] | None = None
+    for i in range(math.ceil(float((measured / steps).max()) * 100) + 1):
+        per_step = i / 100
         floor = per_step * steps
+        candidates: list[Line | None] = [None]  # the floor alone
         bound = floor < 0.95 * measured
         for _ in range(len(measured)):
             if int(bound.sum()) < terms.shape[1]:
                 break
             slope, per_mib, intercept = _least_relative_error(terms[bound], measured[bound])
             line = Line(slope, per_mib, intercept, per_step)
-            split = terms @ torch.tensor([line.slope, line.per_mib, line.intercept], dtype=terms.dtype) >= floor
+            split = line.kernel_ms(terms) >= floor
             if torch.equal(split, bound):
+                if slope > 0:
+                    candidates.append(line)
                 break
             bound = split
-        else:
-            continue
-        if int(bound.sum()) < terms.shape[1]:
-            continue
-        predicted = torch.maximum(terms @ torch.tensor([line.slope, line.per_mib, line.intercept], dtype=terms.dtype), floor)
-        error = float(((measured / predicted - 1) ** 2).sum())
-        if best is None or error < best[0] - 1e-12:
-            best = (error, line)
-    assert best is not None  # per_step 0 bounds every row by the line
-    return best[1]
+        for candidate in candidates:
+            predicted = floor if candidate is None else torch.maximum(candidate.kernel_ms(terms), floor)
+            error = float(((measured / predicted - 1) ** 2).sum())
+            if best is None or error < best[0] - 1e-12:
+                best = (error, candidate)
+    return best[1] if best else None
 
 
 def fit_lines(rows: list[dict]) -> dict[str, Line]:
     """Per style its :class:`Line` of least relative error over its rows (a style with fewer
-    than 3 rows: the all-gather and Ulysses the identity, the ring none: not priced)."""
+    than 3 rows: the all-gather and Ulysses the identity, the ring none: not priced; the ring
+    also none where its rows measure no kernel line)."""
     fits = {}
     for style in PRICED:
         mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0]
@@ -201,7 +209,10 @@ def fit_lines(rows: list[dict]) -> dict[str, Line]:
         terms = torch.tensor([[r["model_ms"], r["key_mib"], 1.0] for r in mine], dtype=torch.float64)
         measured = torch.tensor([r["measured_ms"] for r in mine], dtype=torch.float64)
         if style in HOST_STEPPED:
-            fits[style] = _host_floor_fit(terms, torch.tensor([float(r["cp"]) for r in mine], dtype=torch.float64), measured)
+            steps = torch.tensor([float(host_steps(style, r["cp"])) for r in mine], dtype=torch.float64)
+            line = _host_floor_fit(terms, steps, measured)
+            if line is not None:
+                fits[style] = line
         else:
             slope, per_mib, intercept = _least_relative_error(terms, measured)
             fits[style] = Line(slope, per_mib, intercept)
