@@ -63,8 +63,8 @@ _RELAYS = {
 
 def _eager_all_reduce(all_reduce):
     def relay(tensor, *args, **kwargs):
-        if not tensor.is_cuda or kwargs.get("async_op") or len(args) > 2:  # an async call: gloo's own
-            return all_reduce(tensor, *args, **kwargs)
+        if not tensor.is_cuda or kwargs.get("async_op", args[2] if len(args) > 2 else False):
+            return all_reduce(tensor, *args, **kwargs)  # an async call keeps gloo's own kernel
         host = tensor.cpu()
         all_reduce(host, *args, **kwargs)
         tensor.copy_(host)
