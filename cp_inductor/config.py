@@ -75,9 +75,10 @@ context_parallel: str = ""
 # measured costs), "allgather" (K/V all-gathered: any heads, GQA as is) or "ulysses" (all-to-all of
 # heads: query heads divisible by cp, K/V heads repeated up to a multiple of cp where fewer) or
 # "ring" (K/V rotated rank to rank: rows of one document, no window; auto takes it where
-# predicted cheapest, short rows at cp 2 on the measured tables); or a comma-separated list of these, one per attention call of a graph in the report's
-# order (calls past its end take its last: "allgather,ulysses" pins the first layer to the
-# all-gather). A call the forced style cannot take goes to the all-gather, the report says why.
+# predicted cheapest, short rows at cp 2 on the measured tables); or a comma-separated list of
+# these, one per attention call of a graph in the report's order (calls past its end take its
+# last: "allgather,ulysses" pins the first layer to the all-gather). A call the forced style
+# cannot take goes to the all-gather, the report says why.
 context_parallel_style: str = "auto"
 # ... price the styles with the tables measured on this device (its name, e.g. "NVIDIA H200")
 # rather than the compile's: planning for another machine, and the CPU tests.

@@ -1023,12 +1023,12 @@ def test_gpu_flex_training_matches_single_device():
         plain = {k: v for k, v in auto_cp.packed_batch([sum(lengths)]).items() if k != "position_ids"}
         for batch in (auto_cp.packed_batch(lengths), plain):
             cases.append((functools.partial(auto_cp.on_device, batch, gpu), llama, None, "hf"))
-    results = run_on_ranks(auto_cp.gpu_cp_steps, 2, [(functools.partial(auto_cp.made_on, make, gpu, bf16), make_batch,
+    results = run_on_ranks(auto_cp.gpu_cp_steps, 2, [(functools.partial(auto_cp.model_on, make, gpu, bf16), make_batch,
                                                       options, caller) for make_batch, make, options, caller in cases],
                            spawn=True)
     for (make_batch, make, _, caller), got in zip(cases, results[0]):
         step = auto_cp.titan_reference_step if caller == "titan" else auto_cp.reference_step
-        (want_loss, want), (base_loss, base) = (step(auto_cp.made_on(make, gpu, dtype), make_batch())
+        (want_loss, want), (base_loss, base) = (step(auto_cp.model_on(make, gpu, dtype), make_batch())
                                                 for dtype in (torch.float32, bf16))
         loss_err, base_err = (abs(x - want_loss) / abs(want_loss) for x in (got["loss"], base_loss))
         assert loss_err < max(2 * base_err, 1e-2), (loss_err, base_err, got["lines"])

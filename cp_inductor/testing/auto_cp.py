@@ -375,10 +375,9 @@ def on_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def made_on(make, device, dtype=None):
-    """``make()`` (a model or a batch) on ``device`` (a model also in ``dtype``)."""
-    made = make()
-    return on_device(made, device) if isinstance(made, dict) else made.to(device, dtype)
+def model_on(make_model, device, dtype=None) -> nn.Module:
+    """``make_model()`` on ``device`` in ``dtype``."""
+    return make_model().to(device, dtype)
 
 
 def gpu_cp_steps(rank: int, cp: int, cases: list) -> list:

@@ -65,22 +65,32 @@ _KERNELS = {
 
 
 @contextlib.contextmanager
-def mirrored_world(world_size: int, rank: int = 0):
-    """The default process group plays rank ``rank`` of ``world_size`` mirrored ranks."""
+def collective_kernels(kernels: dict, keys: tuple[str, ...]):
+    """The ``_c10d_functional`` ops named in ``kernels`` run those kernels for the dispatch
+    ``keys`` for the duration (eager calls and Inductor's generated code both reach them)."""
     import warnings
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     lib = torch.library.Library("_c10d_functional", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
-        for name, kernel in _KERNELS.items():
-            for key in ("CPU", "CUDA"):
+        for name, kernel in kernels.items():
+            for key in keys:
                 lib.impl(name, kernel, key)
     try:
-        yield dist.group.WORLD
+        yield
     finally:
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # compiled code holding the replaced kernels goes with them
         lib._destroy()
+
+
+@contextlib.contextmanager
+def mirrored_world(world_size: int, rank: int = 0):
+    """The default process group plays rank ``rank`` of ``world_size`` mirrored ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with collective_kernels(_KERNELS, ("CPU", "CUDA")):
+            yield dist.group.WORLD
+    finally:
         dist.destroy_process_group()

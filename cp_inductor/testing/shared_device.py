@@ -40,24 +40,22 @@ def _out_of_place(name: str):
     return relay
 
 
-def _all_reduce_(input, reduce_op, group_name):
-    return input.copy_(_on_host("all_reduce", input, reduce_op, group_name))
+def _in_place(name: str):
+    def relay(input, *args):
+        return input.copy_(_on_host(name, input, *args))
+
+    return relay
 
 
 def _all_gather_into_tensor_out(input, group_size, group_name, *, out):
     return out.copy_(_on_host("all_gather_into_tensor", input, group_size, group_name))
 
 
-def _broadcast_(input, src, group_name):
-    return input.copy_(_on_host("broadcast", input, src, group_name))
-
-
 _RELAYS = {
     **{name: _out_of_place(name) for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                                                "all_to_all_single", "broadcast")},
-    "all_reduce_": _all_reduce_,
+    **{name + "_": _in_place(name) for name in ("all_reduce", "broadcast")},
     "all_gather_into_tensor_out": _all_gather_into_tensor_out,
-    "broadcast_": _broadcast_,
 }
 
 
@@ -77,19 +75,11 @@ def _eager_all_reduce(all_reduce):
 def collectives_through_host():
     """The functional collectives' CUDA kernels, and eager synchronous all-reduces of CUDA
     tensors, replaced by host relays for the duration."""
-    import warnings
     from unittest import mock
 
     import torch.distributed as dist
 
-    lib = torch.library.Library("_c10d_functional", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
-        for name, relay in _RELAYS.items():
-            lib.impl(name, relay, "CUDA")
-    try:
-        with mock.patch.object(dist, "all_reduce", _eager_all_reduce(dist.all_reduce)):
-            yield
-    finally:
-        torch._dynamo.reset()
-        lib._destroy()
+    from .mirror_group import collective_kernels
+
+    with collective_kernels(_RELAYS, ("CUDA",)), mock.patch.object(dist, "all_reduce", _eager_all_reduce(dist.all_reduce)):
+        yield
