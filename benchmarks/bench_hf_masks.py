@@ -48,10 +48,10 @@ def _register_floor():
     AttentionMaskInterface.register("fa4_floor", lambda *args, **kwargs: None)
 
 
-def build(impl: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int):
+def build(impl: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, intermediate: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
                          attn_implementation=impl, max_position_embeddings=1 << 20)
     torch.manual_seed(0)
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--intermediate", type=int, default=0, help="MLP width (0: 4 x hidden)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--capacity", type=int, default=32, help="cp_graphs: document_mask_capacity")
@@ -94,10 +95,11 @@ def main(argv=None) -> int:
     rows = []
     for docs in args.docs:
         inputs, cu, longest = batch(args.tokens, docs, args.vocab)
-        row = {"impl": args.impl, "tokens": args.tokens, "docs": docs, "ms": {}, "peak_gib": {}, "report": []}
+        row = {"impl": args.impl, "tokens": args.tokens, "docs": docs, "intermediate": args.intermediate or 4 * args.hidden, "ms": {}, "peak_gib": {}, "report": []}
         for arm in args.arms.split(","):
             impl = "fa4_floor" if arm == "floor" else args.impl
-            model = build(impl, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab)
+            model = build(impl, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab,
+                          args.intermediate or 4 * args.hidden)
             extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest} if arm == "floor" else {}
             torch._dynamo.reset()
             cp_inductor.clear_report()

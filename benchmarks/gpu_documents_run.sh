@@ -13,7 +13,7 @@
 #             bench_ulysses --fake-rank arm through the shared timing harness
 #   verify:   the tests, the one-GPU regression tests with FA4 on the path, flex alone
 #   models:   HF Llama T16K, sdpa then flex_attention (IMPLS="sdpa": one), packed and plain, every
-#             arm (eager included)
+#             arm (eager included; ARMS, ITERS, INTERMEDIATE (MLP width), MODEL_S (s per impl), TAG)
 #   cp-train: the context-parallel GPU tests, flex CP training included (two ranks sharing the GPU;
 #             the other modes' test step leaves it out: 150 s on an H100)
 #   flex:     flex document attention alone, T32K and T64K
@@ -75,8 +75,9 @@ flex)
   flex_alone 130 ;;
 models)
   for impl in ${IMPLS:-sdpa flex_attention}; do
-    timeout 270 python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters 5 --arms eager,inductor,cp_inductor,floor \
-      --json "$out/hf_${impl}_t16k.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k.log" | tail -12
+    timeout "${MODEL_S:-270}" python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters "${ITERS:-5}" \
+      --arms "${ARMS:-eager,inductor,cp_inductor,floor}" --intermediate "${INTERMEDIATE:-0}" \
+      --json "$out/hf_${impl}_t16k${TAG:-}.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k${TAG:-}.log" | tail -12
   done ;;
 hf-flex) hf flex_attention 560 ;;
 no-break)
