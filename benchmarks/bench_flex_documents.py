@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, nargs="+", default=[8, 16])
     p.add_argument("--arms", default="inductor,cp_inductor,floor")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--seeds", type=int, default=1, help="random packs per shape (seeds 0..N-1): the ratio is the pack's")
     add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
@@ -40,8 +41,8 @@ def main(argv=None) -> int:
     from cp_inductor.testing.documents import document_causal_block_mask
 
     rows = []
-    for tokens, docs in zip(args.tokens, args.docs):
-        doc, cu, longest = pack(tokens, docs)
+    for tokens, docs, seed in ((t, d, s) for t, d in zip(args.tokens, args.docs) for s in range(args.seeds)):
+        doc, cu, longest = pack(tokens, docs, seed)
 
         block_mask = document_causal_block_mask(doc, tokens, "cuda")
         g = torch.Generator().manual_seed(1)
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
 
         arms = {"inductor": (program, "inductor"), "cp_inductor": (program, "cp_inductor"), "floor": (floor, "inductor"),
                 "floor_plan": (floor_plan, None)}
-        row = {"tokens": tokens, "docs": docs, "ms": {}}
+        row = {"tokens": tokens, "docs": docs, "seed": seed, "longest": longest, "ms": {}}
         outs = {}
         for arm in args.arms.split(","):
             fn, backend = arms[arm]
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
             if "cp_inductor" in outs and "inductor" in outs else float("nan")
         arm_ratios(row)
         rows.append(row)
-    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs"},
+    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs", "seed": "seed", "longest": "longest"},
                     {"max |out diff|": ("max_abs_diff_vs_inductor", ".2e")})
     for r in rows:
         for line in r.get("report", []):

@@ -16,7 +16,8 @@
 #             arm (eager included; ARMS, ITERS, INTERMEDIATE (MLP width), MODEL_S (s per impl), TAG)
 #   cp-train: the context-parallel GPU tests, flex CP training included (two ranks sharing the GPU;
 #             the other modes' test step leaves it out: 150 s on an H100)
-#   flex:     flex document attention alone, T32K and T64K
+#   flex:     flex document attention alone, T32K and T64K (FLEX_T, FLEX_DOCS: the shapes; SEEDS packs
+#             each; FLEX_S seconds)
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
 #             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
 #   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP;
@@ -30,8 +31,8 @@ hf() {  # impl, seconds
     --json "$out/hf_$1_t16k.json" 2>&1 | filter | tee "$out/hf_$1_t16k.log" | tail -16
 }
 flex_alone() {  # seconds
-  timeout "$1" python3 bench_flex_documents.py --tokens 32768 65536 --docs 8 16 --json "$out/flex_documents.json" 2>&1 \
-    | filter | tee "$out/flex_documents.log" | tail -8
+  timeout "$1" python3 bench_flex_documents.py --tokens ${FLEX_T:-32768 65536} --docs ${FLEX_DOCS:-8 16} --seeds "${SEEDS:-1}" \
+    --json "$out/flex_documents.json" 2>&1 | filter | tee "$out/flex_documents.log" | tail -"${TAIL:-8}"
 }
 bench() {
   timeout 90 python3 bench_document_plan.py --tokens 32768 --docs 8 --capacity 16 64 256 1024 --json "$out/document_plan.json" 2>&1 \
@@ -72,7 +73,7 @@ cp-train)
   timeout "${TEST_S:-240}" python3 -m pytest -q tests/test_context_parallel.py -k gpu -p no:cacheprovider -W ignore -rf \
     --tb=short 2>&1 | tee "$out/gpu_cp_training.log" | grep -E "passed|failed|Error|^E " | tail -30 ;;
 flex)
-  flex_alone 130 ;;
+  flex_alone "${FLEX_S:-130}" ;;
 models)
   for impl in ${IMPLS:-sdpa flex_attention}; do
     timeout "${MODEL_S:-270}" python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters "${ITERS:-5}" \
