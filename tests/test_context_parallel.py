@@ -776,6 +776,20 @@ class TestRefused:
         q = torch.randn(1, 8, 2, 8)
         _refused(eager, q, q.clone(), q.clone(), match="attention written out")
 
+    def test_a_convolution_over_the_tokens(self):
+        """A short convolution over the sequence before attention (a hybrid model's): over this
+        rank's tokens it would read the wrong neighbours. A 1-wide kernel reads each token alone
+        and is taken (``token_mixing`` follows the token dim; tests/test_token_mixing.py)."""
+        w = torch.randn(16, 1, 4)
+
+        def hybrid(q, k, v, position_ids, width=4):
+            mixed = F.conv1d(q.flatten(2).transpose(1, 2), w[..., :width], groups=16, padding=width - 1)
+            return _attention(mixed[..., :q.shape[1]].transpose(1, 2).reshape(q.shape), k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(hybrid, q, q.clone(), q.clone(), match=r"conv1d over the token dim, kernel 4")
+        _rewritten(functools.partial(hybrid, width=1), q, q.clone(), q.clone())
+
     def test_positions_not_from_shard_batch(self):
         seen = {}
 

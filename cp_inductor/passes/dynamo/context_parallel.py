@@ -2,9 +2,11 @@
 model becomes attention of this rank's tokens over the whole sequence.
 
 With ``options={"cp_inductor.context_parallel": mesh}`` the model runs on this rank's share of the
-batch (``cp_inductor.parallel.shard_batch``: head-tail per document). It is the user's promise that
-attention is the model's only op that mixes tokens (no convolution or scan over the sequence);
-attention it cannot take fails the compile. Each attention call then reads the keys and values of
+batch (``cp_inductor.parallel.shard_batch``: head-tail per document). Attention must be the
+model's only op that mixes tokens: one that does otherwise (a convolution or scan over the
+sequence, a shift, a softmax over tokens, a matmul contracting them) fails the compile where
+``analysis/token_mixing`` follows the token dim to it, and what it cannot follow stays the user's
+promise; attention it cannot take fails the compile. Each attention call then reads the keys and values of
 every rank and the layout ``shard_batch`` kept: the documents of the full rows and each token's
 place in its row, added as graph inputs and handed in on every call. K/V all-gather (the default;
 K/V heads HF repeats for SDPA gathered un-repeated)::
@@ -78,7 +80,7 @@ from ...lowerings import cp_collectives, document_attention  # noqa: F401 - regi
 from ...batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
-from ..analysis import context_parallel_cost, mask_analysis, mask_graph
+from ..analysis import context_parallel_cost, mask_analysis, mask_graph, token_mixing
 from ..analysis.graph_walk import Walk
 from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
@@ -660,6 +662,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
+    _refuse_mixing(gm, tokens)
     for route in routes:  # reported once nothing refused the graph
         record_varlen(route)
     for module in modules:
@@ -741,6 +744,15 @@ def _refuse_token_index(modules, tokens) -> None:
             f"context_parallel: {found} gives each token a value by its index on this rank; under CP a token's "
             "place in the full row is not its index here: compute positions from the position_ids shard_batch "
             "makes (pass them to the model)")
+
+
+def _refuse_mixing(gm: torch.fx.GraphModule, tokens) -> None:
+    # the tables ids_checked reads are checked against the layout, not computed with
+    found = token_mixing.first_mixing(gm, tokens, unread=[(torch.ops.cp_inductor.ids_checked.default, (2, 3))])
+    if found is not None:
+        raise ContextParallelError(
+            f"context_parallel: {found} mixes tokens outside attention; over this rank's tokens alone it would "
+            "change the answer (attention must be the model's only op that reads other tokens)")
 
 
 def _unchanged(compiled):

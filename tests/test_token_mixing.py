@@ -1,0 +1,119 @@
+"""token_mixing: the ops other than attention that read other tokens of the row, found by
+following the token dim from the batch's per-token inputs (context parallelism the model does not
+write refuses them: over one rank's tokens they would compute another answer). Each program below
+is traced by Dynamo (one process, no collectives); the analysis reads the graph as the pass does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from cp_inductor.passes.analysis import token_mixing
+
+B, T, C = 2, 16, 16  # hidden width equal to the token count: a size alone cannot tell them apart
+W = torch.randn(C, 1, 4)
+
+
+def conv(x):  # a causal depthwise convolution over the sequence (LFM2's, Mamba's short conv)
+    return F.conv1d(x.transpose(1, 2), W, groups=C, padding=3)[..., :T].transpose(1, 2)
+
+
+def conv_kernel_1(x):
+    return F.conv1d(x.transpose(1, 2), W[..., :1], groups=C).transpose(1, 2)
+
+
+def cumsum(x):
+    return x.cumsum(1)
+
+
+def shift(x):  # each token reads its left neighbour
+    return F.pad(x, (0, 0, 1, 0))[:, :T]
+
+
+def roll(x):
+    return torch.roll(x, 1, dims=1)
+
+
+def softmax_over_tokens(x):
+    return x.softmax(dim=1)
+
+
+def token_mlp(x):  # MLP-Mixer: a linear layer across tokens
+    return F.linear(x.transpose(1, 2), torch.randn(T, T)).transpose(1, 2)
+
+
+def linear_attention(x):  # K^T V over the tokens, then Q of it
+    heads = x.view(B, T, 4, C // 4).transpose(1, 2)
+    return (heads @ (heads.transpose(-1, -2) @ heads)).transpose(1, 2).reshape(B, T, C)
+
+
+def einsum_mix(x):
+    return torch.einsum("btc,bsc->bsc", x, x)
+
+
+def sort_tokens(x):
+    return x.sort(dim=1).values
+
+
+def cumsum_after_gpt2_conv1d(x):  # GPT-2's Conv1D (bias + x @ w over the flattened tokens), then a scan
+    return torch.addmm(torch.zeros(C), x.view(-1, C), torch.randn(C, C)).view(B, T, C).cumsum(1)
+
+
+def softmax_over_hidden(x):  # hidden == T: a size match, not the token dim
+    return x.softmax(dim=-1)
+
+
+def rms_norm_and_heads(x):  # per token: a norm over the hidden dim, heads split and merged
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    heads = x.view(B, T, 4, C // 4).transpose(1, 2)
+    return (heads @ heads.transpose(-1, -2)[..., :C // 4]).transpose(1, 2).flatten(2)
+
+
+def cumsum_over_hidden(x):
+    return x.cumsum(-1)
+
+
+def pad_hidden(x):
+    return F.pad(x, (1, 0))[..., :C]
+
+
+def loss_over_tokens(x):  # reductions over tokens are the loss's (combined across ranks by the user)
+    return x.sum(1, keepdim=True).expand(B, T, C) + x.mean()
+
+
+def mixing_of(program) -> str:
+    found: list = []
+
+    def backend(gm, example_inputs):
+        found.append(token_mixing.first_mixing(gm, T))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(program, backend=backend, fullgraph=True)(torch.randn(B, T, C))
+    return str(found[0]) if found[0] is not None else "-"
+
+
+class TokenMixingTest(TestCase):
+    def test_every_form_named_and_per_token_ops_left(self):
+        programs = (conv, conv_kernel_1, cumsum, shift, roll, softmax_over_tokens, token_mlp, linear_attention,
+                    einsum_mix, sort_tokens, cumsum_after_gpt2_conv1d, softmax_over_hidden, rms_norm_and_heads, cumsum_over_hidden, pad_hidden,
+                    loss_over_tokens)
+        got = "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
+        self.assertExpectedInline(got, """\
+conv: conv1d: conv1d over the token dim, kernel 4
+conv_kernel_1: -
+cumsum: cumsum: cumsum along the token dim
+shift: pad: pad along the token dim
+roll: roll: roll along the token dim
+softmax_over_tokens: softmax: softmax along the token dim
+token_mlp: linear: a linear layer over the token dim
+linear_attention: matmul: a matmul contracting the token dim
+einsum_mix: einsum: einsum contracting the token dim (t)
+sort_tokens: sort: sort along the token dim
+cumsum_after_gpt2_conv1d: cumsum: cumsum along the token dim
+softmax_over_hidden: -
+rms_norm_and_heads: -
+cumsum_over_hidden: -
+pad_hidden: -
+loss_over_tokens: -""")
