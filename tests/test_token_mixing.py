@@ -52,8 +52,13 @@ def einsum_mix(x):
     return torch.einsum("btc,bsc->bsc", x, x)
 
 
-def sort_tokens(x):
-    return x.sort(dim=1).values
+def top_tokens(x):  # keep the 4 strongest tokens (a mixture-of-depths router)
+    return x.topk(4, dim=1).values
+
+
+def moe_dispatch(x):  # tokens sorted by expert and put back: a permutation, per token
+    order = x[..., 0].flatten().argsort()
+    return x.flatten(0, 1)[order][order.argsort()].view(B, T, C)
 
 
 def cumsum_after_gpt2_conv1d(x):  # GPT-2's Conv1D (bias + x @ w over the flattened tokens), then a scan
@@ -97,7 +102,7 @@ def mixing_of(program) -> str:
 class TokenMixingTest(TestCase):
     def test_every_form_named_and_per_token_ops_left(self):
         programs = (conv, conv_kernel_1, cumsum, shift, roll, softmax_over_tokens, token_mlp, linear_attention,
-                    einsum_mix, sort_tokens, cumsum_after_gpt2_conv1d, softmax_over_hidden, rms_norm_and_heads, cumsum_over_hidden, pad_hidden,
+                    einsum_mix, top_tokens, cumsum_after_gpt2_conv1d, moe_dispatch, softmax_over_hidden, rms_norm_and_heads, cumsum_over_hidden, pad_hidden,
                     loss_over_tokens)
         got = "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
         self.assertExpectedInline(got, """\
@@ -110,8 +115,9 @@ softmax_over_tokens: softmax: softmax along the token dim
 token_mlp: linear: a linear layer over the token dim
 linear_attention: matmul: a matmul contracting the token dim
 einsum_mix: einsum: einsum contracting the token dim (t)
-sort_tokens: sort: sort along the token dim
+top_tokens: topk: topk along the token dim
 cumsum_after_gpt2_conv1d: cumsum: cumsum along the token dim
+moe_dispatch: -
 softmax_over_hidden: -
 rms_norm_and_heads: -
 cumsum_over_hidden: -

@@ -4,7 +4,9 @@ dim from the batch's per-token inputs through the graph.
 Under context parallelism a rank holds some of each row's tokens. Attention is rewritten to read
 every rank's keys; any other op whose output at one token reads other tokens of the row (a short
 convolution over the sequence, a cumulative sum, a shift, a softmax over tokens, a matmul that
-contracts the token dim) would read only this rank's, and change the answer::
+contracts the token dim, a top-k over tokens) would read only this rank's, and change the
+answer. A sort of tokens is not counted: MoE layers sort their tokens by expert to dispatch them
+and put them back, a permutation each rank can make of its own::
 
     x = embed(input_ids)                      # [B, T, C]: dim 1 is the token dim
     h = conv1d(x.transpose(1, 2), w, groups=C, padding=3)[..., :T]   # dim 2 of conv1d's input
@@ -38,8 +40,8 @@ Dims = frozenset
 MIXING_ALONG_DIM = {  # name -> (position of ``dim``, its keyword, its default)
     "cumsum": (1, "dim", None), "cumprod": (1, "dim", None), "cummax": (1, "dim", None), "cummin": (1, "dim", None),
     "logcumsumexp": (1, "dim", None), "softmax": (1, "dim", None), "log_softmax": (1, "dim", None),
-    "softmin": (1, "dim", None), "diff": (2, "dim", -1), "sort": (1, "dim", -1), "argsort": (1, "dim", -1),
-    "msort": (None, None, 0), "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1), "flip": (1, "dims", None),
+    "softmin": (1, "dim", None), "diff": (2, "dim", -1), "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1),
+    "flip": (1, "dims", None),
     "roll": (2, "dims", None), "fliplr": (None, None, 1), "flipud": (None, None, 0), "unfold": (1, "dimension", None),
     "fft_fft": (2, "dim", -1), "fft_ifft": (2, "dim", -1), "fft_rfft": (2, "dim", -1), "fft_irfft": (2, "dim", -1),
 }
