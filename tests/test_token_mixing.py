@@ -123,3 +123,63 @@ rms_norm_and_heads: -
 cumsum_over_hidden: -
 pad_hidden: -
 loss_over_tokens: -""")
+
+
+def conv_after_mT(x):  # .mT is a transpose (Dynamo records it as getattr)
+    return F.conv1d(x.mT, W, groups=C, padding=3)[..., :T].mT
+
+
+def softmax_between_mT(x):  # per token: the softmax runs over the hidden dim, moved by .mT
+    return F.softmax(x.mT, dim=1).mT
+
+
+def cumsum_written_in_place(x):  # read by no user: the in-place add carries it into the output
+    y = x.clone()
+    y.add_(x.cumsum(1))
+    return y
+
+
+def cumsum_into_a_slice(x):  # copied into a view of the output (DeepSeek-V3's key assembly)
+    y = torch.zeros(B, T, 2 * C)
+    y[..., :C].copy_(x.cumsum(1))
+    return y
+
+
+def permute_and_cat_by_keyword(x):
+    return torch.cat(tensors=[x.permute(dims=(0, 2, 1)), x.permute(dims=(0, 2, 1))], dim=1).cumsum(-1)
+
+
+class TokenMixingTrailTest(TestCase):
+    def test_transposes_writes_and_keywords(self):
+        programs = (conv_after_mT, softmax_between_mT, cumsum_written_in_place, cumsum_into_a_slice,
+                    permute_and_cat_by_keyword)
+        got = "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
+        self.assertExpectedInline(got, """\
+conv_after_mT: conv1d: conv1d over the token dim, kernel 4
+softmax_between_mT: -
+cumsum_written_in_place: cumsum: cumsum along the token dim
+cumsum_into_a_slice: cumsum: cumsum along the token dim
+permute_and_cat_by_keyword: cumsum: cumsum along the token dim""")
+
+    def test_a_parameter_with_the_token_count_is_not_a_token_input(self):
+        """A projection to T features (a weight ``[C, T]``, GPT-2's Conv1D layout) then a softmax
+        over those features, per token. Seeded by size alone, the weight's dim 1 would pass for
+        tokens and the softmax be refused; the pass seeds the program's per-token inputs only."""
+        proj = torch.nn.Parameter(torch.randn(C, T))
+
+        def project_then_softmax(x):
+            return torch.addmm(torch.zeros(T), x.view(-1, C), proj).view(B, T, T).softmax(-1)
+
+        found: list = []
+
+        def backend(gm, example_inputs):
+            per_token = [n for n, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+                         if not isinstance(x, torch.nn.Parameter)]
+            found.append((token_mixing.first_mixing(gm, T), token_mixing.first_mixing(gm, T, inputs=per_token)))
+            return gm
+
+        torch._dynamo.reset()
+        torch.compile(project_then_softmax, backend=backend, fullgraph=True)(torch.randn(B, T, C))
+        every_input, per_token = found[0]
+        assert str(every_input) == "softmax: softmax along the token dim", every_input
+        assert per_token is None

@@ -164,8 +164,10 @@ class TokenTrail:
         self.tokens = tokens
         self.dims: dict[torch.fx.Node, object] = {}
 
-    def seed(self, graph: torch.fx.Graph) -> None:
-        for n in graph.find_nodes(op="placeholder"):
+    def seed(self, inputs: Iterable[torch.fx.Node]) -> None:
+        """``inputs``: the per-token inputs (their dim 1 this rank's tokens); a parameter whose
+        dim 1 happens to have that size is not one."""
+        for n in inputs:
             shape = _shape(n)
             if shape is not None and len(shape) >= 2 and shape[1] == self.tokens:
                 self.dims[n] = Dims({1})
@@ -202,7 +204,8 @@ class TokenTrail:
             return _index(shape, source, n.args[1]) if shape and source else None
         if name in ("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"):
             return _reshaped(shape, source, out, self.tokens) if shape and source else None
-        if name in ("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis"):
+        if name in ("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis") or (
+                name == "getattr" and n.args[1] in ("T", "mT", "H", "mH")):
             return self._permuted(n, name, shape, source)
         if name in ("unsqueeze", "squeeze", "embedding", "cat", "concat", "concatenate", "stack"):
             return self._inserted(n, name, shape, source, out)
@@ -229,10 +232,15 @@ class TokenTrail:
         if not shape or not source:
             return None
         order = list(range(len(shape)))
-        if name == "t":
+        if name == "t" or (name == "getattr" and n.args[1] in ("T", "H")):
             order = order[::-1]
+        elif name == "getattr":  # .mT, .mH
+            order[-2:] = order[:-3:-1]
         elif name == "permute":
-            given = n.args[1:] if len(n.args) > 2 or not isinstance(_arg(n, 1, "dims"), (list, tuple)) else n.args[1]
+            given = _arg(n, 1, "dims")
+            given = n.args[1:] if isinstance(given, int) else given
+            if not isinstance(given, (list, tuple)):
+                return None
             order = [d % len(shape) for d in given]
         elif name in ("movedim", "moveaxis"):
             a, b = _arg(n, 1, "source"), _arg(n, 2, "destination")
@@ -250,7 +258,8 @@ class TokenTrail:
         if name == "embedding":  # the indices' dims, then the table's row
             return source
         if name in ("cat", "concat", "concatenate", "stack"):
-            tensors = n.args[0] if isinstance(n.args[0], (list, tuple)) else ()
+            tensors = _arg(n, 0, "tensors", ())
+            tensors = tensors if isinstance(tensors, (list, tuple)) else ()
             parts = [self.of(x) for x in tensors]
             common = Dims.intersection(*parts) if parts and all(parts) else Dims()
             if name != "stack":
@@ -354,24 +363,46 @@ class TokenTrail:
         return None
 
 
+VIEWS = {"getitem", "view", "reshape", "transpose", "permute", "narrow", "select", "slice", "unsqueeze", "squeeze",
+         "expand", "flatten", "unflatten", "as_strided", "view_as", "t", "movedim", "chunk", "split", "unbind", "diagonal"}
+
+
 def live_nodes(graph: torch.fx.Graph, unread: Iterable[tuple[object, Iterable[int]]] = ()) -> set[torch.fx.Node]:
     """The nodes the graph's outputs read, not through the argument positions ``unread`` names per
-    op (tables the CP rewrite checks against the layout rather than computes with)."""
+    op (tables the CP rewrite checks against the layout rather than computes with); an in-place op
+    (``add_``, ``copy_``, a setitem: no user reads it) is live where the tensor it writes, or the
+    base it views, is."""
     skip = {target: set(positions) for target, positions in unread}
-    stack = list(graph.find_nodes(op="output"))
+    writes = [n for n in graph.nodes if n.op in ("call_function", "call_method") and _writes(n)]
     live: set[torch.fx.Node] = set()
+    stack = list(graph.find_nodes(op="output"))
     while stack:
-        n = stack.pop()
-        if n in live:
-            continue
-        live.add(n)
-        positions = skip.get(n.target, ())
-        for k, arg in enumerate(n.args):
-            if k not in positions:
+        while stack:
+            n = stack.pop()
+            if n in live:
+                continue
+            live.add(n)
+            positions = skip.get(n.target, ())
+            for k, arg in enumerate(n.args):
+                if k not in positions:
+                    stack.extend(_nodes(arg))
+            for arg in n.kwargs.values():
                 stack.extend(_nodes(arg))
-        for arg in n.kwargs.values():
-            stack.extend(_nodes(arg))
+        stack = [n for n in writes if n not in live and _base(n.args[0]) in live]
     return live
+
+
+def _writes(n: torch.fx.Node) -> bool:
+    name = op_name(n)
+    return bool(n.args) and isinstance(n.args[0], torch.fx.Node) and (
+        n.target is operator.setitem or (name.endswith("_") and not name.startswith("_")))
+
+
+def _base(x: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``x`` views (through indexing and view ops)."""
+    while x.op in ("call_function", "call_method") and op_name(x) in VIEWS and x.args and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+    return x
 
 
 def _nodes(arg) -> list[torch.fx.Node]:
@@ -380,12 +411,13 @@ def _nodes(arg) -> list[torch.fx.Node]:
     return found
 
 
-def first_mixing(module: torch.fx.GraphModule, tokens, unread=()) -> Mixing | None:
-    """The first op of ``module`` past attention that mixes this rank's ``tokens``, or None."""
+def first_mixing(module: torch.fx.GraphModule, tokens, unread=(), inputs=None) -> Mixing | None:
+    """The first op of ``module`` past attention that mixes this rank's ``tokens``, or None;
+    ``inputs``: the per-token placeholders (all of them where not given)."""
     count = _hint(tokens)
     if count is None:
         return None
     trail = TokenTrail(count)
-    trail.seed(module.graph)
+    trail.seed(inputs if inputs is not None else module.graph.find_nodes(op="placeholder"))
     trail.follow(module)
     return trail.mixing(module, live_nodes(module.graph, unread))

@@ -620,6 +620,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     semantics = [(site, args, *_semantics(site, args, positions, documents)) for site, args in checked]
     packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
     inputs = _add_inputs(gm, shard, batch_input)
+    added = set(inputs)
     # AOTAutograd fakes a real input Dynamo did not see with sizes of its own, symbols no
     # guard can name (Inductor's 32-bit index check guarded one at T64K on a GPU, and Dynamo
     # failed to build the guards): it gets the fakes sized by the batch input instead
@@ -662,7 +663,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
-    _refuse_mixing(gm, tokens)
+    _refuse_mixing(gm, tokens, added)
     for route in routes:  # reported once nothing refused the graph
         record_varlen(route)
     for module in modules:
@@ -746,9 +747,12 @@ def _refuse_token_index(modules, tokens) -> None:
             "makes (pass them to the model)")
 
 
-def _refuse_mixing(gm: torch.fx.GraphModule, tokens) -> None:
-    # the tables ids_checked reads are checked against the layout, not computed with
-    found = token_mixing.first_mixing(gm, tokens, unread=[(torch.ops.cp_inductor.ids_checked.default, (2, 3))])
+def _refuse_mixing(gm: torch.fx.GraphModule, tokens, added) -> None:
+    # the tables ids_checked reads are checked against the layout, not computed with; the
+    # per-token inputs are the program's (not its parameters, nor the layout inputs we added)
+    per_token = [n for n in gm.graph.find_nodes(op="placeholder") if not _is_module_state(n) and n not in added]
+    found = token_mixing.first_mixing(gm, tokens, unread=[(torch.ops.cp_inductor.ids_checked.default, (2, 3))],
+                                      inputs=per_token)
     if found is not None:
         raise ContextParallelError(
             f"context_parallel: {found} mixes tokens outside attention; over this rank's tokens alone it would "
