@@ -99,12 +99,16 @@ def mixing_of(program) -> str:
     return str(found[0]) if found[0] is not None else "-"
 
 
+def outcomes(*programs) -> str:
+    """One line per program: its name, then the op refused (``-``: none)."""
+    return "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
+
+
 class TokenMixingTest(TestCase):
     def test_every_form_named_and_per_token_ops_left(self):
-        programs = (conv, conv_kernel_1, cumsum, shift, roll, softmax_over_tokens, token_mlp, linear_attention,
-                    einsum_mix, top_tokens, cumsum_after_gpt2_conv1d, moe_dispatch, softmax_over_hidden, rms_norm_and_heads, cumsum_over_hidden, pad_hidden,
-                    loss_over_tokens)
-        got = "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
+        got = outcomes(conv, conv_kernel_1, cumsum, shift, roll, softmax_over_tokens, token_mlp, linear_attention,
+                       einsum_mix, top_tokens, cumsum_after_gpt2_conv1d, moe_dispatch, softmax_over_hidden,
+                       rms_norm_and_heads, cumsum_over_hidden, pad_hidden, loss_over_tokens)
         self.assertExpectedInline(got, """\
 conv: conv1d: conv1d over the token dim, kernel 4
 conv_kernel_1: -
@@ -151,9 +155,8 @@ def permute_and_cat_by_keyword(x):
 
 class TokenMixingTrailTest(TestCase):
     def test_transposes_writes_and_keywords(self):
-        programs = (conv_after_mT, softmax_between_mT, cumsum_written_in_place, cumsum_into_a_slice,
-                    permute_and_cat_by_keyword)
-        got = "\n".join(f"{p.__name__}: {mixing_of(p)}" for p in programs)
+        got = outcomes(conv_after_mT, softmax_between_mT, cumsum_written_in_place, cumsum_into_a_slice,
+                       permute_and_cat_by_keyword)
         self.assertExpectedInline(got, """\
 conv_after_mT: conv1d: conv1d over the token dim, kernel 4
 softmax_between_mT: -
