@@ -10,15 +10,18 @@ and put them back, a permutation each rank can make of its own::
 
     x = embed(input_ids)                      # [B, T, C]: dim 1 is the token dim
     h = conv1d(x.transpose(1, 2), w, groups=C, padding=3)[..., :T]   # dim 2 of conv1d's input
-    -> "conv1d (kernel 4) over the token dim"
+    -> "conv1d: conv1d over the token dim, kernel 4"
 
 The token dim is followed, not guessed from sizes: from the inputs ``shard_batch`` cut (dim 1),
 through element-wise ops (dims right-aligned, sizes equal; broadcasting only for the arithmetic
 and comparison ops, any other op follows its first input), views and reshapes (by the products
 of the leading sizes), transposes and permutes, indexing, concatenation, reductions, embedding
-lookups, matmuls, ``einsum`` and activation-checkpointed bodies. An op it has no rule for ends the
-trail (its output carries no token dim), so what it reports is an op it can name, never a guess;
-what it misses stays the user's promise, as before. Reductions over tokens (a loss, a pooled
+lookups, matmuls, ``einsum`` and activation-checkpointed bodies; the inputs are the program's
+per-token ones (a parameter whose dim 1 happens to have the token count is not). An op with no
+rule carries its first input's token dim only where its output has that input's rank and size
+there; otherwise the trail ends, so what it reports is an op it can name, never a guess, and what
+it misses stays the user's promise, as before. Live means read by the outputs, or written in
+place into a tensor they read. Reductions over tokens (a loss, a pooled
 output) are not counted: the loss's combination across ranks is the user's (the README's
 token-weighted mean).
 """
@@ -41,8 +44,8 @@ MIXING_ALONG_DIM = {  # name -> (position of ``dim``, its keyword, its default)
     "cumsum": (1, "dim", None), "cumprod": (1, "dim", None), "cummax": (1, "dim", None), "cummin": (1, "dim", None),
     "logcumsumexp": (1, "dim", None), "softmax": (1, "dim", None), "log_softmax": (1, "dim", None),
     "softmin": (1, "dim", None), "diff": (2, "dim", -1), "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1),
-    "flip": (1, "dims", None),
-    "roll": (2, "dims", None), "fliplr": (None, None, 1), "flipud": (None, None, 0), "unfold": (1, "dimension", None),
+    "flip": (1, "dims", None), "roll": (2, "dims", None), "fliplr": (None, None, 1), "flipud": (None, None, 0),
+    "unfold": (1, "dimension", None),
     "fft_fft": (2, "dim", -1), "fft_ifft": (2, "dim", -1), "fft_rfft": (2, "dim", -1), "fft_irfft": (2, "dim", -1),
 }
 REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "std", "var", "norm", "any", "all",
