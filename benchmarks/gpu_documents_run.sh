@@ -77,7 +77,7 @@ flex)
 models)
   for impl in ${IMPLS:-sdpa flex_attention}; do
     timeout "${MODEL_S:-270}" python3 bench_hf_masks.py --impl $impl --tokens 16384 --docs 8 1 --iters "${ITERS:-5}" \
-      --arms "${ARMS:-eager,inductor,cp_inductor,floor}" --intermediate "${INTERMEDIATE:-5632}" \
+      --arms "${ARMS:-eager,inductor,cp_inductor,floor}" ${INTERMEDIATE:+--intermediate "$INTERMEDIATE"} \
       --json "$out/hf_${impl}_t16k${TAG:-}.json" 2>&1 | filter | tee "$out/hf_${impl}_t16k${TAG:-}.log" | tail -12
   done ;;
 hf-flex) hf flex_attention 560 ;;

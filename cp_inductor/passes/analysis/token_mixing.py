@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .graph_walk import Walk
 from .op_schema import value
 
 Dims = frozenset
@@ -376,22 +377,18 @@ def live_nodes(graph: torch.fx.Graph, unread: Iterable[tuple[object, Iterable[in
     (``add_``, ``copy_``, a setitem: no user reads it) is live where the tensor it writes, or the
     base it views, is."""
     skip = {target: set(positions) for target, positions in unread}
+
+    def read(n: torch.fx.Node) -> list:
+        positions = skip.get(n.target, ())
+        args = [a for k, a in enumerate(n.args) if k not in positions]
+        found: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((args, n.kwargs), found.append)
+        return found
+
     writes = [n for n in graph.nodes if n.op in ("call_function", "call_method") and _writes(n)]
-    live: set[torch.fx.Node] = set()
-    stack = list(graph.find_nodes(op="output"))
-    while stack:
-        while stack:
-            n = stack.pop()
-            if n in live:
-                continue
-            live.add(n)
-            positions = skip.get(n.target, ())
-            for k, arg in enumerate(n.args):
-                if k not in positions:
-                    stack.extend(_nodes(arg))
-            for arg in n.kwargs.values():
-                stack.extend(_nodes(arg))
-        stack = [n for n in writes if n not in live and _base(n.args[0]) in live]
+    live = Walk(graph.find_nodes(op="output"), read, limit=math.inf).run().seen
+    while more := [n for n in writes if n not in live and _base(n.args[0]) in live]:
+        live = Walk(more, read, limit=math.inf).run().seen | live
     return live
 
 
@@ -406,12 +403,6 @@ def _base(x: torch.fx.Node) -> torch.fx.Node:
     while x.op in ("call_function", "call_method") and op_name(x) in VIEWS and x.args and isinstance(x.args[0], torch.fx.Node):
         x = x.args[0]
     return x
-
-
-def _nodes(arg) -> list[torch.fx.Node]:
-    found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg(arg, found.append)
-    return found
 
 
 def first_mixing(module: torch.fx.GraphModule, tokens, unread=(), inputs=None) -> Mixing | None:
