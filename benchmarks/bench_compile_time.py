@@ -43,7 +43,7 @@ import os
 if os.environ.get("CP_BENCH_PROVIDER"):  # --provider: which kernel our lowerings pick
     cp_inductor.config.attention_provider = os.environ["CP_BENCH_PROVIDER"]
 
-style, layers, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+style, layers, backend, device, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], getattr(torch, sys.argv[5])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 by_pass = {}
 NESTED = ("varlen_cudnn", "uniform_thd")  # inside dynamo_passes
@@ -89,8 +89,8 @@ if style.startswith("auto_"):  # CP the model does not write: our decoder, cp_in
     stack = Decoder(mask="causal", dim=cfg.dim, heads=cfg.heads, kv_heads=cfg.kv_heads, layers=layers).to(device)
     batch = {k: v.to(device) for k, v in packed_batch([cfg.seq]).items() if k != "position_ids"}
 else:
-    stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device)
-    x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, requires_grad=True)
+    stack = torch.nn.Sequential(*[Plain() if style == "none" else TransformerBlock(cfg) for _ in range(layers)]).to(device, dtype)
+    x = torch.randn(1, cfg.seq // 2, cfg.dim, device=device, dtype=dtype, requires_grad=True)
 profile = os.environ.get("CP_BENCH_PROFILE")
 if profile:  # in the script, not `python -m cProfile`: that changes the globals Dynamo guards on
     import cProfile
@@ -113,14 +113,14 @@ if profile:
 fa4_dir = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1" else None
 print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
                   "fa4_cached_files": sum(len(f) for _, _, f in os.walk(fa4_dir)) if fa4_dir else None,
-                  "regions": len(cp_inductor.report()),
+                  "regions": len(cp_inductor.report()), "report": str(cp_inductor.report())[:3000],
                   "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"],
                   "aot_cache": dict(torch._dynamo.utils.counters["aot_autograd"]), "cache_log": CacheWhy.seen}))
 """
 
 
 def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
-               fa4_cache: bool = True, profile: str | None = None) -> dict:
+               fa4_cache: bool = True, profile: str | None = None, dtype: str = "float32") -> dict:
     """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
     (FA4's kernels too unless ``fa4_cache`` is False); ``profile``: cProfile's stats of the timed
     part written to that file."""
@@ -134,7 +134,7 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
     if profile:
         env["CP_BENCH_PROFILE"] = profile
-    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device, dtype], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -147,8 +147,8 @@ def profiled(a, style: str, layers: int) -> None:
     for backend in ("inductor", "cp_inductor"):
         path = os.path.join(a.profile, f"{style}_{backend}.pstats")
         with tempfile.TemporaryDirectory() as cache:
-            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache)
-            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path)["seconds"]
+            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, dtype=a.dtype)
+            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path, dtype=a.dtype)["seconds"]
         print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--no-fa4-cache", action="store_true", help="--restart: FA4 compiles its kernels in every process")
     ap.add_argument("--profile", metavar="DIR", help="--restart: one more restart per backend and style under "
                     "cProfile (DIR/<style>_<backend>.pstats), its top functions printed")
+    ap.add_argument("--dtype", default="float32", help="the stack's and its input's dtype (bfloat16 on a GPU: the "
+                    "kernels users train with)")
     ap.add_argument("--provider", help="cp_inductor's attention_provider (auto, fa4, cudnn, program)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -189,10 +191,11 @@ def main() -> int:
                 for b in runs:
                     if a.restart:
                         with tempfile.TemporaryDirectory() as cache:
-                            first_call(style, layers, b, a.device, cache, not a.no_fa4_cache)  # the job before
-                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache))
+                            fill = first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype)  # the job before
+                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype))
+                            runs[b][-1]["fill"] = {k: fill[k] for k in ("seconds", "regions", "report")}
                     else:
-                        runs[b].append(first_call(style, layers, b, a.device))
+                        runs[b].append(first_call(style, layers, b, a.device, dtype=a.dtype))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
             paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))
@@ -202,6 +205,11 @@ def main() -> int:
             top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
             print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
+            first = runs["cp_inductor"][0]
+            print(f"    cp_inductor regions: {first.get('fill', first)['regions']}"
+                  + (f" at the fill, {first['regions']} replayed at the restart" if a.restart else ""), flush=True)
+            if not first.get("fill", first)["regions"] and style != "none":
+                print("    " + first.get("fill", first)["report"].replace("\n", "\n    "), flush=True)
             if a.restart:
                 for b, rs in runs.items():  # why a restart missed AOTAutograd's cache, where it did
                     for why in dict.fromkeys(line for r in rs for line in r["cache_log"]):
