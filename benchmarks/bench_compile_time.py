@@ -43,7 +43,7 @@ import os
 if os.environ.get("CP_BENCH_PROVIDER"):  # --provider: which kernel our lowerings pick
     cp_inductor.config.attention_provider = os.environ["CP_BENCH_PROVIDER"]
 
-style, layers, backend, device, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], getattr(torch, sys.argv[5])
+style, layers, backend, device, dtype, seq = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], getattr(torch, sys.argv[5]), int(sys.argv[6])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 by_pass = {}
 NESTED = ("varlen_cudnn", "uniform_thd")  # inside dynamo_passes
@@ -67,7 +67,7 @@ for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.c
     logging.getLogger(name).setLevel(logging.INFO)
 logging.getLogger("cp_inductor").setLevel(logging.INFO)
 logging.getLogger("cp_inductor").propagate = False
-cfg = StepConfig(style=style if style != "none" else "a2a", seq=256, dim=256, heads=4, kv_heads=2, batch=1)
+cfg = StepConfig(style=style if style != "none" else "a2a", seq=seq, dim=256, heads=4, kv_heads=2, batch=1)
 
 class Plain(torch.nn.Module):  # no CP: the same block with SDPA over the local sequence
     def __init__(self):
@@ -120,7 +120,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pas
 
 
 def first_call(style: str, layers: int, backend: str, device: str, cache_dir: str | None = None,
-               fa4_cache: bool = True, profile: str | None = None, dtype: str = "float32") -> dict:
+               fa4_cache: bool = True, profile: str | None = None, dtype: str = "float32", seq: int = 256) -> dict:
     """A fresh process's first call: every cache off, or (``cache_dir``) the caches on, in that dir
     (FA4's kernels too unless ``fa4_cache`` is False); ``profile``: cProfile's stats of the timed
     part written to that file."""
@@ -134,7 +134,7 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
     if profile:
         env["CP_BENCH_PROFILE"] = profile
-    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device, dtype], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device, dtype, str(seq)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -147,8 +147,8 @@ def profiled(a, style: str, layers: int) -> None:
     for backend in ("inductor", "cp_inductor"):
         path = os.path.join(a.profile, f"{style}_{backend}.pstats")
         with tempfile.TemporaryDirectory() as cache:
-            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, dtype=a.dtype)
-            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path, dtype=a.dtype)["seconds"]
+            first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, dtype=a.dtype, seq=a.seq)
+            seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path, dtype=a.dtype, seq=a.seq)["seconds"]
         print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
@@ -167,6 +167,8 @@ def main() -> int:
                     "cProfile (DIR/<style>_<backend>.pstats), its top functions printed")
     ap.add_argument("--dtype", default="float32", help="the stack's and its input's dtype (bfloat16 on a GPU: the "
                     "kernels users train with)")
+    ap.add_argument("--seq", type=int, default=256, help="the whole sequence (each of the 2 fake ranks holds half); "
+                    "on a GPU, 32768 puts the dense calls in the provider map's measured range")
     ap.add_argument("--provider", help="cp_inductor's attention_provider (auto, fa4, cudnn, program)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -191,11 +193,11 @@ def main() -> int:
                 for b in runs:
                     if a.restart:
                         with tempfile.TemporaryDirectory() as cache:
-                            fill = first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype)  # the job before
-                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype))
+                            fill = first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype, seq=a.seq)  # the job before
+                            runs[b].append(first_call(style, layers, b, a.device, cache, not a.no_fa4_cache, dtype=a.dtype, seq=a.seq))
                             runs[b][-1]["fill"] = {k: fill[k] for k in ("seconds", "regions", "report")}
                     else:
-                        runs[b].append(first_call(style, layers, b, a.device, dtype=a.dtype))
+                        runs[b].append(first_call(style, layers, b, a.device, dtype=a.dtype, seq=a.seq))
             ind = statistics.median(r["seconds"] for r in runs["inductor"])
             ours = statistics.median(r["seconds"] for r in runs["cp_inductor"])
             paired = statistics.median(o["seconds"] / i["seconds"] for i, o in zip(runs["inductor"], runs["cp_inductor"]))

@@ -87,7 +87,7 @@ no-break)
     | tee "$out/hf_flex_no_break_t16k.log" | tail -14 ;;
 restart)  # none alone: each row's cold fills compile Triton kernels (a2a's did not fit 300 s)
   timeout "${RESTART_S:-540}" python3 bench_compile_time.py --restart --device cuda --layers 4 --styles ${STYLES:-none} \
-    --repeats "${REPEATS:-2}" --dtype "${DTYPE:-float32}" ${RESTART_ARGS:-} --json "$out/compile_restart_cuda${TAG:-}.json" 2>&1 | filter \
+    --repeats "${REPEATS:-2}" --dtype "${DTYPE:-float32}" --seq "${SEQ:-256}" ${RESTART_ARGS:-} --json "$out/compile_restart_cuda${TAG:-}.json" 2>&1 | filter \
     | tee "$out/compile_restart_cuda${TAG:-}.log" | tail -"${TAIL:-4}" ;;
 hf-sdpa) hf sdpa 560 ;;
 graphs)

@@ -56,6 +56,21 @@ def test_auto_takes_the_fastest_provider_at_the_nearest_bucket(fake_map):
     assert _choose(_shape(100000), both, fake_map).provider == "cudnn"  # 64K: cuDNN measured faster there
 
 
+def test_calls_far_under_the_measured_work_are_not_read_off_the_map(fake_map):
+    """A 256-token call with 4 heads read as the 16K x 32-head row would be a guess: launch costs,
+    not the kernels' rates, decide it. A quarter of the least measured work still reads the map."""
+    both = {"cudnn": None, "fa4": None}
+    tiny = _choose(ap.Shape("thd", 256, 4, 2, 128, True, "bfloat16"), both, fake_map)
+    assert (tiny.provider, tiny.reason) == ("cudnn", (
+        "measured on cpu: thd T256 Hq4 Hkv2 D128 causal bfloat16 is under a quarter of the least work measured "
+        "(T16384 Hq32): launch costs decide it, not measured"))
+    assert _choose(_shape(4096), both, fake_map).provider == "fa4"  # a quarter of T16384 x 32: read
+    assert _choose(_shape(4095), both, fake_map).provider == "cudnn"
+    # Fewer heads over more tokens is the same work (Ulysses' calls at cp 8: 2 heads a rank)
+    assert _choose(ap.Shape("thd", 65536, 8, 2, 128, True, "bfloat16"), both, fake_map).reason.startswith(
+        "cost map measured on cpu, thd T65536 Hq32")
+
+
 def test_providers_that_cannot_take_the_call_are_left_out_with_their_reason(fake_map):
     choice = _choose(_shape(16384), {"cudnn": None, "fa4": "flash-attn-4 is not importable"}, fake_map)
     assert choice.provider == "cudnn"

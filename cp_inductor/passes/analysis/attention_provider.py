@@ -10,8 +10,11 @@ written by ``benchmarks/bench_providers.py``): fwd+bwd milliseconds per shape bu
     layout (thd | dense), dtype, causal, MHA or GQA, head_dim, tokens (B x S for dense), query heads
 
 read at the nearest measured bucket of the same layout, dtype, mask, GQA class and head_dim
-(nearest in log2 of tokens and heads). A device with no map of its own reads the map of its
-compute capability, and says so; with no measurement at all the program keeps its kernel.
+(nearest in log2 of tokens and heads). A call with less work (tokens x query heads) than a
+quarter of the least the map measured in its class is not read off the map: launch costs, which
+the map's rows do not show, decide such calls, so the lowering's default for unmeasured calls
+takes it (the program's op for dense calls). A device with no map of its own reads the map of
+its compute capability, and says so; with no measurement at all the program keeps its kernel.
 ``attention_provider="fa4"`` / ``"cudnn"`` / ``"program"`` force one, falling back to ``auto``
 with the reason where the forced one cannot take the call.
 """
@@ -93,9 +96,25 @@ def cost_map_for(device: torch.device, extra: str = "") -> tuple[dict | None, st
     return None, f"no cost map for {name}"
 
 
-def _nearest(rows: list[dict], shape: Shape) -> dict | None:
-    same = [r for r in rows if r["layout"] == shape.layout and r["dtype"] == shape.dtype and r["causal"] == shape.causal
+SMALLEST_READ = 4  # a call down to 1/4 of the least measured work reads the map; below, it is unmeasured
+
+
+def _same_class(rows: list[dict], shape: Shape) -> list[dict]:
+    return [r for r in rows if r["layout"] == shape.layout and r["dtype"] == shape.dtype and r["causal"] == shape.causal
             and r["head_dim"] == shape.head_dim and (r["heads_q"] == r["heads_kv"]) == (shape.heads_q == shape.heads_kv)]
+
+
+def _below_the_map(same: list[dict], shape: Shape) -> str | None:
+    """Why ``shape`` is too small to be read off these rows, or None."""
+    least = min(same, key=lambda r: r["tokens"] * r["heads_q"])
+    if shape.tokens * shape.heads_q * SMALLEST_READ >= least["tokens"] * least["heads_q"]:
+        return None
+    return (f"{shape.describe()} is under a quarter of the least work measured (T{least['tokens']} Hq{least['heads_q']}): "
+            "launch costs decide it, not measured")
+
+
+def _nearest(rows: list[dict], shape: Shape) -> dict | None:
+    same = _same_class(rows, shape)
     if not same:
         return None
 
@@ -127,7 +146,11 @@ def choose(shape: Shape | None, candidates: dict[str, str | None], cfg, device: 
     if shape is None:
         return Choice(fallback, f"symbolic sizes: no cost-map bucket{suffix}")
     cost_map, which = cost_map_for(device, cfg.attention_provider_cost_map)
-    row = None if cost_map is None else _nearest(cost_map["rows"], shape)
+    same = [] if cost_map is None else _same_class(cost_map["rows"], shape)
+    small = same and _below_the_map(same, shape)
+    if small:
+        return Choice(fallback, f"{which}: {small}{suffix}")
+    row = _nearest(same, shape) if same else None
     if row is None:
         return Choice(fallback, f"{which}: no measurement of {shape.describe()}{suffix}")
     timed = sorted((row["ms"][p], p) for p in able if p in row["ms"])
