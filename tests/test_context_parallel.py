@@ -908,18 +908,38 @@ def test_decoder_training_matches_single_device_cp2():
 
 
 def test_decoder_training_matches_single_device_cp4():
-    """cp 4 (every rank holds pieces of every document): the document mask on a pack; on a plain
-    batch, a layer through Ulysses with 2 key/value heads, each repeated to one per rank (the
-    repeat to lcm(2, 4), which no cp 2 world makes), and a layer through the ring (four steps).
-    The one cp 4 training step CI keeps: CP the model does not write is promised at cp 2 and 4."""
+    """cp 4 (every rank holds pieces of every document). Our decoder on a plain batch: a layer
+    through Ulysses with 2 key/value heads, each repeated to one per rank (the repeat to lcm(2, 4),
+    which no cp 2 world makes), and a layer through the ring (four steps). HF transformers' Llama
+    (4 / 2 heads) on a pack: a layer through Ulysses (its K/V heads repeated to 4), one through
+    the all-gather's document shards (our decoder's document mask on the same pack at cp 4 moved
+    to the wide tier, ``test_decoder_document_mask_cp4``). The one cp 4 training step CI keeps:
+    CP the model does not write is promised at cp 2 and 4."""
     pack, plain = _batches(rows=1)
-    cases = [(functools.partial(auto_cp.decoder, "documents"), pack),
-             (functools.partial(auto_cp.decoder, "causal"), plain, _per_call("ulysses", "ring"))]
+    cases = [(functools.partial(auto_cp.decoder, "causal"), plain, _per_call("ulysses", "ring"))]
+    if importlib.util.find_spec("transformers") is not None:
+        cases.append((functools.partial(auto_cp.hf_llama, "sdpa"), pack, _per_call("ulysses", "allgather")))
+    else:  # the same pack through our decoder's document mask
+        cases.append((functools.partial(auto_cp.decoder, "documents"), pack))
     results = run_on_ranks(auto_cp.cp_steps, 4, cases)
     _assert_steps(results, cases)
-    ulysses, ring = results[0][1]["lines"]
+    ulysses, ring = results[0][0]["lines"]
     assert _style(ulysses) == "ulysses" and "key/value heads repeated to 4" in ulysses, ulysses
     assert _style(ring) == "ring", ring
+    packed = results[0][1]["lines"]
+    assert packed and all("documents, causal" in line for line in packed), packed
+    if cases[1][0].func is auto_cp.hf_llama:
+        assert [_style(line) for line in packed] == ["ulysses", "allgather"], packed
+        assert "key/value heads repeated to 4" in packed[0], packed
+
+
+@pytest.mark.wide
+def test_decoder_document_mask_cp4():
+    """Our decoder's document mask on a pack at cp 4 (CI runs the same pack through HF Llama's at
+    cp 4, and this decoder's at cp 2)."""
+    pack, _ = _batches(rows=1)
+    cases = [(functools.partial(auto_cp.decoder, "documents"), pack)]
+    _assert_steps(run_on_ranks(auto_cp.cp_steps, 4, cases), cases)
 
 
 def test_fsdp2_over_the_cp_ranks_matches_single_device():
@@ -1125,13 +1145,15 @@ def test_hf_llama_sdpa_training_matches_single_device():
     """HF transformers' Llama with ``sdpa``, packed (position ids restarting per document) and
     plain, GQA, and packed with HF's gradient checkpointing (each layer's attention inside a
     checkpointed body); Mistral's sliding window (5 tokens, shorter than the documents) over the
-    pack; on the plain batch, the first layer as ``auto`` chooses, the second through the ring: no
-    line of CP code in the model."""
+    pack. Every style and ``auto`` on Llama, a layer each: on the pack, Ulysses then the all-gather;
+    on the plain batch, ``auto`` then the ring; checkpointed, ``auto`` then Ulysses (inside the
+    checkpointed body). No line of CP code in the model."""
     pytest.importorskip("transformers")
     pack = auto_cp.packed_batch([6, 10, 8, 8])
     plain = {k: v for k, v in auto_cp.packed_batch([32]).items() if k != "position_ids"}
-    cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), pack), (functools.partial(auto_cp.hf_llama, "sdpa"), plain, _per_call("auto", "ring"))]
-    cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack))
+    cases = [(functools.partial(auto_cp.hf_llama, "sdpa"), pack, _per_call("ulysses", "allgather")),
+             (functools.partial(auto_cp.hf_llama, "sdpa"), plain, _per_call("auto", "ring"))]
+    cases.append((functools.partial(auto_cp.hf_llama, "sdpa", checkpointing=True), pack, _per_call("auto", "ulysses")))
     cases.append((functools.partial(auto_cp.hf_causal_lm, "mistral", sliding_window=5), pack))
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
@@ -1140,5 +1162,6 @@ def test_hf_llama_sdpa_training_matches_single_device():
     assert len(checkpointed) == 2 and all("tag_activation_checkpoint" in line for line in checkpointed), checkpointed
     windowed = results[0][3]["lines"]
     assert len(windowed) == 2 and all("documents, causal, keys from q-" in line for line in windowed), windowed
-    assert [_style(line) for line in results[0][1]["lines"]] == ["allgather", "ring"], results[0][1]["lines"]
+    assert [[_style(line) for line in results[0][i]["lines"]] for i in range(3)] == [
+        ["ulysses", "allgather"], ["allgather", "ring"], ["allgather", "ulysses"]], [r["lines"] for r in results[0]]
 
