@@ -113,10 +113,8 @@ def _below_the_map(same: list[dict], shape: Shape) -> str | None:
             "launch costs decide it, not measured")
 
 
-def _nearest(rows: list[dict], shape: Shape) -> dict | None:
-    same = _same_class(rows, shape)
-    if not same:
-        return None
+def _nearest(same: list[dict], shape: Shape) -> dict:
+    """The row of ``same`` (one class, not empty) nearest ``shape`` in log2 of tokens and heads."""
 
     def distance(r):
         return abs(math.log2(r["tokens"] / shape.tokens)) + abs(math.log2(r["heads_q"] / shape.heads_q))
@@ -147,12 +145,12 @@ def choose(shape: Shape | None, candidates: dict[str, str | None], cfg, device: 
         return Choice(fallback, f"symbolic sizes: no cost-map bucket{suffix}")
     cost_map, which = cost_map_for(device, cfg.attention_provider_cost_map)
     same = [] if cost_map is None else _same_class(cost_map["rows"], shape)
-    small = same and _below_the_map(same, shape)
+    if not same:
+        return Choice(fallback, f"{which}: no measurement of {shape.describe()}{suffix}")
+    small = _below_the_map(same, shape)
     if small:
         return Choice(fallback, f"{which}: {small}{suffix}")
-    row = _nearest(same, shape) if same else None
-    if row is None:
-        return Choice(fallback, f"{which}: no measurement of {shape.describe()}{suffix}")
+    row = _nearest(same, shape)
     timed = sorted((row["ms"][p], p) for p in able if p in row["ms"])
     if not timed:
         return Choice(fallback, f"{which}: none of {', '.join(able)} timed at this bucket{suffix}")
