@@ -678,6 +678,67 @@ def _compiled_training_matches_eager(model, packed: bool) -> list:
     return [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
 
 
+def test_a_mask_offset_by_a_size_the_graph_computes_is_read():
+    """Decoding from a cache under dynamic shapes (HF's generate once lengths vary): the queries'
+    positions are offset by the cache length, a scalar the graph computes from a size (a node whose
+    value is a SymInt, not a tensor). The reader takes it as a constant; it failed on it before
+    (strict raised it; otherwise "the mask analysis failed" and the mask kept)."""
+
+    def step(q, k, v, cache):
+        rows = torch.arange(q.shape[2]) + cache.shape[0]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=rows[:, None] >= torch.arange(k.shape[2])[None, :])
+
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    compiled = torch.compile(step, backend="cp_inductor", dynamic=True)
+    for new, cached in ((3, 5), (4, 7)):
+        q, k, v = (torch.randn(1, 2, n, 8) for n in (new, new + cached, new + cached))
+        with cp_inductor.config.patch(strict=True):
+            got = compiled(q, k, v, torch.empty(cached))
+        torch.testing.assert_close(got, step(q, k, v, torch.empty(cached)))
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert lines and not any("failed" in line for line in lines), lines
+
+
+class _FloatAttributes(torch.nn.Module):
+    """HF's attention: projections, then its dropout and scale kept as module attributes."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.attention_dropout, self.scaling, self.head_dim = dropout, D ** -0.5, D
+        self.q, self.kv = torch.nn.Linear(HQ * D, HQ * D), torch.nn.Linear(HQ * D, 2 * HKV * D)
+
+    def forward(self, x, doc):
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (self.q(x), *self.kv(x).chunk(2, -1)))
+        tokens = doc.shape[1]
+        causal = torch.arange(tokens)[:, None] >= torch.arange(tokens)[None, :]
+        mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.attention_dropout,
+                                              scale=self.scaling, enable_gqa=True)
+
+
+def test_float_attributes_lifted_by_dynamic_shapes_are_read_with_a_guard():
+    """Under ``dynamic=True`` Dynamo makes a module's float attributes inputs of the graph (HF's
+    ``attention_dropout`` and ``scaling``): read at their values with a guard, the call is
+    lowered; a dropout of 0.1 compiles again and keeps the program's op."""
+    torch.manual_seed(0)
+    x, doc, model = torch.randn(B, T, HQ * D), _doc_ids(), _FloatAttributes(0.0)
+    torch._dynamo.reset()
+    cp_inductor.clear_report()
+    compiled = torch.compile(model, backend="cp_inductor", dynamic=True)
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        got = compiled(x, doc)
+    torch.testing.assert_close(got, model(x, doc), atol=2e-5, rtol=2e-5)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert lines and all("fa4_varlen" in line for line in lines), lines
+    cp_inductor.clear_report()
+    model.attention_dropout = 0.1
+    with reference_kernels(), cp_inductor.config.patch(strict=True):
+        compiled(x, doc)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    assert lines and all("kept: document_mask: dropout 0.1" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 def test_hf_mistral_sliding_window_compiled(packed):
     """Mistral's sliding window (HF's overlay, over the positions it remaps a packed batch to):
@@ -923,7 +984,7 @@ def test_flex_lse_asked_for_and_dropped_is_lowered_read_is_kept():
     reasons = []
 
     def read_only(gm, inputs):  # Inductor's CPU flex has no lse: the pass's verdict alone
-        reasons.extend(document_mask.why_not(call, cp_inductor.config) for call in document_mask.find(gm))
+        reasons.extend(document_mask.why_not(call, cp_inductor.config) for call in document_mask.find(gm, cp_inductor.config))
         return gm.forward
 
     torch._dynamo.reset()

@@ -98,7 +98,7 @@ def _lower_own_calls(gm: torch.fx.GraphModule, p: CallPass, cfg: ConfigSnapshot)
     """The calls a call pass finds itself, each lowered by it or kept with the reason."""
     try:
         assert p.finds is not None  # run_dynamo_passes takes only the passes that find their own calls
-        calls = p.finds(gm)
+        calls = p.finds(gm, cfg)
     except Exception as e:  # noqa: BLE001 - analysis must never fail the user's compile
         internal_error(e, cfg)
         return []

@@ -171,7 +171,7 @@ class CallPass(Pass):
     unit: ClassVar[str] = CALL
     apply: CallApply
     why_not: CallWhyNot = _applies
-    # finds(gm) -> the calls of its own kind it lowers (each with ``route()`` for the report);
+    # finds(gm, cfg) -> the calls of its own kind it lowers (each with ``route()`` for the report);
     # None: the packed-sequence calls ``varlen_calls.find`` reads, shared by such passes.
     finds: Callable | None = None
 

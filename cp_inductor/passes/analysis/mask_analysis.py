@@ -286,13 +286,15 @@ class _Reader:
         """The predicate or integer function a traced value computes, by its own indices."""
         if not isinstance(x, torch.fx.Node):
             return _scalar(x)
+        if not isinstance(x.meta.get("val"), torch.Tensor):  # a symbolic scalar the graph computes
+            return _scalar(x.meta.get("val"))  # (a decoding cache's offset under dynamic shapes)
         if x not in self.memo:
             self.memo[x] = self._read(x)
         return self.memo[x]
 
     def _operand(self, x, out_shape):
-        if not isinstance(x, torch.fx.Node):
-            return _scalar(x)
+        if not isinstance(x, torch.fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor):
+            return self.read(x)
         return _fit(self.read(x), _shape(x), out_shape)
 
     def _read(self, n: torch.fx.Node):

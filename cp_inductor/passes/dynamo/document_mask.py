@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
 from ...lowerings import document_attention, fa4_attention, varlen_attention
 from ...reporting import VarlenRoute
@@ -96,7 +96,7 @@ class MaskedCall:
                            detail, self.path, reason, layout="mask")
 
 
-def _read_mask(args):
+def _read_mask(args, cfg):
     """What the mask computes, or why it is kept (also where the reader itself fails: a mask we
     cannot read is a mask we keep)."""
     try:
@@ -110,10 +110,12 @@ def _read_mask(args):
     except mask_analysis.NotAMask as why:
         return str(why)
     except Exception as error:  # noqa: BLE001 - the reader's own failure keeps the call, with the reason
+        if cfg.strict:
+            raise
         return f"the mask analysis failed ({type(error).__name__}: {str(error).strip()[:120]})"
 
 
-def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
+def find(gm: torch.fx.GraphModule, cfg) -> list[MaskedCall]:
     """The SDPA calls of ``gm`` given an ``attn_mask`` and its flex_attention calls, their
     masks read once per mask."""
     calls: list[MaskedCall] = []
@@ -144,7 +146,7 @@ def find(gm: torch.fx.GraphModule) -> list[MaskedCall]:
             args["attn_mask"] = body.outer(args["attn_mask"])
         mask = args["attn_mask"]
         if mask not in facts:
-            facts[mask] = _read_mask(args)
+            facts[mask] = _read_mask(args, cfg)
         read = facts[mask]
         call = MaskedCall(node, args, shared=shared.setdefault(mask, {}), body=body)
         if isinstance(read, str):
@@ -188,6 +190,21 @@ def _body_reason(args: dict, body: CheckpointBody) -> str | None:
     return None
 
 
+def _specialize_float(a: dict, name: str) -> str | None:
+    """A float the graph takes as an input (Dynamo under ``dynamic=True`` lifts module attributes
+    such as HF's ``attention_dropout`` and ``scaling``): a SymFloat is read at its value with a
+    guard, so a call with another value compiles again; a dropout that is not 0 is reported
+    without one (the call keeps its op whatever the value)."""
+    sym = value(a[name])
+    hint = sym.node.hint if isinstance(sym, torch.SymFloat) else None
+    if hint is None:
+        return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
+    if name == "dropout_p" and hint != 0:
+        return f"dropout {hint}"
+    a[name] = guard_float(sym)
+    return None
+
+
 def why_not(call: MaskedCall, cfg) -> str | None:
     a = call.args
     if call.analysis_reason is not None:
@@ -195,7 +212,9 @@ def why_not(call: MaskedCall, cfg) -> str | None:
     assert call.facts is not None  # find() sets the facts where it sets no analysis_reason
     for name in ("dropout_p", "scale"):
         if isinstance(a.get(name), torch.fx.Node):
-            return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
+            reason = _specialize_float(a, name)
+            if reason is not None:
+                return reason
     if a.get("dropout_p"):
         return f"dropout {a['dropout_p']}"
     if a.get("is_causal"):
