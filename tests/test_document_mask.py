@@ -681,23 +681,51 @@ def _compiled_training_matches_eager(model, packed: bool) -> list:
 def test_a_mask_offset_by_a_size_the_graph_computes_is_read():
     """Decoding from a cache under dynamic shapes (HF's generate once lengths vary): the queries'
     positions are offset by the cache length, a scalar the graph computes from a size (a node whose
-    value is a SymInt, not a tensor). The reader takes it as a constant; it failed on it before
-    (strict raised it; otherwise "the mask analysis failed" and the mask kept)."""
+    value is a SymInt, not a tensor). The mask is kept with that reason: its symbol belongs to the
+    trace's own shape env, so a term decided by its value would guard nothing (a gate that holds
+    at one cache length and not at another, second program, must not be dropped). The reader failed
+    on such nodes before (strict raised it; otherwise "the mask analysis failed")."""
 
-    def step(q, k, v, cache):
+    def offset(q, k, v, cache):
         rows = torch.arange(q.shape[2]) + cache.shape[0]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=rows[:, None] >= torch.arange(k.shape[2])[None, :])
 
+    def gated(q, k, v, cache):
+        n = q.shape[2]
+        mask = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & ((torch.arange(n) * 0 + cache.shape[0])[:, None] >= 3))
+
+    for step, shapes in ((offset, ((3, 5), (4, 7))), (gated, ((6, 5), (6, 2), (6, 7)))):
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+        compiled = torch.compile(step, backend="cp_inductor", dynamic=True)
+        for new, cached in shapes:
+            q = torch.randn(1, 2, new, 8)
+            k, v = (torch.randn(1, 2, new + cached if step is offset else new, 8) for _ in range(2))
+            with cp_inductor.config.patch(strict=True):
+                got = compiled(q, k, v, torch.empty(cached))
+            torch.testing.assert_close(got, step(q, k, v, torch.empty(cached)), equal_nan=True)
+        lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+        assert lines and all("symbolic" in line and "failed" not in line for line in lines), lines
+
+
+def test_a_causal_mask_under_dynamic_shapes():
+    """A causal mask built by hand, every size symbolic (``dynamic=True`` on q, k and v): SDPA
+    ``is_causal`` over the un-repeated K/V, where ``enable_gqa`` was a SymBool (the compile failed)."""
+
+    def causal(q, k, v):
+        n = q.shape[2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(n, n, dtype=torch.bool).tril(), enable_gqa=True)
+
     torch._dynamo.reset()
     cp_inductor.clear_report()
-    compiled = torch.compile(step, backend="cp_inductor", dynamic=True)
-    for new, cached in ((3, 5), (4, 7)):
-        q, k, v = (torch.randn(1, 2, n, 8) for n in (new, new + cached, new + cached))
+    compiled = torch.compile(causal, backend="cp_inductor", dynamic=True)
+    for heads_kv, tokens in ((2, 12), (4, 20)):
+        q, k, v = (torch.randn(2, h, tokens, 8) for h in (4, heads_kv, heads_kv))
         with cp_inductor.config.patch(strict=True):
-            got = compiled(q, k, v, torch.empty(cached))
-        torch.testing.assert_close(got, step(q, k, v, torch.empty(cached)))
+            torch.testing.assert_close(compiled(q, k, v), causal(q, k, v), atol=2e-5, rtol=2e-5)
     lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
-    assert lines and not any("failed" in line for line in lines), lines
+    assert lines and all("causal" in line and "kept" not in line for line in lines), lines
 
 
 class _FloatAttributes(torch.nn.Module):

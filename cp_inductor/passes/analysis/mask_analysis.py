@@ -286,8 +286,11 @@ class _Reader:
         """The predicate or integer function a traced value computes, by its own indices."""
         if not isinstance(x, torch.fx.Node):
             return _scalar(x)
-        if not isinstance(x.meta.get("val"), torch.Tensor):  # a symbolic scalar the graph computes
-            return _scalar(x.meta.get("val"))  # (a decoding cache's offset under dynamic shapes)
+        if not isinstance(x.meta.get("val"), torch.Tensor):
+            # A scalar the graph computes from a size (a decoding cache's length under dynamic
+            # shapes). Its symbol belongs to the trace's own shape env: a term decided by its value
+            # here would hold no guard in Dynamo's, so the mask is kept.
+            raise NotAMask("a mask term over a size the graph computes (symbolic): not known when compiling")
         if x not in self.memo:
             self.memo[x] = self._read(x)
         return self.memo[x]
@@ -773,6 +776,8 @@ _FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
 
 
 def _holds(op: str, x) -> bool:
+    if not isinstance(x, int):  # deciding on a symbol of the trace would guard nothing in Dynamo
+        raise NotAMask("a mask term over a symbolic size: not known when compiling")
     return {"eq": x == 0, "ne": x != 0, "le": x <= 0, "lt": x < 0, "ge": x >= 0, "gt": x > 0}[op]
 
 

@@ -530,7 +530,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
         call.path = PACKED[call.provider]
     elif call.facts.doc_ids is None and not call.facts.bound:
         with g.inserting_before(call.node):
-            gqa = value(k).shape[1] != q_heads
+            gqa = bool(value(k).shape[1] != q_heads)  # symbolic heads (dynamic=True): decided with Dynamo's guard
             out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),
                                   {"is_causal": True, "scale": scale, "enable_gqa": gqa})
         call.path = DENSE_CAUSAL
