@@ -190,32 +190,40 @@ def _body_reason(args: dict, body: CheckpointBody) -> str | None:
     return None
 
 
-def _specialize_float(a: dict, name: str) -> str | None:
-    """A float the graph takes as an input (Dynamo under ``dynamic=True`` lifts module attributes
-    such as HF's ``attention_dropout`` and ``scaling``): a SymFloat is read at its value with a
-    guard, so a call with another value compiles again; a dropout that is not 0 is reported
-    without one (the call keeps its op whatever the value)."""
+def _lifted_float_reason(a: dict, name: str) -> str | None:
+    """Why a float the graph takes as an input keeps the call (Dynamo under ``dynamic=True`` lifts
+    module attributes such as HF's ``attention_dropout`` and ``scaling``), or None where it is a
+    SymFloat ``why_not`` reads at its value with a guard once the call is taken (a call with
+    another value compiles again; a call kept for another reason takes no guard)."""
     sym = value(a[name])
     hint = sym.node.hint if isinstance(sym, torch.SymFloat) else None
     if hint is None:
         return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
     if name == "dropout_p" and hint != 0:
         return f"dropout {hint}"
-    a[name] = guard_float(sym)
     return None
 
 
 def why_not(call: MaskedCall, cfg) -> str | None:
+    reason = _why_not(call, cfg)
+    if reason is None:
+        for name in ("dropout_p", "scale"):
+            if isinstance(call.args.get(name), torch.fx.Node):
+                call.args[name] = guard_float(value(call.args[name]))
+    return reason
+
+
+def _why_not(call: MaskedCall, cfg) -> str | None:
     a = call.args
     if call.analysis_reason is not None:
         return call.analysis_reason
     assert call.facts is not None  # find() sets the facts where it sets no analysis_reason
     for name in ("dropout_p", "scale"):
         if isinstance(a.get(name), torch.fx.Node):
-            reason = _specialize_float(a, name)
+            reason = _lifted_float_reason(a, name)
             if reason is not None:
                 return reason
-    if a.get("dropout_p"):
+    if a.get("dropout_p") and not isinstance(a["dropout_p"], torch.fx.Node):  # a lifted one is 0 (above)
         return f"dropout {a['dropout_p']}"
     if a.get("is_causal"):
         return "is_causal with a mask"
