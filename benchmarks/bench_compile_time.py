@@ -208,10 +208,11 @@ def main() -> int:
             print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
             first = runs["cp_inductor"][0]
-            print(f"    cp_inductor regions: {first.get('fill', first)['regions']}"
+            compiled = first.get("fill", first)  # the process that compiled (the fill of a restart)
+            print(f"    cp_inductor regions: {compiled['regions']}"
                   + (f" at the fill, {first['regions']} replayed at the restart" if a.restart else ""), flush=True)
-            if not first.get("fill", first)["regions"] and style != "none":
-                print("    " + first.get("fill", first)["report"].replace("\n", "\n    "), flush=True)
+            if not compiled["regions"] and style != "none":
+                print("    " + compiled["report"].replace("\n", "\n    "), flush=True)
             if a.restart:
                 for b, rs in runs.items():  # why a restart missed AOTAutograd's cache, where it did
                     for why in dict.fromkeys(line for r in rs for line in r["cache_log"]):

@@ -296,8 +296,8 @@ class _Reader:
         return self.memo[x]
 
     def _operand(self, x, out_shape):
-        if not isinstance(x, torch.fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor):
-            return self.read(x)
+        if not isinstance(x, torch.fx.Node):
+            return _scalar(x)
         return _fit(self.read(x), _shape(x), out_shape)
 
     def _read(self, n: torch.fx.Node):

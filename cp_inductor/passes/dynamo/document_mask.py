@@ -46,6 +46,7 @@ from ...reporting import VarlenRoute
 from ..analysis import attention_provider, mask_analysis, mask_graph
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
+from ..guard import internal_error
 from ..record import DYNAMO, CallPass
 from . import checkpoint_body, flex_calls
 from .checkpoint_body import CheckpointBody
@@ -110,8 +111,7 @@ def _read_mask(args, cfg):
     except mask_analysis.NotAMask as why:
         return str(why)
     except Exception as error:  # noqa: BLE001 - the reader's own failure keeps the call, with the reason
-        if cfg.strict:
-            raise
+        internal_error(error, cfg)  # raises it under strict
         return f"the mask analysis failed ({type(error).__name__}: {str(error).strip()[:120]})"
 
 
