@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 from common import alternating_rounds, device_ms, write_rows
 
+from cp_inductor.lowerings import cudnn_backward
+from cp_inductor.passes.analysis import context_parallel_cost as cost
+
 STYLES = ("allgather", "ulysses", "auto")
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself
 COST_DEVICE = ""  # --cost-device: price with another machine's tables (default: this one's)
@@ -68,17 +71,16 @@ def _packed(tokens: int, docs: int) -> dict:
             "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()])[None].to(DEVICE)}
 
 
-def _predicted(args, local: dict, cp: int, causal_only: bool) -> dict:
+def _predicted(args, local: dict, cp: int, causal_only: bool, ring_backward: str) -> dict:
     """The cost model's estimate per style for this call, from the layout shard_batch kept."""
     from cp_inductor.batch_layout import shard_of
-    from cp_inductor.passes.analysis import context_parallel_cost as cost
 
     shard = shard_of(local["position_ids"])
     ids = torch.zeros_like(shard.doc_ids) if causal_only else shard.doc_ids
     call = cost.Call(1, local["position_ids"].shape[1], args.heads, args.kv_heads, args.head_dim, True, 2, "bfloat16")
     works = cost.work(ids, shard.key_positions, cp, True, args.heads)
     here = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-    priced, _ = cost.estimates(call, works, cp, COST_DEVICE or here)
+    priced, _ = cost.estimates(call, works, cp, COST_DEVICE or here, ring_backward)
     return {s: e for s, e in priced.items() if isinstance(e, cost.Estimate)}
 
 
@@ -103,7 +105,8 @@ def attention_rank(args, cp: int, tokens: int, docs: int) -> list[dict]:
             return torch.randn(1, t_local, heads, args.head_dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
 
         q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
-        predicted = _predicted(args, local, cp, docs <= 1)
+        ring_backward = cost.FRONTEND if cudnn_backward.runs_eagerly_on_frontend(q) else cost.ATEN
+        predicted = _predicted(args, local, cp, docs <= 1, ring_backward)
         arms, chosen = {}, {}
         torch._dynamo.reset()
         for style in args.styles:
@@ -123,7 +126,7 @@ def attention_rank(args, cp: int, tokens: int, docs: int) -> list[dict]:
                          "predicted_compute_ms": guess.compute_ms if guess else None,
                          "predicted_comm_ms": guess.comm_ms if guess else None,
                          "model_ms": guess.model_ms if guess else None,
-                         "peak_gib": peak, "report": line})
+                         "peak_gib": peak, "report": line, "ring_backward": ring_backward})
         return rows
     finally:
         torch._dynamo.reset()

@@ -9,6 +9,10 @@ Every row's terms are recomputed here on the CPU from its shape (the same pack, 
 
     python benchmarks/calibrate_context_parallel.py --fit run1.json --check run2.json [--write]
     python benchmarks/calibrate_context_parallel.py --styles ring --fit ring_run.json --write
+    python benchmarks/calibrate_context_parallel.py --styles ring --ring-backward aten --fit ring_aten.json --write
+
+The ring's rows are fitted per cuDNN backward (``--ring-backward``: the one its run's eager steps
+took, which ``bench_auto_cp.py`` records per row; older runs say nothing: the frontend's).
 """
 
 from __future__ import annotations
@@ -56,19 +60,25 @@ def rows_of(paths: list[str], args, cache: dict) -> list[dict]:
             if r["level"] != "attention" or r["style"] not in args.styles or r["chosen"] != r["style"]:
                 continue
             model, key_mib = _terms(r, args, cache)
+            backward = {"backward": r.get("ring_backward", args.ring_backward)} if r["style"] == cost.RING else {}
             out.append({"style": r["style"], "tokens": r["tokens"], "documents": r["docs"], "cp": r["cp"],
                         "heads_q": args.heads, "heads_kv": args.kv_heads, "head_dim": args.head_dim,
                         "model_ms": round(model, 3), "key_mib": round(key_mib, 3),
-                        "measured_ms": round(r["ms"], 3), "run": Path(path).name})
+                        "measured_ms": round(r["ms"], 3), **backward, "run": Path(path).name})
     return out
 
 
-def _print(rows: list[dict], fits: dict, label: str) -> float:
+def _replaced(row: dict, args) -> bool:
+    """Whether ``--write`` replaces this stored row (its style fitted now; a ring row: of this backward)."""
+    return row["style"] in args.styles and (row["style"] != cost.RING or cost.backward_of(row) == args.ring_backward)
+
+
+def _print(rows: list[dict], fits: dict, label: str, ring_backward: str) -> float:
     worst = 0.0
     print(f"{label}:\n{'style':>9} {'T':>7} {'docs':>4} {'cp':>3} {'model':>8} {'key MiB':>8} {'measured':>9} "
           f"{'predicted':>9} {'meas/pred':>9}")
     for r in sorted(rows, key=lambda r: (r["style"], r["tokens"], r["documents"], r["cp"])):
-        if r["style"] not in fits:  # fewer than 3 rows: not fitted
+        if r["style"] not in fits or (r["style"] == cost.RING and cost.backward_of(r) != ring_backward):
             continue
         predicted = fits[r["style"]].ms(r["model_ms"], r["key_mib"], cost.host_steps(r["style"], r["cp"]))
         worst = max(worst, abs(r["measured_ms"] / predicted - 1))
@@ -88,20 +98,22 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--styles", nargs="+", default=None,
                     help=f"the styles fitted from --fit (default: those it has); {STYLES_JSON.name}'s rows of the others are kept")
+    ap.add_argument("--ring-backward", choices=(cost.FRONTEND, cost.ATEN), default=cost.FRONTEND,
+                    help="the cuDNN backward the ring's rows ran where a run does not say; the ring's line of it is fitted")
     ap.add_argument("--write", action="store_true", help=f"replace {STYLES_JSON.name}'s rows of --styles with the --fit rows")
     args = ap.parse_args()
     cache: dict = {}
     if args.styles is None:
         args.styles = sorted({r["style"] for p in args.fit for r in json.loads(Path(p).read_text())["rows"]
                               if r["style"] in cost.PRICED})
-    kept = [r for r in json.loads(STYLES_JSON.read_text())["rows"] if r["style"] not in args.styles]
+    kept = [r for r in json.loads(STYLES_JSON.read_text())["rows"] if not _replaced(r, args)]
     fit_rows, check_rows = rows_of(args.fit, args, cache), rows_of(args.check, args, cache)
-    fits = cost.fit_lines(kept + fit_rows)
+    fits = cost.fit_lines(kept + fit_rows, args.ring_backward)
     print("  ".join(f"{s}: {f.slope:.3f} x model + {f.per_mib:.4f} ms/MiB x key MiB + {f.intercept:.2f} ms"
                     + (f", at least {f.per_step:.2f} ms x cp" if f.per_step else "") for s, f in fits.items()))
-    worst = {"fitted": _print(fit_rows, fits, "fitted rows")}
+    worst = {"fitted": _print(fit_rows, fits, "fitted rows", args.ring_backward)}
     if check_rows:
-        worst["held out"] = _print(check_rows, fits, "held-out rows")
+        worst["held out"] = _print(check_rows, fits, "held-out rows", args.ring_backward)
     print("worst |measured / predicted - 1|: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
     if args.write:
         STYLES_JSON.write_text(json.dumps({

@@ -11,7 +11,8 @@ the layout ``shard_batch`` made for the batch the compile sees::
                      the kernel rate does not count
     compute_ms     = slope(style) x model_ms + per_mib(style) x key_mib + intercept(style)
                      (calibration(): measured); the ring's at least per_step x cp (its host
-                     launches each step: small calls wait on it)
+                     launches each step: small calls wait on it), one line per cuDNN backward
+                     its steps run (the frontend's or aten's: their host times differ)
     comm_ms        = sum over the style's collectives of latency + bytes leaving a rank / bus bandwidth
     total          = compute_ms + comm_ms   (no overlap: the pass's collectives finish before attention)
 
@@ -67,6 +68,9 @@ COLLECTIVES = {  # per style: (op, which tensor's local bytes, how many of them)
     ULYSSES: (("all_to_all", "q", 4), ("all_to_all", "kv", 4)),
 }
 RING_KERNEL = "cudnn"  # the provider map's column the ring's rate is read from (parallel/kernels.py)
+# The ring's eager cuDNN backward: the frontend's op (torch < 2.14 with the frontend installed) or
+# aten's; measured 0.8-1.1 against 0.4 ms of host time a step: one line each (rows say which).
+FRONTEND, ATEN = "frontend", "aten"
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,11 @@ HOST_STEPPED = (RING,)
 
 
 @functools.cache
-def calibration() -> dict[str, Line]:
+def calibration(ring_backward: str = FRONTEND) -> dict[str, Line]:
     """Per style its :class:`Line`, fitted to ``cost_data/context_parallel_styles.json``'s rows
-    (``benchmarks/calibrate_context_parallel.py`` writes them)."""
-    return fit_lines(json.loads((DATA / "context_parallel_styles.json").read_text())["rows"])
+    (``benchmarks/calibrate_context_parallel.py`` writes them); the ring's to the rows of its
+    ``ring_backward``."""
+    return fit_lines(json.loads((DATA / "context_parallel_styles.json").read_text())["rows"], ring_backward)
 
 
 def _least_relative_error(terms: torch.Tensor, measured: torch.Tensor) -> list[float]:
@@ -195,13 +200,19 @@ def _host_floor_fit(terms: torch.Tensor, steps: torch.Tensor, measured: torch.Te
     return best[1] if best else None
 
 
-def fit_lines(rows: list[dict]) -> dict[str, Line]:
+def backward_of(row: dict) -> str:
+    """Which cuDNN backward a measured ring row ran (rows that do not say: the frontend's)."""
+    return row.get("backward", FRONTEND)
+
+
+def fit_lines(rows: list[dict], ring_backward: str = FRONTEND) -> dict[str, Line]:
     """Per style its :class:`Line` of least relative error over its rows (a style with fewer
     than 3 rows: the all-gather and Ulysses the identity, the ring none: not priced; the ring
-    also none where its rows measure no kernel line)."""
+    also none where its rows measure no kernel line); the ring's over its ``ring_backward`` rows."""
     fits = {}
     for style in PRICED:
-        mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0]
+        mine = [r for r in rows if r["style"] == style and r["measured_ms"] > 0
+                and (style != RING or backward_of(r) == ring_backward)]
         if len(mine) < 3:
             if style in STYLES:
                 fits[style] = Line(1.0, 0.0, 0.0)
@@ -219,10 +230,10 @@ def fit_lines(rows: list[dict]) -> dict[str, Line]:
     return fits
 
 
-def calibrated(style: str) -> bool:
+def calibrated(style: str, ring_backward: str = FRONTEND) -> bool:
     """Whether ``style`` has a line: the all-gather and Ulysses always (the identity where
     fewer than 3 rows are measured), the ring only where its rows are (priced only then)."""
-    return style in calibration()
+    return style in calibration(ring_backward)
 
 
 def host_steps(style: str, cp: int) -> int:
@@ -230,8 +241,8 @@ def host_steps(style: str, cp: int) -> int:
     return cp if style in HOST_STEPPED else 1
 
 
-def calibrated_ms(style: str, model_ms: float, key_mib: float, cp: int) -> float:
-    return calibration()[style].ms(model_ms, key_mib, host_steps(style, cp))
+def calibrated_ms(style: str, model_ms: float, key_mib: float, cp: int, ring_backward: str = FRONTEND) -> float:
+    return calibration(ring_backward)[style].ms(model_ms, key_mib, host_steps(style, cp))
 
 
 def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
@@ -392,8 +403,10 @@ def model_terms(call: Call, works: dict[str, Work], cp: int, device_name: str) -
     return out
 
 
-def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> tuple[dict[str, Estimate | str], str]:
-    """Per style its estimate, or why it cannot take the call or cannot be priced; and which tables."""
+def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str,
+              ring_backward: str = FRONTEND) -> tuple[dict[str, Estimate | str], str]:
+    """Per style its estimate, or why it cannot take the call or cannot be priced; and which
+    tables. ``ring_backward``: the cuDNN backward the ring's steps would run (its line's)."""
     providers, collectives = tables_for(device_name)
     if providers is None or collectives is None:
         why = f"no measured costs for {device_name}"
@@ -403,12 +416,12 @@ def estimates(call: Call, works: dict[str, Work], cp: int, device_name: str) -> 
         if isinstance(terms, str):
             out[style] = terms
             continue
-        if not calibrated(style):
+        if not calibrated(style, ring_backward):
             out[style] = "not priced yet (no measured rows to calibrate it)"
             continue
         kv_heads = sent_kv_heads(call, style, cp)
         assert kv_heads is not None  # model_terms gave the reason where the style cannot take the call
-        out[style] = Estimate(style, calibrated_ms(style, *terms, cp), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
+        out[style] = Estimate(style, calibrated_ms(style, *terms, cp, ring_backward), _comm_ms(collectives, style, call, cp, kv_heads), *terms)
     return out, f"measured on {device_name}"
 
 
@@ -425,11 +438,12 @@ def forced_style(setting: str, ordinal: int) -> str:
 
 
 def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced: str,
-           ring_why_not: str | None) -> tuple[str, str]:
+           ring_why_not: str | None, ring_backward: str = FRONTEND) -> tuple[str, str]:
     """(style, why: the forced style or the priced candidates, cheapest first). The ring is a
     candidate where ``ring_why_not`` is None; ``auto`` takes it where it is priced (measured
-    rows calibrate it) and cheapest, a forced ring where it is a candidate."""
-    priced, tables = estimates(call, works, cp, device_name)
+    rows calibrate it) and cheapest, a forced ring where it is a candidate; ``ring_backward``:
+    the cuDNN backward its steps would run (said where it is aten's)."""
+    priced, tables = estimates(call, works, cp, device_name, ring_backward)
     kv_heads, why_not = ulysses_kv_heads(call, cp)
     able = [s for s in STYLES if not (s == ULYSSES and kv_heads is None)]
     if ring_why_not is None:
@@ -446,6 +460,8 @@ def choose(call: Call, works: dict[str, Work], cp: int, device_name: str, forced
         notes.append(f"{RING}: {ring_why_not}")
     elif not isinstance(priced[RING], Estimate):
         notes.append(f"{RING}: taken where forced, {priced[RING]}")
+    elif ring_backward != FRONTEND:
+        notes.append(f"{RING}: priced with {ring_backward}'s cuDNN backward")
     detail = "; ".join(notes)
     if forced != "auto":
         if forced not in PRICED:
