@@ -152,7 +152,7 @@ def profiled(a, style: str, layers: int) -> None:
         print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
-        stats.sort_stats("cumulative").print_stats("cp_inductor/|_find_and_load|backends/registry", 25)
+        stats.sort_stats("cumulative").print_stats("cp_inductor/|cudnn|_find_and_load|backends/registry", 25)
 
 
 def main() -> int:

@@ -16,6 +16,7 @@
 #             arm (eager included; ARMS, ITERS, INTERMEDIATE (MLP width), MODEL_S (s per impl), TAG)
 #   cp-train: the context-parallel GPU tests, flex CP training included (two ranks sharing the GPU;
 #             the other modes' test step leaves it out: 150 s on an H100)
+#   all-tests: every GPU test in one call: cp-train's in the background beside verify's (no flex alone)
 #   flex:     flex document attention alone, T32K and T64K (FLEX_T, FLEX_DOCS: the shapes; SEEDS packs
 #             each; FLEX_S seconds)
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
@@ -51,6 +52,13 @@ quick() {  # what the plan changes, then HF flex packed in what time is left
     --arms inductor,cp_inductor,floor --json "$out/hf_flex_t16k.json" 2>&1 | filter | tee "$out/hf_flex_t16k.log" | tail -10
 }
 mode=${1:-tests}
+if [ "$mode" = all-tests ]; then
+  TEST_S=${TEST_S:-420} bash "$0" cp-train > "$out/cp_train.out" 2>&1 &
+  FLEX_S=1 bash "$0" verify
+  wait
+  cat "$out/cp_train.out"
+  exit
+fi
 if { [ "$mode" = tests ] || [ "$mode" = verify ] || [ "$mode" = no-break ] || [ "$mode" = quick ] || [ "$mode" = graphs ] || [ "$mode" = cp ]; } && [ -z "$SKIP_TESTS" ]; then
   timeout 240 python3 -m pytest -q tests/test_document_mask.py tests/test_flex_cp.py tests/test_context_parallel.py -p no:cacheprovider -W ignore -k "gpu and not flex_training" 2>&1 \
     | tee "$out/gpu_documents.log" | grep -E "passed|failed|^E " | head -30

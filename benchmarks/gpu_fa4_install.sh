@@ -9,4 +9,6 @@ if [ ! -d /tmp/site/flash_attn ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/parts/*.whl .whl/p2/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+# (a run that calls itself for a second mode sets CP_INSTALLED: one install, no two at once)
+[ -n "${CP_INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+export CP_INSTALLED=1
