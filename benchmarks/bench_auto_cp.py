@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from common import alternating_rounds, device_ms, write_rows
 
-from cp_inductor.lowerings import cudnn_backward
 from cp_inductor.passes.analysis import context_parallel_cost as cost
 
 STYLES = ("allgather", "ulysses", "auto")
@@ -105,7 +104,7 @@ def attention_rank(args, cp: int, tokens: int, docs: int) -> list[dict]:
             return torch.randn(1, t_local, heads, args.head_dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
 
         q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
-        ring_backward = cost.FRONTEND if cudnn_backward.runs_eagerly_on_frontend(q) else cost.ATEN
+        ring_backward = cost.ring_backward_of(q)
         predicted = _predicted(args, local, cp, docs <= 1, ring_backward)
         arms, chosen = {}, {}
         torch._dynamo.reset()

@@ -177,6 +177,21 @@ class TestChoice(TestCase):
         self.assertEqual((round(frontend.compute_ms, 2), round(aten.compute_ms, 2)), (3.6, 1.72))
         self.assertExpectedInline(cost.choose(call, works, 4, H200, "auto", None, cost.ATEN)[1], """auto, predicted (measured on NVIDIA H200): ring 3.59 ms (compute 1.72 + comm 1.87) < allgather 3.71 ms (compute 2.95 + comm 0.76) < ulysses 3.91 ms (compute 2.47 + comm 1.44); ring: priced with aten's cuDNN backward""")
 
+    def test_which_ring_line_a_call_reads(self):
+        """A CUDA query whose eager cuDNN backward would not run the frontend's op reads aten's
+        line; where it would, the frontend's; off CUDA (the tables of another machine priced)
+        the frontend's."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from cp_inductor.lowerings import cudnn_backward
+
+        with FakeTensorMode():
+            query = torch.empty(1, 4, 16, 8, device="cuda", dtype=torch.bfloat16)
+        for frontend, line in ((False, cost.ATEN), (True, cost.FRONTEND)):
+            with mock.patch.object(cudnn_backward, "runs_eagerly_on_frontend", lambda q: frontend):
+                self.assertEqual(cost.ring_backward_of(query), line)
+        self.assertEqual(cost.ring_backward_of(torch.empty(1, 4, 16, 8)), cost.FRONTEND)
+
     def test_a_calibrated_ring_is_priced_and_chosen_where_cheapest(self):
         """With ring rows measured, the ring is priced as the others are (its kernel rate is the
         map's cuDNN column, its fp32 passes the line's second term) and ``auto`` compares it."""

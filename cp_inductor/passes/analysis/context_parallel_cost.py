@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from ...lowerings import cudnn_backward
+
 ALLGATHER, ULYSSES, RING = "allgather", "ulysses", "ring"
 STYLES = (ALLGATHER, ULYSSES)  # offered for every call; the ring only where the pass says
 PRICED = (*STYLES, RING)
@@ -203,6 +205,13 @@ def _host_floor_fit(terms: torch.Tensor, steps: torch.Tensor, measured: torch.Te
 def backward_of(row: dict) -> str:
     """Which cuDNN backward a measured ring row ran (rows that do not say: the frontend's)."""
     return row.get("backward", FRONTEND)
+
+
+def ring_backward_of(query) -> str:
+    """The ring line a call of ``query`` is priced with: aten's where the ring's eager steps would
+    run aten's cuDNN backward on this CUDA device, else the frontend's (off CUDA the tables priced
+    are another machine's, whose torch < 2.14 runs the frontend's)."""
+    return ATEN if query.is_cuda and not cudnn_backward.runs_eagerly_on_frontend(query) else FRONTEND
 
 
 def fit_lines(rows: list[dict], ring_backward: str = FRONTEND) -> dict[str, Line]:

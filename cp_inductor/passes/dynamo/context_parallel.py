@@ -76,7 +76,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...lowerings import cp_collectives, cudnn_backward, document_attention  # noqa: F401 - register the ops it emits
+from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
 from ...batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
 from ...reporting import VarlenRoute, record_varlen
@@ -476,11 +476,9 @@ def style_of(args: dict, semantics: Semantics, shard: BatchShard, works: dict, c
     try:
         forced = context_parallel_cost.forced_style(cfg.context_parallel_style, ordinal)
         query = value(args["query"])
-        # the backward the ring's steps would run here prices it (asked only where the ring can
-        # take the call: the question imports the cuDNN frontend; off CUDA, priced as another
-        # machine's, the frontend's line)
-        aten_backward = ring_why_not is None and query.is_cuda and not cudnn_backward.runs_eagerly_on_frontend(query)
-        ring_backward = context_parallel_cost.ATEN if aten_backward else context_parallel_cost.FRONTEND
+        # asked only where the ring can take the call: the question imports the cuDNN frontend
+        ring_backward = (context_parallel_cost.ring_backward_of(query) if ring_why_not is None
+                         else context_parallel_cost.FRONTEND)
         style, why = context_parallel_cost.choose(call, works[key], shard.cp, _priced_on(query.device, cfg),
                                                   forced, ring_why_not, ring_backward)
     except ValueError as e:
