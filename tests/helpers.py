@@ -24,6 +24,17 @@ from cp_inductor.passes.detect.a2a import find
 from cp_inductor.testing.launch import run_on_ranks
 
 
+def assert_within_low_precision(loss, grads: dict, fp32: tuple, own: tuple, note=None) -> None:
+    """A low-precision step's loss and gradients against the fp32 step's ``(loss, grads)``: each
+    within twice the error of the model's own low-precision step (``own``), or 1%."""
+    (want_loss, want), (own_loss, own_grads) = fp32, own
+    loss_err, own_err = (abs(float(x) - float(want_loss)) / abs(float(want_loss)) for x in (loss, own_loss))
+    assert loss_err < max(2 * own_err, 1e-2), (loss_err, own_err, note)
+    for name, grad in want.items():
+        err, own_err = (float((x.float().cpu() - grad.float().cpu()).norm() / grad.float().norm()) for x in (grads[name], own_grads[name]))
+        assert err < max(2 * own_err, 1e-2), (name, err, own_err, note)
+
+
 def allgather_qkv():
     """Small BSHD q, k, v (16 local tokens, 4 query heads, 2 K/V heads) for all-gather graphs."""
     mk = lambda h: torch.randn(1, 16, h, 8, requires_grad=True)  # noqa: E731

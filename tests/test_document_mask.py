@@ -16,6 +16,7 @@ import cp_inductor
 from cp_inductor.lowerings import document_attention, fa4_attention
 from cp_inductor.lowerings.varlen_attention import reference_kernels
 from cp_inductor.testing.documents import compile_masked, document_causal_block_mask
+from helpers import assert_within_low_precision
 
 B, T, HQ, HKV, D = 2, 24, 4, 2, 16
 LENGTHS = [5, 9, 10]  # documents of each row
@@ -634,8 +635,9 @@ def _llama(impl):
     return LlamaForCausalLM(config)
 
 
-def _train_step(model, run, inputs):
-    loss = run(**inputs, labels=inputs["input_ids"], use_cache=False).loss
+def _train_step(model, run, inputs, autocast=None):
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = run(**inputs, labels=inputs["input_ids"], use_cache=False).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -647,6 +649,15 @@ def test_hf_llama_sdpa_compiled(packed):
     pytest.importorskip("transformers")
     lines = _compiled_training_matches_eager(_llama("sdpa"), packed)
     assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
+
+
+def test_hf_llama_sdpa_under_autocast_compiled():
+    """Under bf16 autocast HF's rotary gives SDPA fp32 query and key beside a bf16 value, which
+    autocast casts to bf16; our op, not on autocast's list, gets those casts made explicit: both
+    calls lowered in bf16 (read as bf16 calls by the provider), the step within bf16's error."""
+    pytest.importorskip("transformers")
+    lines = _compiled_training_matches_eager(_llama("sdpa"), packed=True, autocast=torch.bfloat16)
+    assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
@@ -661,9 +672,10 @@ def test_hf_llama_sdpa_gradient_checkpointing_compiled(packed):
     assert len(lines) == 2 and all("fa4_varlen" in line and "proven" in line for line in lines), lines
 
 
-def _compiled_training_matches_eager(model, packed: bool) -> list:
+def _compiled_training_matches_eager(model, packed: bool, autocast=None) -> list:
     """One training step of an HF model compiled under cp_inductor against eager HF: loss and
-    every parameter's gradient. Returns the report's masked-attention lines."""
+    every parameter's gradient (under ``autocast``: against eager HF in fp32, within twice the
+    error of eager HF's own autocast step). Returns the report's masked-attention lines."""
     inputs = {"input_ids": torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))}
     if packed:
         inputs["position_ids"] = _positions()
@@ -671,11 +683,15 @@ def _compiled_training_matches_eager(model, packed: bool) -> list:
     cp_inductor.clear_report()
     torch._dynamo.reset()
     with reference_kernels(), cp_inductor.config.patch(strict=True):
-        got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs)
+        got = _train_step(model, torch.compile(model, backend="cp_inductor"), inputs, autocast)
+    lines = [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    if autocast is not None:
+        assert_within_low_precision(*got, want, _train_step(model, model, inputs, autocast), note=lines)
+        return lines
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], atol=1e-5, rtol=1e-4, msg=name)
-    return [line for line in str(cp_inductor.report()).splitlines() if "masked attention" in line]
+    return lines
 
 
 def test_a_mask_offset_by_a_size_the_graph_computes_is_read():

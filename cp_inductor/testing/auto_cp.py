@@ -326,10 +326,20 @@ def _loss(out) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out  # an HF model's output, or the loss itself
 
 
-def reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
-    """The single-device loss and every parameter's gradient on the full batch."""
+def _autocast(loss_of, device: str, dtype: torch.dtype):
+    """``loss_of`` with the model's forward under autocast (the backward outside it, as advised)."""
+    def under_autocast(model, batch):
+        with torch.autocast(device, dtype=dtype):
+            return loss_of(model, batch)
+    return under_autocast
+
+
+def reference_step(model: nn.Module, batch: dict, autocast: torch.dtype | None = None) -> tuple[float, dict]:
+    """The single-device loss and every parameter's gradient on the full batch (the forward
+    under ``autocast`` where given)."""
     model.zero_grad(set_to_none=True)
-    loss = _loss(model(**batch))
+    forward = _hf_loss_of if autocast is None else _autocast(_hf_loss_of, next(model.parameters()).device.type, autocast)
+    loss = forward(model, batch)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -346,8 +356,9 @@ def titan_reference_step(model: nn.Module, batch: dict) -> tuple[float, dict]:
 
 
 def cp_steps(rank: int, cp: int, cases: list) -> list:
-    """:func:`cp_step` for each ``(make_model, batch[, options[, dynamo]])`` of ``cases``, in one process per rank."""
-    return [cp_step(rank, cp, *case) for case in cases]
+    """:func:`cp_step` for each ``(make_model, batch[, options[, dynamo[, how]]])`` of ``cases``, in
+    one process per rank (``how``: cp_step's keyword arguments, ``dynamic`` or ``autocast``)."""
+    return [cp_step(rank, cp, *case[:4], **(case[4] if len(case) > 4 else {})) for case in cases]
 
 
 @contextlib.contextmanager
@@ -402,13 +413,13 @@ def titan_flex_steps(rank: int, cp: int, cases: list) -> list:
         return titan_steps(rank, cp, [(make, make_batch(), *options) for make, make_batch, *options in cases])
 
 
-def _compiled(make_model, options: dict | None = None):
+def _compiled(make_model, options: dict | None = None, dynamic: bool | None = None):
     """A fresh ``make_model()`` and its compile under cp_inductor with the world as the CP group."""
     import torch.distributed as dist
 
     torch._dynamo.reset()
     model = make_model()
-    return model, torch.compile(model, backend="cp_inductor",
+    return model, torch.compile(model, backend="cp_inductor", dynamic=dynamic,
                                 options={"cp_inductor.context_parallel": dist.group.WORLD, **(options or {})})
 
 
@@ -434,15 +445,19 @@ def _train_step(model, compiled, batch: dict, loss_of=_hf_loss_of) -> tuple[floa
 
 
 def cp_step(rank: int, cp: int, make_model, batch: dict, options: dict | None = None,
-            dynamo: dict | None = None, loss_of=_hf_loss_of) -> dict:
+            dynamo: dict | None = None, loss_of=_hf_loss_of, dynamic: bool | None = None,
+            autocast: torch.dtype | None = None) -> dict:
     """One training step of ``make_model()`` on this rank's share, compiled with the CP group
     (``dynamo``: Dynamo's config patched while it traces; ``loss_of(compiled, local)``: how the
-    model is called and its loss computed): the loss and gradients combined over the ranks, and
-    the report's lines."""
+    model is called and its loss computed; ``dynamic``: torch.compile's; ``autocast``: the step
+    under autocast to that dtype): the loss and gradients combined over the ranks, and the
+    report's lines."""
     import cp_inductor
 
     cp_inductor.clear_report()
-    model, compiled = _compiled(make_model, options)
+    model, compiled = _compiled(make_model, options, dynamic)
+    if autocast is not None:
+        loss_of = _autocast(loss_of, next(model.parameters()).device.type, autocast)
     with torch._dynamo.config.patch(dynamo or {}):
         loss, grads = _train_step(model, compiled, batch, loss_of)
     return {"loss": loss, "grads": grads, "lines": _report_lines()}

@@ -88,7 +88,8 @@ from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass, qualified_name
 from . import checkpoint_body, flex_calls, varlen_calls
 from .checkpoint_body import CheckpointBody
-from .sdpa_calls import SDPA, erase_dead, sdpa_args, softmax_scale, unrepeated
+from .sdpa_calls import (SDPA, autocast_inputs, erase_dead, lifted_float_reason, read_lifted_floats, sdpa_args,
+                         softmax_scale, unrepeated)
 
 NAME = "context_parallel"
 INPUT_NAMES = ("cp_doc_ids", "cp_query_positions", "cp_key_positions")
@@ -393,7 +394,10 @@ def _check_call(site: Site, tokens) -> dict:
             raise ContextParallelError(f"context_parallel: flex_attention {node.name}: {reason}")
     else:
         args = sdpa_args(node)
-    if args.get("dropout_p") not in (None, 0, 0.0):
+    lifted = lifted_float_reason(args)
+    if lifted is not None:
+        raise ContextParallelError(f"context_parallel: attention {node.name}: {lifted}")
+    if args.get("dropout_p") not in (None, 0, 0.0) and not isinstance(args["dropout_p"], torch.fx.Node):
         raise ContextParallelError(f"context_parallel: attention {node.name} has dropout")
     q, k = value(args["query"]), value(args["key"])
     # compared without a guard: under dynamic shapes both are the batch's symbolic length
@@ -402,6 +406,7 @@ def _check_call(site: Site, tokens) -> dict:
         raise ContextParallelError(
             f"context_parallel: attention {node.name} is not self-attention over this rank's {tokens} tokens "
             f"(query, key shapes {shapes}): cross attention or another sequence is not taken")
+    read_lifted_floats(args)  # (every call is taken or the compile fails)
     return args
 
 
@@ -649,6 +654,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         k, v = (unrepeated(x, heads) for x in repeated)  # K/V heads HF repeats only for SDPA: gathered as they are
         if k is not None and v is not None:
             args = {**args, "key": k, "value": v}
+        args = {**args, **autocast_inputs(site.module.graph, site.node, {x: args[x] for x in ("query", "key", "value")})}
         style, why, kv_heads = style_of(args, meaning, shard, works, cfg, _ring_why_not(site, meaning, shard), ordinal)
         masks = _mask_inputs(args, site)
         layout_nodes = _plan(gm.graph, plans, style, meaning, inputs, site.region or site.node)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...lowerings import document_attention, fa4_attention, varlen_attention
 from ...reporting import VarlenRoute
@@ -50,7 +50,8 @@ from ..guard import internal_error
 from ..record import DYNAMO, CallPass
 from . import checkpoint_body, flex_calls
 from .checkpoint_body import CheckpointBody
-from .sdpa_calls import SDPA, erase_dead, sdpa_args, softmax_scale, unrepeated
+from .sdpa_calls import (SDPA, autocast_inputs, computed_dtype, erase_dead, lifted_float_reason, read_lifted_floats,
+                         sdpa_args, softmax_scale, unrepeated)
 
 aten = torch.ops.aten
 
@@ -190,26 +191,10 @@ def _body_reason(args: dict, body: CheckpointBody) -> str | None:
     return None
 
 
-def _lifted_float_reason(a: dict, name: str) -> str | None:
-    """Why a float the graph takes as an input keeps the call (Dynamo under ``dynamic=True`` lifts
-    module attributes such as HF's ``attention_dropout`` and ``scaling``), or None where it is a
-    SymFloat ``why_not`` reads at its value with a guard once the call is taken (a call with
-    another value compiles again; a call kept for another reason takes no guard)."""
-    sym = value(a[name])
-    hint = sym.node.hint if isinstance(sym, torch.SymFloat) else None
-    if hint is None:
-        return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
-    if name == "dropout_p" and hint != 0:
-        return f"dropout {hint}"
-    return None
-
-
 def why_not(call: MaskedCall, cfg) -> str | None:
     reason = _why_not(call, cfg)
     if reason is None:
-        for name in ("dropout_p", "scale"):
-            if isinstance(call.args.get(name), torch.fx.Node):
-                call.args[name] = guard_float(value(call.args[name]))
+        read_lifted_floats(call.args)
     return reason
 
 
@@ -218,11 +203,9 @@ def _why_not(call: MaskedCall, cfg) -> str | None:
     if call.analysis_reason is not None:
         return call.analysis_reason
     assert call.facts is not None  # find() sets the facts where it sets no analysis_reason
-    for name in ("dropout_p", "scale"):
-        if isinstance(a.get(name), torch.fx.Node):
-            reason = _lifted_float_reason(a, name)
-            if reason is not None:
-                return reason
+    reason = lifted_float_reason(a)
+    if reason is not None:
+        return reason
     if a.get("dropout_p") and not isinstance(a["dropout_p"], torch.fx.Node):  # a lifted one is 0 (above)
         return f"dropout {a['dropout_p']}"
     if a.get("is_causal"):
@@ -259,9 +242,10 @@ def _why_not(call: MaskedCall, cfg) -> str | None:
             return f"a table of ids or positions of {table.meta['val'].dim()} dims"
     _checked(call, cfg)
     k0 = value(unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
+    dtype = computed_dtype(call.node, a)  # (autocast's, where it casts q, k and v)
     candidates = {
-        "fa4": fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1]),
-        "cudnn": varlen_attention.cudnn_unavailable(q.device, q.dtype, q.shape[-1]),
+        "fa4": fa4_attention.unavailable(q.device, dtype, q.shape[-1], v.shape[-1]),
+        "cudnn": varlen_attention.cudnn_unavailable(q.device, dtype, q.shape[-1]),
     }
     if call.facts.window >= 0:
         candidates["cudnn"] = "a sliding window (cuDNN's ragged SDPA here takes none)"
@@ -269,7 +253,7 @@ def _why_not(call: MaskedCall, cfg) -> str | None:
         candidates["cudnn"] = "document_mask_capacity (cuDNN's ragged graphs are built per document count)"
     dims = (q.shape[0] * q.shape[2], q.shape[1], k0.shape[1], q.shape[-1])
     shape = None if not all(isinstance(d, int) for d in dims) else attention_provider.Shape(
-        "thd", *dims, call.facts.causal, str(q.dtype).removeprefix("torch."))
+        "thd", *dims, call.facts.causal, str(dtype).removeprefix("torch."))
     unmeasured = "fa4" if candidates["fa4"] is None else "cudnn"
     choice = attention_provider.choose(shape, candidates, cfg, q.device, unmeasured=unmeasured)
     if choice.provider == "program":
@@ -329,7 +313,7 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
         return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
-    why = fa4_attention.unavailable(q.device, q.dtype, q.shape[-1], v.shape[-1])
+    why = fa4_attention.unavailable(q.device, computed_dtype(call.node, call.args), q.shape[-1], v.shape[-1])
     if why is not None:
         return f"a shard of the queries over every key runs on FA4 varlen only (keys read in place): {why}"
     _checked(call, cfg)
@@ -499,7 +483,7 @@ def _mask_mod_indices(gm: torch.fx.GraphModule, call: MaskedCall) -> dict:
     return env
 
 
-def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float | torch.fx.Node) -> torch.fx.Node:
+def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, q, k, v, scale: float | torch.fx.Node) -> torch.fx.Node:
     a, g = call.args, gm.graph
     assert call.facts is not None  # (why_not read the mask)
     if "plan" not in call.shared:
@@ -519,7 +503,7 @@ def _apply_shard(gm: torch.fx.GraphModule, call: MaskedCall, k, v, scale: float 
     ids, query_positions, key_positions, parts, meta = call.shared["plan"]
     with g.inserting_before(call.node):
         attention = g.call_function(torch.ops.cp_inductor.document_shard_attention.default,
-                                    (a["query"], k, v, parts, meta, ids, query_positions, key_positions,
+                                    (q, k, v, parts, meta, ids, query_positions, key_positions,
                                      scale, call.facts.causal))
         return g.call_function(operator.getitem, (attention, 0))
 
@@ -531,15 +515,16 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     k, v = (unrepeated(a[name], q_heads) for name in ("key", "value"))
     if k is None or v is None:
         k, v = a["key"], a["value"]
+    q, k, v = autocast_inputs(g, call.node, {"query": a["query"], "key": k, "value": v}).values()
     with g.inserting_before(call.node):
         scale = softmax_scale(g, a)
     if call.facts.mapped:
-        out = _apply_shard(gm, call, k, v, scale)
+        out = _apply_shard(gm, call, q, k, v, scale)
         call.path = PACKED[call.provider]
     elif call.facts.doc_ids is None and not call.facts.bound:
         with g.inserting_before(call.node):
             gqa = bool(value(k).shape[1] != q_heads)  # symbolic heads (dynamic=True): decided with Dynamo's guard
-            out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (a["query"], k, v),
+            out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (q, k, v),
                                   {"is_causal": True, "scale": scale, "enable_gqa": gqa})
         call.path = DENSE_CAUSAL
     else:
@@ -550,7 +535,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
             ids, positions, cu, meta = (call.body.input_for(x) for x in (ids, positions, cu, meta))
         with g.inserting_before(call.node):
             attention = g.call_function(torch.ops.cp_inductor.document_attention.default,
-                                        (a["query"], k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
+                                        (q, k, v, cu, meta, ids, positions, scale, call.facts.causal, call.provider,
                                          *([call.facts.window] if call.facts.window >= 0 or call.capacity else []),
                                          *_capacity(call)), _bounds(call))
             out = g.call_function(operator.getitem, (attention, 0))

@@ -4,10 +4,12 @@ calls."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import guard_float
 
 from ..analysis.op_schema import value
 from . import varlen_calls
@@ -34,6 +36,63 @@ def softmax_scale(g: torch.fx.Graph, args: dict):
         return head_dim ** -0.5
     size = g.call_function(torch.ops.aten.sym_size.int, (query, value(query).dim() - 1))
     return g.call_function(operator.pow, (size, -0.5))
+
+
+# Floats Dynamo lifts to graph inputs under ``dynamic=True`` (HF's ``attention_dropout`` and
+# ``scaling``): read at their values, with a guard, once a call is taken.
+LIFTED_FLOATS = ("dropout_p", "scale")
+
+
+def lifted_float_reason(args: dict) -> str | None:
+    """Why a float the call takes as a graph input keeps it, or None where each such float is a
+    SymFloat with a value to read (a dropout one only at 0)."""
+    for name in LIFTED_FLOATS:
+        if not isinstance(args.get(name), torch.fx.Node):
+            continue
+        sym = value(args[name])
+        hint = sym.node.hint if isinstance(sym, torch.SymFloat) else None
+        if hint is None:
+            return f"{name} is a float the graph takes as an input (dynamic): not known when compiling"
+        if name == "dropout_p" and hint != 0:
+            return f"dropout {hint}"
+    return None
+
+
+def read_lifted_floats(args: dict) -> None:
+    """A taken call's lifted floats at their values, each with a guard (another value compiles
+    again): call only once ``lifted_float_reason`` is None and the call is taken, since a guard
+    taken for a call that is kept would recompile for nothing."""
+    for name in LIFTED_FLOATS:
+        if isinstance(args.get(name), torch.fx.Node):
+            args[name] = guard_float(value(args[name]))
+
+
+def computed_dtype(node: torch.fx.Node, args: dict) -> torch.dtype:
+    """The dtype an attention call computes in: an SDPA call's output's (autocast, the graph's or
+    the caller's, casts query, key and value to it; without autocast it is theirs), a flex call's
+    query's (flex is not on autocast's list)."""
+    out = value(node)
+    return out.dtype if not args.get("flex") and isinstance(out, torch.Tensor) else value(args["query"]).dtype
+
+
+def autocast_inputs(graph: torch.fx.Graph, node: torch.fx.Node, tensors: dict) -> dict:
+    """``tensors`` (query, key, value by name, of SDPA call ``node``) as the call computes them:
+    under autocast SDPA casts them to ``computed_dtype``, an op put in its place does not (it is
+    not on autocast's list), so the casts are made explicit, ``.to`` before ``node``. Unchanged
+    without autocast."""
+    result = value(node)
+    out = dict(tensors)
+    if not isinstance(result, torch.Tensor):  # flex's (out, lse): flex is not on autocast's list
+        return out
+    dtype = result.dtype
+    for name, x in tensors.items():
+        example = value(x)
+        if isinstance(example, torch.Tensor) and example.is_floating_point() and example.dtype != dtype:
+            with graph.inserting_before(node):
+                out[name] = graph.call_method("to", (x, dtype))
+            with getattr(example, "fake_mode", None) or contextlib.nullcontext():  # the example's own mode
+                out[name].meta["example_value"] = example.to(dtype)
+    return out
 
 
 def unrepeated(node, q_heads):
