@@ -397,7 +397,8 @@ def _check_call(site: Site, tokens) -> dict:
     lifted = lifted_float_reason(args)
     if lifted is not None:
         raise ContextParallelError(f"context_parallel: attention {node.name}: {lifted}")
-    if args.get("dropout_p") not in (None, 0, 0.0) and not isinstance(args["dropout_p"], torch.fx.Node):
+    read_lifted_floats(args)  # (every call is taken or the compile fails: the guard is never wasted)
+    if args.get("dropout_p") not in (None, 0, 0.0):
         raise ContextParallelError(f"context_parallel: attention {node.name} has dropout")
     q, k = value(args["query"]), value(args["key"])
     # compared without a guard: under dynamic shapes both are the batch's symbolic length
@@ -406,7 +407,6 @@ def _check_call(site: Site, tokens) -> dict:
         raise ContextParallelError(
             f"context_parallel: attention {node.name} is not self-attention over this rank's {tokens} tokens "
             f"(query, key shapes {shapes}): cross attention or another sequence is not taken")
-    read_lifted_floats(args)  # (every call is taken or the compile fails)
     return args
 
 

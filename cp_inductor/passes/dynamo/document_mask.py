@@ -242,7 +242,7 @@ def _why_not(call: MaskedCall, cfg) -> str | None:
             return f"a table of ids or positions of {table.meta['val'].dim()} dims"
     _checked(call, cfg)
     k0 = value(unrepeated(a["key"], q.shape[1]) or a["key"])  # the heads our op will read (GQA as is)
-    dtype = computed_dtype(call.node, a)  # (autocast's, where it casts q, k and v)
+    dtype = computed_dtype(call.node, a["query"])  # (autocast's, where it casts q, k and v)
     candidates = {
         "fa4": fa4_attention.unavailable(q.device, dtype, q.shape[-1], v.shape[-1]),
         "cudnn": varlen_attention.cudnn_unavailable(q.device, dtype, q.shape[-1]),
@@ -313,7 +313,7 @@ def _shard_reason(call: MaskedCall, cfg, q, k, v) -> str | None:
         return f"a table of document ids of {facts.doc_ids.meta['val'].dim()} dims"
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads"
-    why = fa4_attention.unavailable(q.device, computed_dtype(call.node, call.args), q.shape[-1], v.shape[-1])
+    why = fa4_attention.unavailable(q.device, computed_dtype(call.node, call.args["query"]), q.shape[-1], v.shape[-1])
     if why is not None:
         return f"a shard of the queries over every key runs on FA4 varlen only (keys read in place): {why}"
     _checked(call, cfg)

@@ -67,12 +67,12 @@ def read_lifted_floats(args: dict) -> None:
             args[name] = guard_float(value(args[name]))
 
 
-def computed_dtype(node: torch.fx.Node, args: dict) -> torch.dtype:
+def computed_dtype(node: torch.fx.Node, query: torch.fx.Node) -> torch.dtype:
     """The dtype an attention call computes in: an SDPA call's output's (autocast, the graph's or
     the caller's, casts query, key and value to it; without autocast it is theirs), a flex call's
-    query's (flex is not on autocast's list)."""
+    query's (its value is (out, lse); flex is not on autocast's list)."""
     out = value(node)
-    return out.dtype if not args.get("flex") and isinstance(out, torch.Tensor) else value(args["query"]).dtype
+    return out.dtype if isinstance(out, torch.Tensor) else value(query).dtype
 
 
 def autocast_inputs(graph: torch.fx.Graph, node: torch.fx.Node, tensors: dict) -> dict:
