@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One H200, second call of two (docs/testing.md: the first copies .whl/p1 to /root/parts): the
-# context_parallel pass's one-rank compute on the fake group, per style and auto, with the cost
-# model's prediction beside it (bench_auto_cp.py); logs and JSON under $OUT.
+# One GPU, second call of two (carrying .whl/p2; docs/testing.md): the context_parallel pass's
+# one-rank compute on the fake group, per style and auto, with the cost model's prediction beside
+# it (bench_auto_cp.py); logs and JSON under $OUT.
 #   attention: one attention call per (T, documents, cp)      model: HF Llama's training step
 source benchmarks/gpu_fa4_install.sh
 level=${1:-attention}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One H200, second call of two (docs/testing.md: the first copies .whl/p1 to /root/parts): FA4's
-# wheels joined and installed under /tmp/site (once per machine), then, logs and JSON under $OUT:
+# One GPU, carrying .whl/p1 at a first call (the cuDNN frontend installed: `restart` needs no more)
+# or .whl/p2 at a second (FA4 too; docs/testing.md), then, logs and JSON under $OUT:
 #   tests:    the document-mask and flex CP GPU tests, then `bench` (SKIP_TESTS=1: bench only)
 #   bench:    the plan's host costs, flex document attention alone, torch's flex CP (T64K cp 2)
 #   hf-flex:  HF Llama with flex_attention, T16K packed and plain
