@@ -139,6 +139,36 @@ class TestLayout(TestCase):
         with fake_pg(2) as group, pytest.raises(ValueError, match="not each token's document's first place"):
             shard_batch(off_by_one, group)
 
+    def test_queries_up_to_the_document_end_are_cut(self):
+        """torchtitan's fast path for batches of several rows: queries up to ``ends[b, kv]`` (each
+        key's document's last place), with causal: the documents are the runs of the ends, row by
+        row; an end table that is not the documents' last places is refused."""
+        from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask
+
+        positions = torch.cat([POSITIONS, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]])])
+        documents = document_ids(positions)
+        ends = torch.stack([torch.tensor([int((row == d).nonzero().max()) for d in row]) for row in documents])
+
+        def up_to_end(table):
+            def to_end(b, h, q_idx, kv_idx):
+                return q_idx <= table[b, kv_idx]
+            return and_masks(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, to_end)
+
+        batch = {"tokens": torch.arange(32).view(2, 16), "positions": positions,
+                 "attention_masks": create_block_mask(up_to_end(ends), 2, None, 16, 16, device="cpu")}
+        with fake_pg(2, rank=1) as group:
+            local = shard_batch(batch, group)
+            shard = shard_of(local["tokens"])
+        assert torch.equal(shard.doc_ids, documents)
+        dense = create_mask(local["attention_masks"].mask_mod, 2, 1, 8, 8)
+        full = create_mask(batch["attention_masks"].mask_mod, 2, 1, 16, 16)
+        for row in range(2):
+            places = shard.query_positions[row]
+            assert torch.equal(dense[row, 0], full[row, 0][places][:, places])
+        off_by_one = {**batch, "attention_masks": create_block_mask(up_to_end(ends - 1), 2, None, 16, 16, device="cpu")}
+        with fake_pg(2) as group, pytest.raises(ValueError, match="not each token's document's last place"):
+            shard_batch(off_by_one, group)
+
     def test_block_masks_that_are_not_cut(self):
         """A BlockMask whose mask_mod is not documents / causal / a window, whose documents are
         not runs of tokens, or whose documents are not where the batch's positions restart:
@@ -983,14 +1013,16 @@ def test_torchtitan_names_match_single_device():
 
 def test_torchtitan_block_mask_training_matches_single_device():
     """torchtitan's flex training batch: a BlockMask made by the trainer from the full batch
-    (documents from end-of-document tokens, causal; and with a sliding window shorter than the
-    documents), no positions, the model called ``model(tokens, attention_masks=...,
+    (documents from end-of-document tokens, causal; with a sliding window shorter than the
+    documents; and as torchtitan's fast path for several rows, queries up to each key's document
+    end), no positions, the model called ``model(tokens, attention_masks=...,
     positions=...)`` with what shard_batch returns: a layer through the all-gather and one through
     Ulysses at cp 2 (the window: the all-gather), each the single-device step (the same
     BlockMask's mask_mod made dense, through SDPA: torch has no CPU flex backward)."""
     cases = [(functools.partial(auto_cp.decoder, "flex_given", titan_named=True),
-              functools.partial(auto_cp.titan_block_mask_batch, [6, 10, 8, 8], rows=2, window=window), options)
-             for window, options in ((-1, _per_call("allgather", "ulysses")), (3, None))]
+              functools.partial(auto_cp.titan_block_mask_batch, [6, 10, 8, 8], rows=2, window=window, form=form), options)
+             for window, form, options in ((-1, "ids", _per_call("allgather", "ulysses")), (3, "ids", None),
+                                           (-1, "ends", None))]
     results = run_on_ranks(auto_cp.titan_flex_steps, 2, cases)
     for (make, make_batch, _), got in zip(cases, results[0]):
         _assert_matches(got, *auto_cp.titan_reference_step(auto_cp.decoder("dense_given", titan_named=True), make_batch()))

@@ -106,6 +106,13 @@ def causal_only(q, k, v, positions):
     return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())
 
 
+def window(q, k, v, positions):
+    """A causal sliding window over rows of one document (torchtitan's sliding-window mask_mod,
+    made dense): the packed kernels over one document a row."""
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return _attend(q, k, v, (ki <= qi) & (ki > qi - 4))
+
+
 # near misses: each must be kept, with its reason
 
 
@@ -133,11 +140,6 @@ def padding(q, k, v, positions):
 def padding_table(q, k, v, keep):
     """HF's form: a boolean ``[B, T]`` attention_mask read at the key (no comparison)."""
     return _attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril() & keep[:, None, None, :])
-
-
-def window(q, k, v, positions):
-    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    return _attend(q, k, v, (ki <= qi) & (ki > qi - 4))
 
 
 def or_masks(q, k, v, positions):
@@ -178,7 +180,7 @@ class TestAnalysis(TestCase):
         pos, doc = _positions(), _doc_ids()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
             (hf_packed, pos), (hand_tril, doc), (additive_where, pos), (additive_masked_fill, pos),
-            (bidirectional, pos), (positions_checked, doc), (causal_only, pos), (hf_sliding, pos)))
+            (bidirectional, pos), (positions_checked, doc), (causal_only, pos), (hf_sliding, pos), (window, pos)))
         self.assertExpectedInline(got, """\
 hf_packed: documents from cumsum (proven (cumulative sum of non-negatives)), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
 hand_tril: documents from arg0_1 (checked on device), causal: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
@@ -187,18 +189,18 @@ additive_masked_fill: documents from cumsum (proven (cumulative sum of non-negat
 bidirectional: documents from cumsum (proven (cumulative sum of non-negatives)), bidirectional: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 full float32
 positions_checked: documents from arg0_1 (checked on device), causal over positions mul (rising within documents: checked on device): fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32
 causal_only: causal: sdpa_is_causal: one document per row: dense causal SDPA, K/V heads as they are
-hf_sliding: documents from cumsum (proven (cumulative sum of non-negatives)), causal, keys from q-3: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: a sliding window (cuDNN's ragged SDPA here takes none)""")
+hf_sliding: documents from cumsum (proven (cumulative sum of non-negatives)), causal, keys from q-3: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: a sliding window (cuDNN's ragged SDPA here takes none)
+window: causal, keys from q-3: fa4_varlen: no cost map for cpu: no measurement of thd T48 Hq4 Hkv2 D16 causal float32; cudnn: a sliding window (cuDNN's ragged SDPA here takes none)""")
 
     def test_near_misses_keep_their_op(self):
         pos, doc = _positions(), _doc_ids()
         outside = torch.ones(T, T, dtype=torch.bool).tril()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
-            (padding, pos), (padding_table, pos > 0), (window, pos), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
+            (padding, pos), (padding_table, pos > 0), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
             (shifted, doc), (window_at_other_positions, pos), (ids_through_a_stack, doc)))
         self.assertExpectedInline(got, """\
 padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
 padding_table: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
-window: causal, keys from q-3: kept: document_mask: a sliding window without document ids (not lowered yet)
 or_masks: mask not read: kept: document_mask: a disjunction of masks (or_masks, |): not a document mask
 mask_from_outside: mask not read: kept: document_mask: the mask comes in from outside the graph (its values are not known to the compiler)
 real_bias: mask not read: kept: document_mask: a real-valued bias (aten.neg.default is not where(mask, 0, -inf) or masked_fill(-inf))
@@ -319,7 +321,7 @@ def _grads(fn, q, k, v, table, compiled):
 
 
 @pytest.mark.parametrize("fn", [hf_packed, hand_tril, additive_where, additive_masked_fill, bidirectional,
-                                positions_checked, causal_only, hf_sliding], ids=lambda f: f.__name__)
+                                positions_checked, causal_only, hf_sliding, window], ids=lambda f: f.__name__)
 def test_numerics_match_the_program(fn):
     """Output and every gradient against the program's own masked SDPA (eager)."""
     table = _doc_ids() if fn in (hand_tril, positions_checked) else _positions([7, 1, 16])
@@ -576,6 +578,21 @@ def test_flex_bounded_masks_lowered(form):
     q, k, v = (t[: block_mask.shape[0]] for t in _qkv())
     got, lines = _routes(_flex, q, k, v, block_mask)
     assert "fa4_varlen" in lines[0] and f"document {form}" in lines[0], lines
+    torch.testing.assert_close(got, _flex(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
+
+
+def test_flex_sliding_window_lowered():
+    """torchtitan's sliding-window mask_mod over rows of one document (no document ids): the
+    packed kernels over one document a row with the window, the answer eager flex's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 5)
+
+    block_mask = create_block_mask(sliding, B, None, T, T, device="cpu")
+    q, k, v = _qkv()
+    got, lines = _routes(_flex, q, k, v, block_mask)
+    assert "fa4_varlen" in lines[0] and "causal, keys from q-4" in lines[0], lines
     torch.testing.assert_close(got, _flex(q, k, v, block_mask), atol=2e-5, rtol=2e-5)
 
 

@@ -125,13 +125,13 @@ def block_mask_meaning(mask, size: int, tokens: int) -> MaskMeaning:
         facts = mask_analysis.analyze_mask_mod(traced)
     except mask_analysis.NotAMask as e:
         raise ValueError(f"its mask_mod is not a document, causal or sliding-window mask: {e}") from None
-    if facts.bound == "start" and not facts.mapped and facts.positions is None \
-            and isinstance(facts.bound_position, torch.fx.Node):
-        return MaskMeaning(_documents_from_starts(traced, facts.bound_position, size, tokens), facts.causal, facts.window)
+    if facts.bound and not facts.mapped and facts.positions is None and isinstance(facts.bound_position, torch.fx.Node):
+        documents = _documents_from_bound(traced, facts.bound, facts.bound_position, size, tokens)
+        return MaskMeaning(documents, facts.causal, facts.window)
     if facts.positions is not None or facts.mapped or facts.bound:
         raise ValueError(f"its mask_mod ({facts.describe()}) is not taken yet: documents read from a table at the "
-                         "query and key index, or keys from the query's document start, causal or not, with or "
-                         "without a sliding window, are")
+                         "query and key index, keys from the query's document start or queries up to the key's "
+                         "document end, causal or not, with or without a sliding window, are")
     if facts.doc_ids is None:
         if not facts.causal and facts.window < 0:
             raise ValueError("it attends everywhere (no documents, not causal): pass no mask")
@@ -151,29 +151,39 @@ def block_mask_meaning(mask, size: int, tokens: int) -> MaskMeaning:
     return MaskMeaning(runs, facts.causal, facts.window)
 
 
-def _documents_from_starts(traced, start: torch.fx.Node, size: int, tokens: int) -> torch.Tensor:
-    """torchtitan's interval form (keys from ``start[q]`` on, ``start`` read through its tables
-    at the query index): ``start`` evaluated at every query, which must be each token's
-    document's first place; its runs are the documents."""
+def _documents_from_bound(traced, bound: str, table: torch.fx.Node, size: int, tokens: int) -> torch.Tensor:
+    """torchtitan's packed-document fast path: keys from ``start[q]`` on (one row) or queries up
+    to ``end[b, kv]`` (several rows), the bound read through its tables at the query (key) index.
+    The bound evaluated at every place must be each token's document's first (last) place; its
+    runs are the documents."""
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in traced.graph.nodes:
         env[n] = sub.node_copy(n, lambda a: env[a])
-        if n is start:
+        if n is table:
             break
-    sub.output(env[start])
+    sub.output(env[table])
     rows = torch.arange(size).view(size, 1)
     places = torch.arange(tokens, dtype=torch.int32).view(1, tokens)
     zero = torch.zeros(1, 1, dtype=torch.int32)
+    q_idx, kv_idx = (places, zero) if bound == "start" else (zero, places)
     with torch.no_grad():
-        starts = torch.fx.GraphModule({}, sub)(rows, zero, places, zero, *traced.leaves[4:])
-    starts = starts.long().cpu().expand(size, tokens)
-    documents = document_ids_of_table(starts)
-    first = torch.ones_like(starts, dtype=torch.bool)
-    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first_place = torch.cummax(torch.where(first, places.long().expand(size, tokens), 0), 1).values
-    if not torch.equal(starts, first_place):
-        raise ValueError("its key bound is not each token's document's first place (keys from start[q] on)")
+        values = torch.fx.GraphModule({}, sub)(rows, zero, q_idx, kv_idx, *traced.leaves[4:])
+    values = values.long().cpu().expand(size, tokens)
+    documents = document_ids_of_table(values)
+    every_place = places.long().expand(size, tokens)
+    if bound == "start":
+        first = torch.ones_like(values, dtype=torch.bool)
+        first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        expected = torch.cummax(torch.where(first, every_place, 0), 1).values
+    else:
+        last = torch.ones_like(values, dtype=torch.bool)
+        last[:, :-1] = documents[:, 1:] != documents[:, :-1]
+        expected = torch.where(last, every_place, tokens).flip(1).cummin(1).values.flip(1)
+    if not torch.equal(values, expected):
+        raise ValueError(f"its {'key' if bound == 'start' else 'query'} bound is not each token's document's "
+                         f"{'first' if bound == 'start' else 'last'} place "
+                         f"({'keys from start[q] on' if bound == 'start' else 'queries up to end[kv]'})")
     return documents
 
 

@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from ..parallel import batch as cp_batch
 from ..parallel.batch import IGNORE_INDEX
+from .documents import document_end_block_mask
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -205,12 +206,15 @@ def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int =
 EOS = 1  # the end-of-document token of titan_block_mask_batch
 
 
-def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1, device: str = "cpu") -> dict:
+def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1, device: str = "cpu",
+                           form: str = "ids") -> dict:
     """A batch as torchtitan's trainer hands it to a flex model: ``tokens`` (each document ends in
     :data:`EOS`), ``labels``, no positions, and ``attention_masks`` ({"full": BlockMask}) made
     from the full batch: the documents from the end-of-document tokens, causal, keys from
-    q - ``window`` on where it is >= 0, every tensor on ``device``. (Its mask_mod is a closure:
-    make it in the process that uses it.)"""
+    q - ``window`` on where it is >= 0, every tensor on ``device``. ``form``: the documents as
+    ids compared at the query and the key (``"ids"``), or as torchtitan's fast path for several
+    rows writes them, queries up to the key's document's last place (``"ends"``, no window).
+    (Its mask_mod is a closure: make it in the process that uses it.)"""
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     batch = on_device(packed_batch(lengths, rows), device)
@@ -230,8 +234,12 @@ def titan_block_mask_batch(lengths: list[int], rows: int = 1, window: int = -1, 
     def sliding(b, h, q_idx, kv_idx):
         return q_idx - kv_idx <= window
 
-    mods = [causal, same_document] + ([sliding] if window >= 0 else [])
-    block_mask = create_block_mask(and_masks(*mods), rows, None, tokens.shape[1], tokens.shape[1], device=device)
+    if form == "ends":
+        assert window < 0, "torchtitan's fast path has no window"
+        block_mask = document_end_block_mask(batch["position_ids"], device)
+    else:
+        mods = [causal, same_document] + ([sliding] if window >= 0 else [])
+        block_mask = create_block_mask(and_masks(*mods), rows, None, tokens.shape[1], tokens.shape[1], device=device)
     labels = tokens.clone()
     labels[:, 0] = IGNORE_INDEX
     labels[:, (ends + 1)[:-1]] = IGNORE_INDEX  # the first token of each document is not predicted

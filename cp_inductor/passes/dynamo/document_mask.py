@@ -230,13 +230,12 @@ def _why_not(call: MaskedCall, cfg) -> str | None:
         why = _position_reason(call, call.facts.bound_position, rank - 2 if call.facts.bound == "start" else rank - 1, rank)
         if why is not None:
             return why
-    elif call.facts.doc_ids is None:
-        if call.facts.window >= 0:
-            return "a sliding window without document ids (not lowered yet)"
+    elif call.facts.doc_ids is None and call.facts.window < 0:
         if not call.facts.causal:
             return "the mask keeps every key: SDPA without it is the same (not rewritten yet)"
         call.provider_reason = "one document per row: dense causal SDPA, K/V heads as they are"
         return None
+    # (a sliding window without document ids: the packed kernels over one document a row)
     for table in (call.facts.doc_ids, call.facts.positions):
         if table is not None and table.meta["val"].dim() not in (1, 2):
             return f"a table of ids or positions of {table.meta['val'].dim()} dims"
@@ -279,6 +278,9 @@ def _checked(call: MaskedCall, cfg) -> None:
     whatever the promise (the plan's bounds check does not read ``check``)."""
     facts = call.facts
     assert facts is not None  # (a read mask)
+    if facts.doc_ids is None and not facts.bound:  # one document a row: nothing to check
+        call.check = False
+        return
     call.check = facts.contiguity != mask_analysis.PROVEN and (cfg.document_mask_ids != "promised" or bool(facts.bound))
     if facts.contiguity != mask_analysis.PROVEN and not call.check:
         facts.contiguity = "promised (document_mask_ids)"
@@ -521,7 +523,7 @@ def apply(gm: torch.fx.GraphModule, call: MaskedCall) -> None:
     if call.facts.mapped:
         out = _apply_shard(gm, call, q, k, v, scale)
         call.path = PACKED[call.provider]
-    elif call.facts.doc_ids is None and not call.facts.bound:
+    elif call.facts.doc_ids is None and not call.facts.bound and call.facts.window < 0:
         with g.inserting_before(call.node):
             gqa = bool(value(k).shape[1] != q_heads)  # symbolic heads (dynamic=True): decided with Dynamo's guard
             out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (q, k, v),
@@ -569,9 +571,14 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     """(ids, positions, cu_seqlens, meta): the plan of ``call``'s mask, in the graph that computes
     the mask, before the call (or before the checkpointed region holding it)."""
     facts, g = call.facts, gm.graph
-    assert facts is not None and (facts.doc_ids is not None or facts.bound)  # (a document mask)
+    assert facts is not None and (facts.doc_ids is not None or facts.bound or facts.window >= 0)  # (a document mask)
     before = call.node if call.body is None else call.body.hop
-    if facts.bound:  # the bound over its index is the ids' table
+    if facts.doc_ids is None and not facts.bound:  # a window over rows of one document: one id for every token
+        with g.inserting_before(before):
+            ids = g.call_function(torch.zeros, (_size(g, call, "query", 2),),
+                                  {"dtype": torch.int32, "device": value(call.args["query"]).device})
+        positions = []
+    elif facts.bound:  # the bound over its index is the ids' table
         rank = facts.traced.output.meta["val"].dim() if facts.traced is not None else 4
         ids = _position_table(gm, call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1,
                               before, {})
