@@ -573,16 +573,15 @@ def _plan(gm: torch.fx.GraphModule, call: MaskedCall) -> tuple:
     facts, g = call.facts, gm.graph
     assert facts is not None and (facts.doc_ids is not None or facts.bound or facts.window >= 0)  # (a document mask)
     before = call.node if call.body is None else call.body.hop
+    positions: list[torch.fx.Node] = []  # a table of positions to check causal over, where there is one
     if facts.doc_ids is None and not facts.bound:  # a window over rows of one document: one id for every token
         with g.inserting_before(before):
             ids = g.call_function(torch.zeros, (_size(g, call, "query", 2),),
                                   {"dtype": torch.int32, "device": value(call.args["query"]).device})
-        positions = []
     elif facts.bound:  # the bound over its index is the ids' table
         rank = facts.traced.output.meta["val"].dim() if facts.traced is not None else 4
         ids = _position_table(gm, call, facts.bound_position, rank - 2 if facts.bound == "start" else rank - 1,
                               before, {})
-        positions = []
     else:
         tables = [facts.doc_ids] + ([facts.positions] if facts.positions is not None else [])
         ids, *positions = _copy_tables(gm, facts, tables, before)
