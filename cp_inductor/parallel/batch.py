@@ -163,15 +163,17 @@ def _documents_from_bound(traced, bound: str, table: torch.fx.Node, size: int, t
         if n is table:
             break
     sub.output(env[table])
-    rows = torch.arange(size).view(size, 1)
-    places = torch.arange(tokens, dtype=torch.int32).view(1, tokens)
-    zero = torch.zeros(1, 1, dtype=torch.int32)
+    # the indices on the tables' device (a BlockMask made on the GPU closes over GPU tables)
+    device = next((t.device for t in traced.leaves[4:] if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    rows = torch.arange(size, device=device).view(size, 1)
+    places = torch.arange(tokens, dtype=torch.int32, device=device).view(1, tokens)
+    zero = torch.zeros(1, 1, dtype=torch.int32, device=device)
     q_idx, kv_idx = (places, zero) if bound == "start" else (zero, places)
     with torch.no_grad():
         values = torch.fx.GraphModule({}, sub)(rows, zero, q_idx, kv_idx, *traced.leaves[4:])
     values = values.long().cpu().expand(size, tokens)
     documents = document_ids_of_table(values)
-    every_place = places.long().expand(size, tokens)
+    every_place = places.long().cpu().expand(size, tokens)
     if bound == "start":
         first = torch.ones_like(values, dtype=torch.bool)
         first[:, 1:] = documents[:, 1:] != documents[:, :-1]
