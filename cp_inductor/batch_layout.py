@@ -41,6 +41,20 @@ def head_tail_places(local: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return local + torch.where(local < half, rank * half, (2 * cp - 2 - rank) * half)
 
 
+def document_bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of each row of ``ids`` ``[B, T]`` (a document: a run of equal ids), its
+    document's first and last place ([B, T] each)."""
+    rows, tokens = ids.shape
+    place = torch.arange(tokens, device=ids.device).expand(rows, tokens)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    last = torch.ones_like(ids, dtype=torch.bool)
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, place, 0), 1).values
+    end = torch.where(last, place, tokens).flip(1).cummin(1).values.flip(1)
+    return start, end
+
+
 _SHARDS: dict[int, tuple[weakref.ref, BatchShard, str]] = {}
 
 

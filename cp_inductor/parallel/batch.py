@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ..batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, group_of, remember
+from ..batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, document_bounds, group_of, remember
 from .thd_allgather import plan_pack
 
 IGNORE_INDEX = -100  # HF transformers' label of a token that is not predicted
@@ -173,19 +173,11 @@ def _documents_from_bound(traced, bound: str, table: torch.fx.Node, size: int, t
         values = torch.fx.GraphModule({}, sub)(rows, zero, q_idx, kv_idx, *traced.leaves[4:])
     values = values.long().cpu().expand(size, tokens)
     documents = document_ids_of_table(values)
-    every_place = places.long().cpu().expand(size, tokens)
-    if bound == "start":
-        first = torch.ones_like(values, dtype=torch.bool)
-        first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-        expected = torch.cummax(torch.where(first, every_place, 0), 1).values
-    else:
-        last = torch.ones_like(values, dtype=torch.bool)
-        last[:, :-1] = documents[:, 1:] != documents[:, :-1]
-        expected = torch.where(last, every_place, tokens).flip(1).cummin(1).values.flip(1)
-    if not torch.equal(values, expected):
-        raise ValueError(f"its {'key' if bound == 'start' else 'query'} bound is not each token's document's "
-                         f"{'first' if bound == 'start' else 'last'} place "
-                         f"({'keys from start[q] on' if bound == 'start' else 'queries up to end[kv]'})")
+    first, last = document_bounds(documents)
+    if not torch.equal(values, first if bound == "start" else last):
+        side, place, form = (("key", "first", "keys from start[q] on") if bound == "start" else
+                             ("query", "last", "queries up to end[kv]"))
+        raise ValueError(f"its {side} bound is not each token's document's {place} place ({form})")
     return documents
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ...batch_layout import document_bounds
 from ...lowerings import cudnn_backward
 
 ALLGATHER, ULYSSES, RING = "allgather", "ulysses", "ring"
@@ -264,13 +265,7 @@ def sent_kv_heads(call: Call, style: str, cp: int) -> int | None:
 
 def _runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token of each row: its document's first place and length ([B, T] each)."""
-    rows, tokens = ids.shape
-    place = torch.arange(tokens).expand(rows, tokens)
-    new = torch.ones_like(ids, dtype=torch.bool)
-    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    start = torch.cummax(torch.where(new, place, 0), 1).values
-    end = torch.flip(torch.cummin(torch.flip(torch.where(torch.roll(new, -1, 1) | (place == tokens - 1), place, tokens),
-                                             [1]), 1).values, [1])
+    start, end = document_bounds(ids)
     return start, end + 1 - start
 
 
