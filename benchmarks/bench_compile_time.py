@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -96,22 +97,37 @@ if profile:  # in the script, not `python -m cProfile`: that changes the globals
     import cProfile
     profiler = cProfile.Profile()
     profiler.enable()
+import gc
+gc_s, gc_full, gc_began = [0.0], [0], [0.0]
+def gc_timer(phase, info):  # the collector's pauses inside the timed part, whoever triggers them
+    if phase == "start":
+        gc_began[0] = time.perf_counter()
+    else:
+        gc_s[0] += time.perf_counter() - gc_began[0]
+        gc_full[0] += info["generation"] == 2
+gc.callbacks.append(gc_timer)
 start = time.perf_counter()  # before the backend's lookup: cp_inductor's imports its Inductor there
 if style.startswith("auto_") and backend == "cp_inductor":  # this rank's tokens, the style forced
     options = {"cp_inductor.context_parallel": dist.group.WORLD, "cp_inductor.context_parallel_style": style[5:]}
-    torch.compile(stack, backend=backend, fullgraph=True, options=options)(**shard_batch(batch)).backward()
+    fn, args = torch.compile(stack, backend=backend, fullgraph=True, options=options), shard_batch(batch)
 elif style.startswith("auto_"):  # default Inductor: the same single-device model on the full batch
-    torch.compile(stack, backend=backend, fullgraph=True)(**batch).backward()
+    fn, args = torch.compile(stack, backend=backend, fullgraph=True), batch
 else:
-    fn = torch.compile(stack, backend=backend, fullgraph=True)
-    fn(x).sum().backward()
+    fn, args = torch.compile(stack, backend=backend, fullgraph=True), None
+looked_up = time.perf_counter()
+out = fn(**args) if args is not None else fn(x).sum()
+forward_done = time.perf_counter()
+out.backward()
 if device == "cuda":
     torch.cuda.synchronize()
+phases = {"lookup": looked_up - start, "forward": forward_done - looked_up, "backward": time.perf_counter() - forward_done,
+          "gc": gc_s[0], "gc_full": gc_full[0]}
+gc.callbacks.remove(gc_timer)
 if profile:
     profiler.disable()
     profiler.dump_stats(profile)
 fa4_dir = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1" else None
-print(json.dumps({"seconds": time.perf_counter() - start, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
+print(json.dumps({"seconds": time.perf_counter() - start, "phases": phases, "passes_s": sum(by_pass.values()), "by_pass": by_pass,
                   "fa4_cached_files": sum(len(f) for _, _, f in os.walk(fa4_dir)) if fa4_dir else None,
                   "regions": len(cp_inductor.report()), "report": str(cp_inductor.report())[:3000],
                   "aot_cache_hits": torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"],
@@ -132,27 +148,58 @@ def first_call(style: str, layers: int, backend: str, device: str, cache_dir: st
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         if not fa4_cache:
             env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
-    if profile:
+    command = [sys.executable, "-c", CHILD, style, str(layers), backend, device, dtype, str(seq)]
+    if profile and profile.endswith(".txt"):  # py-spy's wall-clock samples (raw stacks), no tracing overhead
+        command = ["py-spy", "record", "--nonblocking", "--format", "raw", "--rate", "1000", "--output", profile, "--"] + command
+    elif profile:
         env["CP_BENCH_PROFILE"] = profile
-    out = subprocess.run([sys.executable, "-c", CHILD, style, str(layers), backend, device, dtype, str(seq)], env=env,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])  # (py-spy prints too)
+
+
+def timed_samples(path: str) -> dict[str, int]:
+    """py-spy's raw stacks cut to the child's timed part: per function (``name (file)``), the
+    samples whose stack holds it (each stack counts a function once: a wall-clock cumulative)."""
+    first = CHILD[:CHILD.index("\nstart = ")].count("\n") + 2  # the child's lines, 1-based
+    last = CHILD[:CHILD.index("\nphases = ")].count("\n") + 1
+    inside = re.compile(r"\(<string>:(\d+)\)")
+    seen: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = stack.split(";")
+            if not any(first <= int(m.group(1)) <= last for fr in frames if (m := inside.search(fr))):
+                continue
+            seen["(timed part)"] = seen.get("(timed part)", 0) + int(count)
+            for fn in {re.sub(r":\d+\)$", ")", fr) for fr in frames}:
+                seen[fn] = seen.get(fn, 0) + int(count)
+    return seen
 
 
 def profiled(a, style: str, layers: int) -> None:
-    """One restart per backend under cProfile: each one's top functions by cumulative time."""
+    """One restart per backend under a profiler: cProfile (its top functions by cumulative time),
+    or with ``--sampler`` py-spy's wall-clock samples, the functions where the two differ most."""
     import pstats
 
     os.makedirs(a.profile, exist_ok=True)
+    samples = {}
     for backend in ("inductor", "cp_inductor"):
-        path = os.path.join(a.profile, f"{style}_{backend}.pstats")
+        path = os.path.join(a.profile, f"{style}_{backend}." + ("txt" if a.sampler else "pstats"))
         with tempfile.TemporaryDirectory() as cache:
             first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, dtype=a.dtype, seq=a.seq)
             seconds = first_call(style, layers, backend, a.device, cache, not a.no_fa4_cache, profile=path, dtype=a.dtype, seq=a.seq)["seconds"]
-        print(f"--- {style} {backend}: {seconds:.2f} s under cProfile", flush=True)
+        print(f"--- {style} {backend}: {seconds:.2f} s profiled", flush=True)
+        if a.sampler:
+            samples[backend] = timed_samples(path)
+            continue
         stats = pstats.Stats(path)
         stats.sort_stats("tottime").print_stats(15)
         stats.sort_stats("cumulative").print_stats("cp_inductor/|cudnn|_find_and_load|backends/registry", 25)
+    if samples:  # 1000 samples a second: a count is milliseconds
+        ind, ours = samples["inductor"], samples["cp_inductor"]
+        print("    wall ms in the timed part (py-spy, 1 kHz; ms with the function on the stack): inductor, cp_inductor, difference")
+        for fn in sorted(set(ind) | set(ours), key=lambda f: -(ours.get(f, 0) - ind.get(f, 0)))[:40]:
+            print(f"    {ind.get(fn, 0):6d} {ours.get(fn, 0):6d} {ours.get(fn, 0) - ind.get(fn, 0):+6d}  {fn[:150]}", flush=True)
 
 
 def main() -> int:
@@ -165,6 +212,8 @@ def main() -> int:
     ap.add_argument("--no-fa4-cache", action="store_true", help="--restart: FA4 compiles its kernels in every process")
     ap.add_argument("--profile", metavar="DIR", help="--restart: one more restart per backend and style under "
                     "cProfile (DIR/<style>_<backend>.pstats), its top functions printed")
+    ap.add_argument("--sampler", action="store_true", help="--profile with py-spy's wall-clock samples (py-spy on "
+                    "the PATH) instead of cProfile, whose tracing inflates small Python calls")
     ap.add_argument("--dtype", default="float32", help="the stack's and its input's dtype (bfloat16 on a GPU: the "
                     "kernels users train with)")
     ap.add_argument("--seq", type=int, default=256, help="the whole sequence (each of the 2 fake ranks holds half); "
@@ -207,6 +256,10 @@ def main() -> int:
             top = sorted(runs["cp_inductor"][0]["by_pass"].items(), key=lambda kv: -kv[1])[:4]
             print(f"{style:>9} {layers:>6} | {ind:10.1f} {ours:13.1f} {ours / ind:6.2f} {paired:6.2f} | {passes:12.2f} | "
                   + ", ".join(f"{n} {t:.2f}" for n, t in top), flush=True)
+            for b, rs in runs.items():  # where each backend's first call went (medians; gc: the collector's pauses)
+                print(f"    {b} phases s: " + ", ".join(
+                    f"{k} {statistics.median(r['phases'][k] for r in rs):.2f}" for k in ("lookup", "forward", "backward", "gc"))
+                    + f", full collections {statistics.median(r['phases']['gc_full'] for r in rs):.0f}", flush=True)
             first = runs["cp_inductor"][0]
             compiled = first.get("fill", first)  # the process that compiled (the fill of a restart)
             print(f"    cp_inductor regions: {compiled['regions']}"

@@ -1143,12 +1143,13 @@ def test_hf_mistral_flex_sliding_window_compiled_forward():
 
 
 @pytest.mark.skipif(_gpu_missing() is not None, reason="needs a GPU")
-@pytest.mark.parametrize("form", ["ids", "starts", "ends"])
+@pytest.mark.parametrize("form", ["ids", "starts", "ends", "window"])
 def test_gpu_flex_document_training_matches_fp32(form):
     """Flex's document-causal BlockMask (written with document ids, or with a table of document
-    starts or ends) trained on the GPU: output and every gradient of the rewritten call against
-    fp32 SDPA under the same mask, within 2x the error of compiled flex."""
-    from torch.nn.attention.flex_attention import flex_attention
+    starts or ends), or a causal sliding window over two rows without documents, trained on the
+    GPU: output and every gradient of the rewritten call against fp32 SDPA under the same mask,
+    within 2x the error of compiled flex."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from cp_inductor.testing.documents import document_end_block_mask, document_start_block_mask
 
@@ -1158,9 +1159,17 @@ def test_gpu_flex_document_training_matches_fp32(form):
     lengths = [1000, 77, 2000, 1019]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
     positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    window = 300  # a key at most window - 1 places before its query
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    if form == "window":  # each row one document; the reference masks it the same way
+        b, doc = 2, torch.zeros(2, t, dtype=torch.long, device="cuda")
     block_mask = {"ids": lambda: document_causal_block_mask(doc, t, "cuda"),
                   "starts": lambda: document_start_block_mask(positions, "cuda"),
-                  "ends": lambda: document_end_block_mask(positions, "cuda")}[form]()
+                  "ends": lambda: document_end_block_mask(positions, "cuda"),
+                  "window": lambda: create_block_mask(sliding, b, None, t, t, device="cuda")}[form]()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g).cuda() for h in (hq, hkv, hkv))
     grad = torch.randn(b, hq, t, d, generator=g).cuda()
@@ -1173,7 +1182,8 @@ def test_gpu_flex_document_training_matches_fp32(form):
         out = fn(*ins)
         return [out, *torch.autograd.grad(out, ins, grad.to(dtype))]
 
-    want = run(lambda q, k, v: document_attention._dense(q, k, v, doc, None, d ** -0.5, True), torch.float32)
+    left = window - 1 if form == "window" else -1
+    want = run(lambda q, k, v: document_attention._dense(q, k, v, doc, None, d ** -0.5, True, left), torch.float32)
     torch._dynamo.reset()
     flex = run(torch.compile(program), torch.bfloat16)
     torch._dynamo.reset()
