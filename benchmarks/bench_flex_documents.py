@@ -19,9 +19,11 @@ from torch.nn.attention.flex_attention import flex_attention
 from common import add_attention_args, arm_ratios, device_ms, print_arm_table, print_kernels, write_device_rows
 
 
-def pack(tokens: int, docs: int, seed: int = 0):
+def pack(tokens: int, docs: int, seed: int = 0, equal: bool = False):
     g = torch.Generator().manual_seed(seed)
     cuts = torch.sort(torch.randperm(tokens - 1, generator=g)[: docs - 1] + 1).values
+    if equal:  # documents of one length (the last takes the remainder)
+        cuts = torch.arange(1, docs) * (tokens // docs)
     bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])])
     doc = torch.repeat_interleave(torch.arange(docs), bounds.diff())[None].cuda()
     return doc, bounds.to(torch.int32).cuda(), int(bounds.diff().max())
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="inductor,cp_inductor,floor")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--seeds", type=int, default=1, help="random packs per shape (seeds 0..N-1): the ratio is the pack's")
+    p.add_argument("--packs", nargs="+", default=["random"], choices=["random", "equal"],
+                   help="random cuts (per seed), or documents of one length")
     add_attention_args(p)
     args = p.parse_args(argv)
     import cp_inductor
@@ -41,8 +45,10 @@ def main(argv=None) -> int:
     from cp_inductor.testing.documents import document_causal_block_mask
 
     rows = []
-    for tokens, docs, seed in ((t, d, s) for t, d in zip(args.tokens, args.docs) for s in range(args.seeds)):
-        doc, cu, longest = pack(tokens, docs, seed)
+    shapes = [(t, d, s, kind) for kind in args.packs for t, d in zip(args.tokens, args.docs)
+              for s in (range(args.seeds) if kind == "random" else [0])]
+    for tokens, docs, seed, kind in shapes:
+        doc, cu, longest = pack(tokens, docs, seed, equal=kind == "equal")
 
         block_mask = document_causal_block_mask(doc, tokens, "cuda")
         g = torch.Generator().manual_seed(1)
@@ -70,7 +76,7 @@ def main(argv=None) -> int:
 
         arms = {"inductor": (program, "inductor"), "cp_inductor": (program, "cp_inductor"), "floor": (floor, "inductor"),
                 "floor_plan": (floor_plan, None)}
-        row = {"tokens": tokens, "docs": docs, "seed": seed, "longest": longest, "ms": {}}
+        row = {"tokens": tokens, "docs": docs, "pack": kind, "seed": seed, "longest": longest, "ms": {}}
         outs = {}
         for arm in args.arms.split(","):
             fn, backend = arms[arm]
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
             if "cp_inductor" in outs and "inductor" in outs else float("nan")
         arm_ratios(row)
         rows.append(row)
-    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs", "seed": "seed", "longest": "longest"},
+    print_arm_table(rows, args.arms.split(","), {"T": "tokens", "docs": "docs", "pack": "pack", "seed": "seed", "longest": "longest"},
                     {"max |out diff|": ("max_abs_diff_vs_inductor", ".2e")})
     for r in rows:
         for line in r.get("report", []):

@@ -17,8 +17,8 @@
 #   cp-train: the context-parallel GPU tests, flex CP training included (two ranks sharing the GPU;
 #             the other modes' test step leaves it out: 150 s on an H100)
 #   all-tests: every GPU test in one call: cp-train's in the background beside verify's (no flex alone)
-#   flex:     flex document attention alone, T32K and T64K (FLEX_T, FLEX_DOCS: the shapes; SEEDS packs
-#             each; FLEX_S seconds)
+#   flex:     flex document attention alone, T32K and T64K (FLEX_T, FLEX_DOCS: the shapes; SEEDS random packs
+#             each; PACKS="random equal": documents of one length too; FLEX_S seconds)
 #   no-break: the tests, then HF Llama flex_attention T16K packed and plain with default Inductor
 #             as torch ships and tracing over warnings (inductor_no_break), cp_inductor, the floor
 #   restart:  a restarted job's first call (warm caches) on CUDA, plain SDPA (STYLES=a2a: with CP;
@@ -32,7 +32,7 @@ hf() {  # impl, seconds
     --json "$out/hf_$1_t16k.json" 2>&1 | filter | tee "$out/hf_$1_t16k.log" | tail -16
 }
 flex_alone() {  # seconds
-  timeout "$1" python3 bench_flex_documents.py --tokens ${FLEX_T:-32768 65536} --docs ${FLEX_DOCS:-8 16} --seeds "${SEEDS:-1}" \
+  timeout "$1" python3 bench_flex_documents.py --tokens ${FLEX_T:-32768 65536} --docs ${FLEX_DOCS:-8 16} --seeds "${SEEDS:-1}" --packs ${PACKS:-random} \
     --json "$out/flex_documents.json" 2>&1 | filter | tee "$out/flex_documents.log" | tail -"${TAIL:-8}"
 }
 bench() {
