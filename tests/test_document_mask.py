@@ -158,6 +158,13 @@ def real_bias(q, k, v, positions):
 
 
 
+def first_row_for_every_row(q, k, v, doc):
+    """A ``[T, T]`` mask from row 0 of the id table: every row of the batch attends by row 0's
+    documents, which the packed kernels (row b over row b's ids) do not compute."""
+    first = doc[0]
+    return _attend(q, k, v, (first[:, None] == first[None, :]) & torch.ones(T, T, dtype=torch.bool).tril())
+
+
 def shifted(q, k, v, doc):
     """The key's document read one token late: not a document mask."""
     shifted_doc = torch.cat([doc[:, :1], doc[:, :-1]], dim=1)
@@ -197,7 +204,8 @@ window: causal, keys from q-3: fa4_varlen: no cost map for cpu: no measurement o
         outside = torch.ones(T, T, dtype=torch.bool).tril()
         got = "\n".join(f"{fn.__name__}: {_describe(fn, table)}" for fn, table in (
             (padding, pos), (padding_table, pos > 0), (or_masks, pos), (mask_from_outside, outside), (real_bias, pos),
-            (shifted, doc), (window_at_other_positions, pos), (ids_through_a_stack, doc)))
+            (shifted, doc), (window_at_other_positions, pos), (ids_through_a_stack, doc),
+            (first_row_for_every_row, torch.stack([doc[0], _doc_ids([3, 21], 1)[0]]))))
         self.assertExpectedInline(got, """\
 padding: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
 padding_table: mask not read: kept: document_mask: keys masked by a per-token table (padding holes)
@@ -206,7 +214,8 @@ mask_from_outside: mask not read: kept: document_mask: the mask comes in from ou
 real_bias: mask not read: kept: document_mask: a real-valued bias (aten.neg.default is not where(mask, 0, -inf) or masked_fill(-inf))
 shifted: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)
 window_at_other_positions: mask not read: kept: document_mask: a shifted table compared other than as positions[b, q] and positions[b, kv]
-ids_through_a_stack: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)""")
+ids_through_a_stack: mask not read: kept: document_mask: a table read in the mask at positions other than (batch, query) and (batch, key)
+first_row_for_every_row: mask not read: kept: document_mask: row 0 of a table of several rows read for every row of the batch (not each row's own documents)""")
 
     def test_switch_off_keeps_the_call(self):
         q, k, v = _qkv()
@@ -328,6 +337,28 @@ def test_numerics_match_the_program(fn):
     q, k, v = _qkv()
     for got, want in zip(_grads(fn, q, k, v, table, True), _grads(fn, q, k, v, table, False)):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("reached_by", ["provider", "value_head_dim"])
+def test_cudnn_route_trains_compiled(reached_by):
+    """The cuDNN ragged route of a document mask, forced by the provider switch or taken because
+    FA4 refuses a value head dim other than the query's (MLA's): compiled training gives the
+    program's output and every gradient (the op's log-sum-exp is laid out as its fake says)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, HQ, T, 24 if reached_by == "value_head_dim" else D, generator=g) for _ in range(2))
+    v = torch.randn(B, HQ, T, D, generator=g)
+    provider = "cudnn" if reached_by == "provider" else "auto"
+
+    def program(q, k, v, doc):
+        same = doc[:, :, None] == doc[:, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(same & torch.ones(T, T, dtype=torch.bool).tril())[:, None])
+
+    with cp_inductor.config.patch(attention_provider=provider):
+        got = _grads(program, q, k, v, _doc_ids(), True)
+        _, lines = _routes(program, q, k, v, _doc_ids())
+    for a, b in zip(got, _grads(program, q, k, v, _doc_ids(), False)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert "cudnn_ragged" in lines[0], lines
 
 
 def one_table_for_every_row(q, k, v, doc):
@@ -837,6 +868,12 @@ _SURVEY = {
         moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         num_key_value_heads=4, head_dim=4)),
+    # MLA's head dims as DeepSeek-V3 ships them in proportion (q/k 24 = 16 + 8 rotary, v 16): FA4
+    # refuses a value head dim other than the query's, the cuDNN ragged route takes it
+    "deepseek_v3_mla": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 0, dict(
+        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, num_key_value_heads=4, head_dim=8)),
 }
 
 
@@ -847,6 +884,17 @@ def test_hf_architectures_training_match_eager(arch, packed):
     """A survey (CP_INDUCTOR_TESTS=all): one training step of each architecture compiled under
     cp_inductor, loss and every gradient as under eager HF, every attention call lowered (FA4's
     reference kernels on the CPU), windowed layers with their window."""
+    _survey_step(arch, packed)
+
+
+def test_hf_deepseek_v3_packed_training_on_the_cudnn_route():
+    """DeepSeek-V3's MLA head dims on a packed batch: the documents go to cuDNN's ragged
+    attention, whose outputs and gradients are laid out as the op's fakes promise (Inductor's
+    stride checks failed there), and one training step matches eager HF."""
+    _survey_step("deepseek_v3_mla", True)
+
+
+def _survey_step(arch, packed):
     transformers = pytest.importorskip("transformers")
     config_name, model_name, windowed, fields = _SURVEY[arch]
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -861,7 +909,8 @@ def test_hf_architectures_training_match_eager(arch, packed):
             setattr(config, name, 0.0)
     torch.manual_seed(0)
     lines = _compiled_training_matches_eager(getattr(transformers, model_name)(config), packed)
-    assert len(lines) == 2 and all("fa4_varlen" in line for line in lines), lines
+    route = "cudnn_ragged" if arch == "deepseek_v3_mla" else "fa4_varlen"
+    assert len(lines) == 2 and all(route in line for line in lines), lines
     assert sum("keys from q-5" in line for line in lines) == windowed, lines
 
 

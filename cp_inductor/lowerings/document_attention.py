@@ -309,7 +309,9 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unflat(t: torch.Tensor, batch: int) -> torch.Tensor:
-    return t.reshape(batch, -1, t.shape[1], t.shape[2]).transpose(1, 2)
+    """[B*T, H, D] -> [B, H, T, D] over a [B, T, H, D] buffer, the layout the fakes promise (a copy
+    only where a kernel returned another layout: compiled code checks the strides)."""
+    return t.reshape(batch, -1, t.shape[1], t.shape[2]).contiguous().transpose(1, 2)
 
 
 def _packed(meta: torch.Tensor) -> bool:
@@ -387,7 +389,9 @@ def _forward(q, k, v, cu_seqlens, meta, doc_ids, positions, scale, is_causal, pr
         qt, kt, vt = _flat(q), _flat(k), _flat(v)
         assert window_left < 0, "cuDNN's ragged SDPA is not given a window (document_mask offers FA4 only)"
         out, lse = torch.ops.cp_inductor.varlen_attention(qt, kt, vt, cu, cu, longest, longest, scale, is_causal)
-        return _unflat(out, batch), lse.t()  # cuDNN's lse is [tokens, heads]
+        # cuDNN's lse is [tokens, heads]; the op promises a dense [heads, tokens] (compiled code
+        # checks the strides of what a custom op returns)
+        return _unflat(out, batch), lse.t().contiguous()
 
 
 @torch.library.register_fake("cp_inductor::document_attention_backward", lib=_lib)
@@ -419,7 +423,7 @@ def _backward(grad_out, q, k, v, out, lse, cu_seqlens, meta, doc_ids, positions,
     else:
         assert window_left < 0, "cuDNN's ragged SDPA is not given a window (document_mask offers FA4 only)"
         grads = torch.ops.cp_inductor.varlen_attention_backward(
-            dot, qt, kt, vt, ot, lse.t(), cu, cu, longest, longest, scale, is_causal)
+            dot, qt, kt, vt, ot, lse.t().contiguous(), cu, cu, longest, longest, scale, is_causal)
     return tuple(_unflat(g, batch) for g in grads)
 
 

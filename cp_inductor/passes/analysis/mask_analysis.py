@@ -635,8 +635,16 @@ class _Classifier:
             return True
         if len(lead) != 1:
             return False
-        size = _shape(g.table)[0]
-        return lead[0] == (Lin(((self.batch, 1),)) if self.batch is not None else Lin()) or (_is_one(size) and lead[0] == Lin())
+        if self.batch is not None and lead[0] == Lin(((self.batch, 1),)):
+            return True
+        # A fixed row reads the same documents for every row of the batch: what the packed kernels
+        # compute (row b over row b's ids) only where the table has that one row.
+        return lead[0] == Lin() and _is_one(_shape(g.table)[0])
+
+    def _first_of_many_rows(self, g) -> bool:
+        """Whether ``g`` reads row 0 of a table of several rows at the query or the key."""
+        return (isinstance(g, Gather) and len(g.index) == 2 and g.index[0] == Lin()
+                and not _is_one(_shape(g.table)[0]) and _axis_of(g.index[-1]) in (self.q, self.kv))
 
     def _sides(self, c: Cmp):
         """(q-side, kv-side) gathers of one table, or None."""
@@ -684,6 +692,8 @@ class _Classifier:
         tables = [g for g in (atom.lhs, atom.rhs) if isinstance(g, Gather)]
         if any(self._row(g, self.kv) for g in tables) and not any(self._row(g, self.q) for g in tables):
             raise NotAMask("keys masked by a per-token table (padding holes)")
+        if any(self._first_of_many_rows(g) for g in tables):
+            raise NotAMask("row 0 of a table of several rows read for every row of the batch (not each row's own documents)")
         raise NotAMask("a table read in the mask at positions other than (batch, query) and (batch, key)")
 
     def _band(self, c: Cmp) -> None:
