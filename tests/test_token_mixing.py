@@ -153,7 +153,28 @@ def permute_and_cat_by_keyword(x):
     return torch.cat(tensors=[x.permute(dims=(0, 2, 1)), x.permute(dims=(0, 2, 1))], dim=1).cumsum(-1)
 
 
+def centered_over_tokens(x):  # each token minus the row's mean token
+    return x - x.mean(1, keepdim=True)
+
+
+def scaled_by_the_tokens_max(x):  # a pooled value through value-wise ops, then read back
+    return x * x.abs().amax(dim=1, keepdim=True).float().reciprocal()
+
+
+def mean_over_hidden_read_back(x):  # a norm's statistics: over the hidden dim, per token
+    return x - x.mean(-1, keepdim=True)
+
+
 class TokenMixingTrailTest(TestCase):
+    def test_pooled_over_tokens_and_read_back(self):
+        """A reduction over tokens that keeps their dim, read back at every token: over one rank's
+        tokens it pools other numbers."""
+        got = outcomes(centered_over_tokens, scaled_by_the_tokens_max, mean_over_hidden_read_back)
+        self.assertExpectedInline(got, """\
+centered_over_tokens: sub: mean over the token dim, read back at every token (sub)
+scaled_by_the_tokens_max: mul: amax over the token dim, read back at every token (mul)
+mean_over_hidden_read_back: -""")
+
     def test_transposes_writes_and_keywords(self):
         got = outcomes(conv_after_mT, softmax_between_mT, cumsum_written_in_place, cumsum_into_a_slice,
                        permute_and_cat_by_keyword)

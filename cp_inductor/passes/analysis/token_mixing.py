@@ -23,7 +23,8 @@ there; otherwise the trail ends, so what it reports is an op it can name, never 
 it misses stays the user's promise, as before. Live means read by the outputs, or written in
 place into a tensor they read. Reductions over tokens (a loss, a pooled
 output) are not counted: the loss's combination across ranks is the user's (the README's
-token-weighted mean).
+token-weighted mean); one that keeps the token dim's place (``keepdim=True``) and is read back
+at every token by arithmetic (``x - x.mean(1, keepdim=True)``) is.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ BROADCASTING = {"add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow",
                 "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and",
                 "logical_or", "addcmul", "addcdiv", "lerp", "iadd", "imul", "isub", "itruediv"}
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+ARITHMETIC = BROADCASTING - {"eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and", "logical_or"}
+VALUE_WISE = {"to", "float", "half", "bfloat16", "type_as", "contiguous", "clone", "neg", "abs", "sqrt", "rsqrt", "exp",
+              "log", "reciprocal", "pow", "add", "sub", "mul", "div", "truediv", "rsub", "clamp", "sigmoid", "tanh"}
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,9 @@ class TokenTrail:
     def __init__(self, tokens: int):
         self.tokens = tokens
         self.dims: dict[torch.fx.Node, object] = {}
+        # values pooled over the token dim with its place kept (``x.mean(1, keepdim=True)``), and
+        # what they became through views and value-wise ops: read back at every token, they mix them
+        self.pooled: dict[torch.fx.Node, str] = {}
 
     def seed(self, inputs: Iterable[torch.fx.Node]) -> None:
         """``inputs``: the per-token inputs (their dim 1 this rank's tokens); a parameter whose
@@ -186,6 +193,9 @@ class TokenTrail:
                 got = self._rule(module, n)
                 if got:
                     self.dims[n] = got
+                first = n.args[0] if n.args else None
+                if n not in self.pooled and first in self.pooled and op_name(n) in VIEWS | VALUE_WISE:
+                    self.pooled[n] = self.pooled[first]
 
     def _rule(self, module, n: torch.fx.Node):
         name, out = op_name(n), _shape(n)
@@ -215,8 +225,12 @@ class TokenTrail:
             return self._inserted(n, name, shape, source, out)
         if name in REDUCTIONS:
             dims = _norm(_arg(n, 1, "dim"), len(shape)) if shape else None
-            if dims is None or _arg(n, 2, "keepdim", False):
-                return source if dims is not None else None
+            if dims is not None and _arg(n, 2, "keepdim", False):
+                if dims & source:
+                    self.pooled[n] = f"{name} over the token dim"
+                return Dims(source - dims)  # the reduced dims stay, of size 1
+            if dims is None:
+                return None
             return _without(source, dims)
         if name in ("matmul", "bmm", "mm") or n.target is operator.matmul:
             return self._matmul(n, n.args[0], n.args[1])
@@ -330,6 +344,10 @@ class TokenTrail:
         name = op_name(n)
         first = n.args[0] if n.args else None
         shape, source = _shape(first), self.of(first)
+        if name in ARITHMETIC and self.of(n):
+            pooled = next((self.pooled[x] for x in n.all_input_nodes if x in self.pooled), None)
+            if pooled is not None:
+                return f"{pooled}, read back at every token ({name})"
         if name in CONVOLUTIONS or name in POOLS:
             spatial = set(range(2 if shape and len(shape) > 2 else 1, len(shape or ())))
             if not source & spatial:
