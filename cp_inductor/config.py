@@ -83,6 +83,11 @@ context_parallel_style: str = "auto"
 # ... price the styles with the tables measured on this device (its name, e.g. "NVIDIA H200")
 # rather than the compile's: planning for another machine, and the CPU tests.
 context_parallel_cost_device: str = ""
+# ... a mean over a rank's tokens (a loss that ignores num_items_in_batch: BERT's masked-LM head,
+# cross_entropy's default reduction, a masked mean) divided by the full batch's count, so that the
+# ranks' losses sum to the single-device loss (passes/dynamo/token_means.py); False keeps each
+# rank's own mean (for a program that weighs the ranks' means itself).
+context_parallel_global_means: bool = True
 
 # Which kernel runs each attention call the backend lowers (packed calls, equal-length packs'
 # dense call, the dense calls of CP regions): "auto" (the fastest in the measured cost map,

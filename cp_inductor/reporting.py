@@ -120,6 +120,17 @@ class DenseRoute:
 
 
 @dataclass
+class TokenMeanShare:
+    """A mean over one rank's tokens under the CP the model does not write, and what became of it
+    (``passes/dynamo/token_means.py``)."""
+
+    what: str
+
+    def line(self) -> str:
+        return f"context-parallel mean {self.what}"
+
+
+@dataclass
 class Report:
     regions: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
@@ -127,6 +138,7 @@ class Report:
     backward_routes: list = field(default_factory=list)
     varlen: list = field(default_factory=list)
     dense: list = field(default_factory=list)
+    token_means: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -147,6 +159,7 @@ class Report:
             lines.append(f"cuDNN attention backward ({b.graph_kind}) {b.attention}: {b.path}: {b.reason}")
         lines += [v.line() for v in self.varlen]
         lines += [d.line() for d in self.dense if d.considered]
+        lines += [m.line() for m in self.token_means]
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -160,6 +173,7 @@ _undone: list[RewriteUndone] = []
 _backward_routes: list[BackwardRoute] = []
 _varlen: list[VarlenRoute] = []
 _dense: list[DenseRoute] = []
+_token_means: list[TokenMeanShare] = []
 
 
 def record_dense(route: DenseRoute) -> None:
@@ -172,6 +186,12 @@ def record_varlen(route: VarlenRoute) -> None:
     with _lock:
         _varlen.append(route)
     log.info("cp_inductor: %s", route.line())
+
+
+def record_token_mean(share: TokenMeanShare) -> None:
+    with _lock:
+        _token_means.append(share)
+    log.info("cp_inductor: %s", share.line())
 
 
 def record_backward_route(route: BackwardRoute) -> None:
@@ -202,7 +222,7 @@ def record(region: Region) -> None:
     )
 
 
-_LISTS: tuple[list, ...] = (_regions, _rejected, _undone, _backward_routes, _varlen, _dense)
+_LISTS: tuple[list, ...] = (_regions, _rejected, _undone, _backward_routes, _varlen, _dense, _token_means)
 
 
 def mark() -> tuple[int, ...]:
@@ -226,14 +246,10 @@ def replay(recorded: list[list]) -> None:
 
 def report() -> Report:
     with _lock:
-        return Report(list(_regions), list(_rejected), list(_undone), list(_backward_routes), list(_varlen), list(_dense))
+        return Report(*(list(entries) for entries in _LISTS))
 
 
 def clear_report() -> None:
     with _lock:
-        _regions.clear()
-        _rejected.clear()
-        _undone.clear()
-        _backward_routes.clear()
-        _varlen.clear()
-        _dense.clear()
+        for entries in _LISTS:
+            entries.clear()

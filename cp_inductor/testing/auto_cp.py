@@ -123,11 +123,14 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Embedding, blocks, head; returns the loss HF transformers' way: the summed token losses
     over ``num_items_in_batch`` (the mean where it is not given). ``mask``: every block's, or a
-    tuple of one per block (``layers`` then unused)."""
+    tuple of one per block (``layers`` then unused). ``loss``: "hf" (that), "mean" (cross
+    entropy's own mean, ``num_items_in_batch`` ignored: BERT's masked-LM head, nanoGPT's) or
+    "masked" (the token losses times a 0/1 mask, summed, over the mask's sum)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                 mask: str | tuple[str, ...] = "causal"):
+                 mask: str | tuple[str, ...] = "causal", loss: str = "hf"):
         super().__init__()
+        self.loss = loss
         self.embed = nn.Embedding(vocab, dim)
         masks = mask if isinstance(mask, tuple) else (mask,) * layers
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, m) for m in masks)
@@ -143,6 +146,12 @@ class Decoder(nn.Module):
             h = block(h, position_ids, cu_seqlens, max_seqlen)
         logits = self.head(self.norm(h)).float()
         targets = shift_labels if shift_labels is not None else cp_batch.shift_labels(labels)
+        if self.loss == "mean":
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        if self.loss == "masked":
+            kept = (targets != IGNORE_INDEX).float()
+            per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none")
+            return (per_token * kept.flatten()).sum() / kept.sum()
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
         return loss / count
@@ -185,10 +194,11 @@ def titan_steps(rank: int, cp: int, cases: list) -> list:
             for make_model, batch, *options in cases]
 
 
-def decoder(mask: str | tuple[str, ...] = "causal", kv_heads: int = 2, titan_named: bool = False, dim: int = 32) -> Decoder:
+def decoder(mask: str | tuple[str, ...] = "causal", kv_heads: int = 2, titan_named: bool = False, dim: int = 32,
+            loss: str = "hf") -> Decoder:
     """A :class:`Decoder` (:class:`TitanNamed`) of 4 query heads with seed-0 weights."""
     torch.manual_seed(0)
-    return (TitanNamed if titan_named else Decoder)(dim=dim, mask=mask, kv_heads=kv_heads)
+    return (TitanNamed if titan_named else Decoder)(dim=dim, mask=mask, kv_heads=kv_heads, loss=loss)
 
 
 def packed_batch(lengths: list[int], rows: int = 1, vocab: int = 64, seed: int = 0) -> dict:
@@ -275,6 +285,19 @@ def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
     batch["cu_seqlens"] = torch.tensor([*starts, rows * tokens], dtype=torch.int32)
     batch["max_seqlen"] = max(lengths)
     return batch
+
+
+def hf_bert_masked_lm() -> nn.Module:
+    """A tiny HF transformers ``BertForMaskedLM`` (bidirectional, learned positions read at the
+    position ids, no dropout; seed 0). Its loss is cross entropy's own mean over the labelled
+    tokens: it ignores ``num_items_in_batch``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return BertForMaskedLM(config)
 
 
 def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False, head_dim: int = 8) -> nn.Module:
@@ -434,7 +457,8 @@ def _compiled(make_model, options: dict | None = None, dynamic: bool | None = No
 def _report_lines() -> list[str]:
     import cp_inductor
 
-    return [r.line() for r in cp_inductor.report().varlen]
+    report = cp_inductor.report()
+    return [r.line() for r in (*report.varlen, *report.token_means)]
 
 
 def _hf_loss_of(compiled, local: dict) -> torch.Tensor:

@@ -22,9 +22,9 @@ rule carries its first input's token dim only where its output has that input's 
 there; otherwise the trail ends, so what it reports is an op it can name, never a guess, and what
 it misses stays the user's promise, as before. Live means read by the outputs, or written in
 place into a tensor they read. Reductions over tokens (a loss, a pooled
-output) are not counted: the loss's combination across ranks is the user's (the README's
-token-weighted mean); one that keeps the token dim's place (``keepdim=True``) and is read back
-at every token by arithmetic (``x - x.mean(1, keepdim=True)``) is.
+output) are not counted: a sum is the rank's share of the loss, and a mean over every dim is
+made one (``passes/dynamo/token_means``); one that keeps the token dim's place (``keepdim=True``)
+and is read back at every token by arithmetic (``x - x.mean(1, keepdim=True)``) is.
 """
 
 from __future__ import annotations
@@ -423,13 +423,20 @@ def _base(x: torch.fx.Node) -> torch.fx.Node:
     return x
 
 
-def first_mixing(module: torch.fx.GraphModule, tokens, unread=(), inputs=None) -> Mixing | None:
-    """The first op of ``module`` past attention that mixes this rank's ``tokens``, or None;
-    ``inputs``: the per-token placeholders (all of them where not given)."""
+def trail_of(module: torch.fx.GraphModule, tokens, inputs=None) -> TokenTrail | None:
+    """The token dims of every node of ``module`` from its per-token placeholders ``inputs`` (all
+    of them where not given), or None where the token count has no hint."""
     count = _hint(tokens)
     if count is None:
         return None
     trail = TokenTrail(count)
     trail.seed(inputs if inputs is not None else module.graph.find_nodes(op="placeholder"))
     trail.follow(module)
-    return trail.mixing(module, live_nodes(module.graph, unread))
+    return trail
+
+
+def first_mixing(module: torch.fx.GraphModule, tokens, unread=(), inputs=None) -> Mixing | None:
+    """The first op of ``module`` past attention that mixes this rank's ``tokens``, or None;
+    ``inputs``: the per-token placeholders (all of them where not given)."""
+    trail = trail_of(module, tokens, inputs)
+    return trail.mixing(module, live_nodes(module.graph, unread)) if trail is not None else None

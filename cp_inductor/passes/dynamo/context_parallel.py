@@ -79,14 +79,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...lowerings import cp_collectives, document_attention  # noqa: F401 - register the ops it emits
 from ...batch_layout import BLOCK_MASK_DOCUMENTS, POSITION_KEYS, BatchShard, head_tail_places, key_of, shard_of
 from ...lowerings.cp_collectives import gather_heads, scatter_heads, tokens_at
-from ...reporting import VarlenRoute, record_varlen
+from ...reporting import TokenMeanShare, VarlenRoute, record_token_mean, record_varlen
 from ..analysis import context_parallel_cost, mask_analysis, mask_graph, token_mixing
 from ..analysis.graph_walk import Walk
 from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
 from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass, qualified_name
-from . import checkpoint_body, flex_calls, varlen_calls
+from . import checkpoint_body, flex_calls, token_means, varlen_calls
 from .checkpoint_body import CheckpointBody
 from .sdpa_calls import (SDPA, autocast_inputs, erase_dead, lifted_float_reason, read_lifted_floats, sdpa_args,
                          softmax_scale, unrepeated)
@@ -624,12 +624,14 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
+    # the token dims followed through the graph as the program wrote it (the CP ops put in carry
+    # no example values to follow), read on what is live after the rewrite
+    trail = token_mixing.trail_of(gm, tokens, _per_token(gm))
     sites = _sites(gm)
     checked = [(site, _check_call(site, tokens)) for site in sites]
     semantics = [(site, args, *_semantics(site, args, positions, documents)) for site, args in checked]
     packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
     inputs = _add_inputs(gm, shard, batch_input)
-    added = set(inputs)
     # AOTAutograd fakes a real input Dynamo did not see with sizes of its own, symbols no
     # guard can name (Inductor's 32-bit index check guarded one at T64K on a GPU, and Dynamo
     # failed to build the guards): it gets the fakes sized by the batch input instead
@@ -673,9 +675,12 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
-    _refuse_mixing(gm, tokens, added)
+    _refuse_mixing(gm, trail)
+    shares = _token_means(gm, trail, shard, cfg)
     for route in routes:  # reported once nothing refused the graph
         record_varlen(route)
+    for share in shares:
+        record_token_mean(TokenMeanShare(share))
     for module in modules:
         module.graph.lint()
         module.recompile()
@@ -757,16 +762,35 @@ def _refuse_token_index(modules, tokens) -> None:
             "makes (pass them to the model)")
 
 
-def _refuse_mixing(gm: torch.fx.GraphModule, tokens, added) -> None:
-    # the tables ids_checked reads are checked against the layout, not computed with; the
-    # per-token inputs are the program's (not its parameters, nor the layout inputs we added)
-    per_token = [n for n in gm.graph.find_nodes(op="placeholder") if not _is_module_state(n) and n not in added]
-    found = token_mixing.first_mixing(gm, tokens, unread=[(torch.ops.cp_inductor.ids_checked.default, (2, 3))],
-                                      inputs=per_token)
+def _per_token(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The program's per-token inputs (not its parameters; taken before the layout inputs are added)."""
+    return [n for n in gm.graph.find_nodes(op="placeholder") if not _is_module_state(n)]
+
+
+def _refuse_mixing(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None) -> None:
+    # the tables ids_checked reads are checked against the layout, not computed with
+    live = token_mixing.live_nodes(gm.graph, unread=[(torch.ops.cp_inductor.ids_checked.default, (2, 3))])
+    found = trail.mixing(gm, live) if trail is not None else None
     if found is not None:
         raise ContextParallelError(
             f"context_parallel: {found} mixes tokens outside attention; over this rank's tokens alone it would "
             "change the answer (attention must be the model's only op that reads other tokens)")
+
+
+def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None, shard: BatchShard, cfg) -> list[str]:
+    """The means over this rank's tokens (a loss that ignores ``num_items_in_batch``) made its
+    share of the full batch's (``token_means``); what became of each, for the report."""
+    if trail is None:
+        return []
+    means = token_means.find(gm, trail, _live(gm.graph))
+    if not means:
+        return []
+    if not cfg.context_parallel_global_means:
+        return [f"{mean.describe()}: kept, this rank's mean (context_parallel_global_means=False)" for mean in means]
+    try:
+        return token_means.rewrite(gm, means, trail, shard.cp, shard.group_name)
+    except token_means.ShareError as e:
+        raise ContextParallelError(f"context_parallel: {e}") from None
 
 
 def _unchanged(compiled):
@@ -792,7 +816,7 @@ def _supplier(index: int, group_name: str):
 
 # The Python functions _cp_attention puts into the graph, by the names AOTAutograd's cache reads
 # (the ring's by name: its module loads only where a ring is put in).
-EMITS = (*map(qualified_name, (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd)),
+EMITS = (*map(qualified_name, (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd, funcol.all_reduce)),
          "cp_inductor.parallel.ring.ring_in_graph")
 
 PASS = InputsPass(NAME, stage=DYNAMO, why_not=why_not, apply=apply, switched=False, emits=EMITS)
