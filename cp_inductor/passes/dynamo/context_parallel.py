@@ -814,8 +814,8 @@ def _supplier(index: int, group_name: str):
     return supply
 
 
-# The Python functions _cp_attention puts into the graph, by the names AOTAutograd's cache reads
-# (the ring's by name: its module loads only where a ring is put in).
+# The Python functions _cp_attention and token_means put into the graph, by the names
+# AOTAutograd's cache reads (the ring's by name: its module loads only where a ring is put in).
 EMITS = (*map(qualified_name, (scatter_heads, gather_heads, tokens_at, funcol.all_gather_tensor_autograd, funcol.all_reduce)),
          "cp_inductor.parallel.ring.ring_in_graph")
 
