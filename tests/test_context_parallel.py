@@ -949,6 +949,16 @@ class TestRefused:
             q = torch.randn(1, 8, 2, 8)
             torch.compile(_attention, backend=backend)(q, q, q, POSITIONS[:, :8].clone())
 
+    @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+    def test_hf_model_called_without_the_position_ids(self):
+        """HF Llama called with the tokens shard_batch cut but not its position ids: the model
+        makes positions of its own (an arange over this rank's tokens) and its packed-sequence
+        mask reads them; the error says to pass the batch's keys."""
+        with fake_pg(2) as group, pytest.raises(Exception, match=r"not handed the position_ids shard_batch made"):
+            local = shard_batch(auto_cp.packed_batch([16, 16]), group)
+            compiled = torch.compile(auto_cp.hf_llama("sdpa"), backend="cp_inductor",
+                                     options={"cp_inductor.context_parallel": group})
+            compiled(input_ids=local["input_ids"], labels=local["labels"])
 
     def test_positions_from_the_token_index(self):
         """nanoGPT's positions (an arange over the tokens the model sees): under CP those are this

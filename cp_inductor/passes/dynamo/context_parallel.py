@@ -316,7 +316,11 @@ def _flex_mask(site: Site, args: dict) -> mask_analysis.DocumentMask:
 
 
 def _inputs_hint(site: Site, args: dict, positions) -> str:
-    """Where a flex mask_mod reads tables this graph takes as inputs: what would let it check them."""
+    """What would let the pass read the mask: the position ids handed in, or, where a flex
+    mask_mod reads tables this graph takes as inputs, tables it can check."""
+    if positions is None:  # the model made positions of its own (HF's from an arange over its tokens)
+        return ("; the model was not handed the position_ids shard_batch made (call it with every key of the "
+                "batch shard_batch returned, compiled(**local)), so its mask reads positions it made itself")
     tables = [site.outer(b) for b in args.get("mask_buffers", ())]
     if any(isinstance(t, torch.fx.Node) and t.op == "placeholder" and t is not positions for t in tables):
         return ("; its mask_mod reads tables that come in as inputs of this graph, made in another (HF transformers "
