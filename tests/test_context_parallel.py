@@ -628,6 +628,33 @@ truediv_4 = truediv(cross_entropy, all_reduce)""")
             "rank's mean (context_parallel_global_means=False)"]
 
 
+@pytest.mark.filterwarnings("error:Raw Sym")
+def test_element_counts_are_read_in_the_graph_under_dynamic_shapes():
+    """Under ``dynamic=True`` a mean's element count is a symbol: it is read from the tensor's
+    size in the graph (torch.fx warns of a raw SymInt among a node's arguments, an error here),
+    and the program is the same as the static one."""
+    q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+    program = _loss_over(lambda logits, labels: (logits ** 2).mean() + F.mse_loss(logits, torch.zeros_like(logits)))
+    got = []
+    try:
+        for dynamic in (False, True):
+            cp_inductor.clear_report()
+            with fake_pg(2, 0) as group, torch.no_grad():
+                local = shard_batch({"input_ids": torch.zeros(POSITIONS.shape, dtype=torch.long),
+                                     "position_ids": POSITIONS}, group)["position_ids"]
+                compiled = torch.compile(program, backend="cp_inductor", dynamic=dynamic,
+                                         options={"cp_inductor.context_parallel": group.group_name})
+                got.append(compiled(q, k, v, torch.zeros(1, 8, dtype=torch.long), local))
+                lines = [m.line() for m in cp_inductor.report().token_means]
+            torch._dynamo.reset()
+            assert {line.split(": ")[0] for line in lines} == {"context-parallel mean mean",
+                                                               "context-parallel mean mse_loss"}, (dynamic, lines)
+    finally:
+        torch._dynamo.reset()
+        cp_inductor.clear_report()
+    assert torch.equal(*got), got
+
+
 @pytest.mark.parametrize("loss_of, match", [
     (lambda logits, labels: F.cross_entropy(logits, labels).exp(), r"is read by exp"),
     (lambda logits, labels: (logits - logits.mean()).square().sum(), r"read back at every token \(sub"),

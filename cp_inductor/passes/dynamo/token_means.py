@@ -153,17 +153,34 @@ def _new(g: torch.fx.Graph, kind: str, target, args: tuple, kwargs: dict | None 
 def _count(g: torch.fx.Graph, mean: LocalMean, cp: int, group_name: str) -> torch.fx.Node | int:
     """The full batch's count the mean divides by (built before ``mean.node``)."""
     if mean.form == "mean":
-        return value(mean.node.args[0]).numel() * cp
+        return _elements(g, mean.node.args[0], cp)
     args = _bound(mean.node) or {}
-    x, target = value(args["input"]), args["target"]
+    x, target = args["input"], args["target"]
     if mean.form == "element loss":
-        return torch.broadcast_shapes(x.shape, value(target).shape).numel() * cp
+        shape = torch.broadcast_shapes(value(x).shape, value(target).shape)
+        widest = next((t for t in (x, target) if value(t).shape == shape), None)
+        if widest is None:
+            raise ShareError(f"{mean.describe()}, over a broadcast of its input and target, is not taken yet")
+        return _elements(g, widest, cp)
     if value(target).is_floating_point():  # class probabilities: a mean over the samples
-        return (x.numel() // x.shape[1 if x.dim() > 1 else 0]) * cp
+        classes = value(x).shape[1 if value(x).dim() > 1 else 0]
+        return _elements(g, target, cp, per=classes) if value(target).shape == value(x).shape else _elements(g, x, cp, per=classes)
     ignore = args["ignore_index"]
     kept = _new(g, "call_function", operator.ne, (target, ignore), example=value(target).ne(ignore))
     labelled = _new(g, "call_method", "sum", (kept,), example=value(kept).sum())
     return _all_reduced(g, labelled, group_name)
+
+
+def _elements(g: torch.fx.Graph, x: torch.fx.Node, cp: int, per=1) -> torch.fx.Node | int:
+    """cp times ``x``'s element count over ``per``: a number, or nodes where the count is symbolic
+    (a raw symbol in the graph would have no input to come from)."""
+    count = value(x).numel()
+    if isinstance(count, int) and isinstance(per, int):
+        return count // per * cp
+    numel = _new(g, "call_function", torch.ops.aten.sym_numel.default, (x,), example=count)
+    if per != 1:
+        numel = _new(g, "call_function", operator.floordiv, (numel, per), example=count // per)
+    return _new(g, "call_function", operator.mul, (numel, cp), example=value(numel) * cp)
 
 
 def _all_reduced(g: torch.fx.Graph, x: torch.fx.Node, group_name: str) -> torch.fx.Node:
