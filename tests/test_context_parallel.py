@@ -1125,12 +1125,14 @@ def test_losses_averaged_over_the_ranks_tokens_match_single_device():
     head and nanoGPT compute it; a masked mean) on a pack whose ranks hold different label counts:
     each rank's loss is made its share of the full batch's mean (``token_means``), so the sum
     ``combine_losses`` takes and the summed gradients are the single-device ones; HF
-    transformers' BERT masked-LM on a plain batch likewise (before, the combined loss was about
+    transformers' BERT masked-LM on a plain batch likewise, and the mean computed after a graph break
+    (a graph without attention, reading the labels shard_batch cut) (before, the combined loss was about
     cp times the loss; switched off it still is: ``test_switched_off_the_mean_stays_this_ranks``)."""
     pack, plain = _batches(rows=2)
     pack = {**pack, "labels": pack["labels"].masked_fill(torch.arange(32) % 3 == 0, -100)}
-    mean, masked = (functools.partial(auto_cp.decoder, "documents", loss=loss) for loss in ("mean", "masked"))
-    cases = [(mean, pack), (masked, plain, ULYSSES)]
+    mean, masked, after_break = (functools.partial(auto_cp.decoder, "documents", loss=loss)
+                                 for loss in ("mean", "masked", "mean_after_break"))
+    cases = [(mean, pack), (masked, plain, ULYSSES), (after_break, pack)]
     if importlib.util.find_spec("transformers") is not None:
         masked_lm = {"input_ids": plain["input_ids"], "labels": plain["labels"].masked_fill(torch.arange(32) % 4 != 1, -100)}
         cases.append((auto_cp.hf_bert_masked_lm, masked_lm))
@@ -1142,6 +1144,8 @@ def test_losses_averaged_over_the_ranks_tokens_match_single_device():
          "the full batch's count"],
         ["context-parallel mean truediv_8: a sum over this rank's tokens divided by another (sum_2): the denominator "
          "all-reduced over the ranks"],
+        ["context-parallel mean cross_entropy: cross_entropy averaged over this rank's labelled tokens: divided by "
+         "the full batch's count"],
         ["context-parallel mean masked_lm_loss: cross_entropy averaged over this rank's labelled tokens: divided by "
          "the full batch's count"]][:len(cases)], means
 

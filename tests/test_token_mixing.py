@@ -165,6 +165,15 @@ def mean_over_hidden_read_back(x):  # a norm's statistics: over the hidden dim, 
     return x - x.mean(-1, keepdim=True)
 
 
+def capacity_by_one_hot_cumsum(x):  # capacity-limited MoE routing: each token's place in its expert's queue
+    experts = x.view(-1, C)[:, :4].argmax(-1)
+    return (F.one_hot(experts, 4).cumsum(0) * F.one_hot(experts, 4)).sum(-1)
+
+
+def one_hot_per_token(x):  # the expert of each token, one-hot: per token
+    return F.one_hot(x.view(-1, C)[:, :4].argmax(-1), 4).float() * 2
+
+
 class TokenMixingTrailTest(TestCase):
     def test_pooled_over_tokens_and_read_back(self):
         """A reduction over tokens that keeps their dim, read back at every token: over one rank's
@@ -174,6 +183,13 @@ class TokenMixingTrailTest(TestCase):
 centered_over_tokens: sub: mean over the token dim, read back at every token (sub)
 scaled_by_the_tokens_max: mul: amax over the token dim, read back at every token (mul)
 mean_over_hidden_read_back: -""")
+
+    def test_one_hot_keeps_the_token_dim(self):
+        """``one_hot`` adds a trailing dim of classes: the token dim is followed through it, so a
+        scan over tokens after it (an MoE router's places in each expert's queue) is named."""
+        self.assertExpectedInline(outcomes(capacity_by_one_hot_cumsum, one_hot_per_token), """\
+capacity_by_one_hot_cumsum: cumsum: cumsum along the token dim
+one_hot_per_token: -""")
 
     def test_transposes_writes_and_keywords(self):
         got = outcomes(conv_after_mT, softmax_between_mT, cumsum_written_in_place, cumsum_into_a_slice,

@@ -125,7 +125,8 @@ class Decoder(nn.Module):
     over ``num_items_in_batch`` (the mean where it is not given). ``mask``: every block's, or a
     tuple of one per block (``layers`` then unused). ``loss``: "hf" (that), "mean" (cross
     entropy's own mean, ``num_items_in_batch`` ignored: BERT's masked-LM head, nanoGPT's) or
-    "masked" (the token losses times a 0/1 mask, summed, over the mask's sum)."""
+    "masked" (the token losses times a 0/1 mask, summed, over the mask's sum); "mean_after_break"
+    (the mean, after a graph break: in a graph of its own, without attention)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
                  mask: str | tuple[str, ...] = "causal", loss: str = "hf"):
@@ -146,7 +147,9 @@ class Decoder(nn.Module):
             h = block(h, position_ids, cu_seqlens, max_seqlen)
         logits = self.head(self.norm(h)).float()
         targets = shift_labels if shift_labels is not None else cp_batch.shift_labels(labels)
-        if self.loss == "mean":
+        if self.loss == "mean_after_break":
+            torch._dynamo.graph_break()
+        if self.loss.startswith("mean"):
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         if self.loss == "masked":
             kept = (targets != IGNORE_INDEX).float()

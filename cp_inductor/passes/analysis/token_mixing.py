@@ -16,7 +16,7 @@ The token dim is followed, not guessed from sizes: from the inputs ``shard_batch
 through element-wise ops (dims right-aligned, sizes equal; broadcasting only for the arithmetic
 and comparison ops, any other op follows its first input), views and reshapes (by the products
 of the leading sizes), transposes and permutes, indexing, concatenation, reductions, embedding
-lookups, matmuls, ``einsum`` and activation-checkpointed bodies; the inputs are the program's
+lookups, ``one_hot``, matmuls, ``einsum`` and activation-checkpointed bodies; the inputs are the program's
 per-token ones (a parameter whose dim 1 happens to have the token count is not). An op with no
 rule carries its first input's token dim only where its output has that input's rank and size
 there; otherwise the trail ends, so what it reports is an op it can name, never a guess, and what
@@ -221,6 +221,8 @@ class TokenTrail:
         if name in ("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis") or (
                 name == "getattr" and n.args[1] in ("T", "mT", "H", "mH")):
             return self._permuted(n, name, shape, source)
+        if name == "one_hot":  # a trailing dim of classes: the index's dims stay where they were
+            return source
         if name in ("unsqueeze", "squeeze", "embedding", "cat", "concat", "concatenate", "stack"):
             return self._inserted(n, name, shape, source, out)
         if name in REDUCTIONS:

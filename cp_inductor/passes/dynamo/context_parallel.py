@@ -611,6 +611,12 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     tokens = value(layout[1]).shape[1] if layout is not None else None
     calls, untaken = _attention_calls(gm) + _checkpoints(gm) + [c.node for c in varlen_calls.find(gm)], _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
+        trail = token_mixing.trail_of(gm, tokens, _per_token(gm)) if layout is not None else None
+        if layout is not None and trail is not None and token_means.find(gm, trail, _live(gm.graph)):
+            gm = _own_copy(gm)[0]  # a loss after a graph break: it reads this rank's labels
+            for share in _token_means(gm, token_mixing.trail_of(gm, tokens, _per_token(gm)), layout[3], cfg):
+                record_token_mean(TokenMeanShare(share))
+            gm.recompile()
         return gm, example_inputs, _unchanged
     if layout is None:
         raise ContextParallelError(
