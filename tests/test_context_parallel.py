@@ -617,6 +617,23 @@ sum_1 = sum(ne_1)
 all_reduce = all_reduce(sum_1, 'sum', cp)
 truediv_4 = truediv(cross_entropy, all_reduce)""")
 
+    def test_counts_of_samples_and_elements(self):
+        """Cross entropy over class probabilities averages over the samples (8 here, 16 over the
+        ranks); an element-wise loss over its elements (40, 80)."""
+        def probabilities_and_squares(logits, labels):
+            return F.cross_entropy(logits, logits.softmax(-1).detach()) + F.mse_loss(logits, torch.zeros_like(logits))
+
+        self.assertExpectedInline(_loss_rewritten(probabilities_and_squares), """\
+out = matmul(flatten, l_w_)
+softmax = softmax(flatten_1, -1)
+detach = detach(softmax)
+cross_entropy_1 = cross_entropy(flatten_1, detach, reduction='sum')
+truediv_3 = truediv(cross_entropy_1, 16)
+zeros_like = zeros_like(flatten_1)
+mse_loss_1 = mse_loss(flatten_1, zeros_like, reduction='sum')
+truediv_4 = truediv(mse_loss_1, 80)
+add_2 = add(truediv_3, truediv_4)""")
+
     def test_switched_off_the_mean_stays_this_ranks(self):
         cp_inductor.clear_report()
         q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)

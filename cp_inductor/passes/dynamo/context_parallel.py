@@ -611,12 +611,14 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     tokens = value(layout[1]).shape[1] if layout is not None else None
     calls, untaken = _attention_calls(gm) + _checkpoints(gm) + [c.node for c in varlen_calls.find(gm)], _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
-        trail = token_mixing.trail_of(gm, tokens, _per_token(gm)) if layout is not None else None
-        if layout is not None and trail is not None and token_means.find(gm, trail, _live(gm.graph)):
-            gm = _own_copy(gm)[0]  # a loss after a graph break: it reads this rank's labels
-            for share in _token_means(gm, token_mixing.trail_of(gm, tokens, _per_token(gm)), layout[3], cfg):
+        if layout is not None:  # a loss after a graph break reads this rank's labels
+            copy = _own_copy(gm)[0]
+            shares = _token_means(copy, token_mixing.trail_of(copy, tokens, _per_token(copy)), layout[3], cfg)
+            for share in shares:
                 record_token_mean(TokenMeanShare(share))
-            gm.recompile()
+            if shares:
+                copy.recompile()
+                gm = copy
         return gm, example_inputs, _unchanged
     if layout is None:
         raise ContextParallelError(
@@ -792,12 +794,10 @@ def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None
     share of the full batch's (``token_means``); what became of each, for the report."""
     if trail is None:
         return []
-    means = token_means.find(gm, trail, _live(gm.graph))
-    if not means:
-        return []
-    if not cfg.context_parallel_global_means:
-        return [f"{mean.describe()}: kept, this rank's mean (context_parallel_global_means=False)" for mean in means]
     try:
+        means = token_means.find(gm, trail, _live(gm.graph))
+        if not cfg.context_parallel_global_means:
+            return [f"{mean.describe()}: kept, this rank's mean (context_parallel_global_means=False)" for mean in means]
         return token_means.rewrite(gm, means, trail, shard.cp, shard.group_name)
     except token_means.ShareError as e:
         raise ContextParallelError(f"context_parallel: {e}") from None

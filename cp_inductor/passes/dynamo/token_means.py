@@ -164,7 +164,7 @@ def _count(g: torch.fx.Graph, mean: LocalMean, cp: int, group_name: str) -> torc
         return _elements(g, widest, cp)
     if value(target).is_floating_point():  # class probabilities: a mean over the samples
         classes = value(x).shape[1 if value(x).dim() > 1 else 0]
-        return _elements(g, target, cp, per=classes) if value(target).shape == value(x).shape else _elements(g, x, cp, per=classes)
+        return _elements(g, x, cp, per=classes)
     ignore = args["ignore_index"]
     kept = _new(g, "call_function", operator.ne, (target, ignore), example=value(target).ne(ignore))
     labelled = _new(g, "call_method", "sum", (kept,), example=value(kept).sum())
