@@ -165,6 +165,18 @@ def mean_over_hidden_read_back(x):  # a norm's statistics: over the hidden dim, 
     return x - x.mean(-1, keepdim=True)
 
 
+def centered_by_a_dropped_mean(x):  # the token dim dropped by the mean, put back by indexing
+    return x - x.mean(1)[:, None]
+
+
+def scaled_by_an_unsqueezed_sum(x):
+    return x / x.sum(dim=1).unsqueeze(1)
+
+
+def per_row_loss_over_tokens(x):  # reductions over tokens not read back: a loss's, per row
+    return (x.sum(dim=(1, 2)) / x.abs().sum(dim=(1, 2))).sum()
+
+
 def capacity_by_one_hot_cumsum(x):  # capacity-limited MoE routing: each token's place in its expert's queue
     experts = x.view(-1, C)[:, :4].argmax(-1)
     return (F.one_hot(experts, 4).cumsum(0) * F.one_hot(experts, 4)).sum(-1)
@@ -178,11 +190,15 @@ class TokenMixingTrailTest(TestCase):
     def test_pooled_over_tokens_and_read_back(self):
         """A reduction over tokens that keeps their dim, read back at every token: over one rank's
         tokens it pools other numbers."""
-        got = outcomes(centered_over_tokens, scaled_by_the_tokens_max, mean_over_hidden_read_back)
+        got = outcomes(centered_over_tokens, scaled_by_the_tokens_max, mean_over_hidden_read_back,
+                       centered_by_a_dropped_mean, scaled_by_an_unsqueezed_sum, per_row_loss_over_tokens)
         self.assertExpectedInline(got, """\
 centered_over_tokens: sub: mean over the token dim, read back at every token (sub)
 scaled_by_the_tokens_max: mul: amax over the token dim, read back at every token (mul)
-mean_over_hidden_read_back: -""")
+mean_over_hidden_read_back: -
+centered_by_a_dropped_mean: sub: mean over the token dim, read back at every token (sub)
+scaled_by_an_unsqueezed_sum: truediv: sum over the token dim, read back at every token (truediv)
+per_row_loss_over_tokens: -""")
 
     def test_one_hot_keeps_the_token_dim(self):
         """``one_hot`` adds a trailing dim of classes: the token dim is followed through it, so a

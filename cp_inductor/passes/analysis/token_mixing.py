@@ -24,7 +24,8 @@ it misses stays the user's promise, as before. Live means read by the outputs, o
 place into a tensor they read. Reductions over tokens (a loss, a pooled
 output) are not counted: a sum is the rank's share of the loss, and a mean over every dim is
 made one (``passes/dynamo/token_means``); one that keeps the token dim's place (``keepdim=True``)
-and is read back at every token by arithmetic (``x - x.mean(1, keepdim=True)``) is.
+and is read back at every token by arithmetic (``x - x.mean(1, keepdim=True)``, or the dim dropped and put back by
+hand: ``x - x.mean(1)[:, None]``) is.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ class TokenTrail:
     def __init__(self, tokens: int):
         self.tokens = tokens
         self.dims: dict[torch.fx.Node, object] = {}
-        # values pooled over the token dim with its place kept (``x.mean(1, keepdim=True)``), and
-        # what they became through views and value-wise ops: read back at every token, they mix them
+        # values pooled over the token dim (``x.mean(1, keepdim=True)``, ``x.mean(1)``), and what
+        # they became through views and value-wise ops: read back at every token, they mix them
         self.pooled: dict[torch.fx.Node, str] = {}
 
     def seed(self, inputs: Iterable[torch.fx.Node]) -> None:
@@ -227,9 +228,9 @@ class TokenTrail:
             return self._inserted(n, name, shape, source, out)
         if name in REDUCTIONS:
             dims = _norm(_arg(n, 1, "dim"), len(shape)) if shape else None
+            if dims is not None and dims & source:  # kept or dropped (then put back by hand: x.mean(1)[:, None])
+                self.pooled[n] = f"{name} over the token dim"
             if dims is not None and _arg(n, 2, "keepdim", False):
-                if dims & source:
-                    self.pooled[n] = f"{name} over the token dim"
                 return Dims(source - dims)  # the reduced dims stay, of size 1
             if dims is None:
                 return None
