@@ -634,6 +634,87 @@ mse_loss_1 = mse_loss(flatten_1, zeros_like, reduction='sum')
 truediv_4 = truediv(mse_loss_1, 80)
 add_2 = add(truediv_3, truediv_4)""")
 
+    def test_a_statistic_read_by_a_product_becomes_the_full_batchs(self):
+        """A mean over the tokens that keeps other dims (the mean probability per class), squared:
+        all-reduced to the full batch's (its gradient this rank's own: ``sub`` of itself
+        detached), and the term of the loss made from it divided by cp (``token_statistics``)."""
+        def balanced(logits, labels):
+            balance = (logits.softmax(-1).mean(0) ** 2).sum()
+            return F.cross_entropy(logits, labels, reduction="sum") / 16 + 0.01 * balance
+
+        self.assertExpectedInline(_loss_rewritten(balanced), """\
+out = matmul(flatten, l_w_)
+softmax = softmax(flatten_1, -1)
+mean = mean(softmax, 0)
+detach = detach(mean)
+all_reduce = all_reduce(detach, 'sum', cp)
+truediv_6 = truediv(all_reduce, 2)
+sub_2 = sub(mean, detach)
+add_3 = add(sub_2, truediv_6)
+pow_3 = pow(add_3, 2)
+balance = sum(pow_3)
+cross_entropy = cross_entropy(flatten_1, flatten_2, reduction='sum')
+truediv_4 = truediv(cross_entropy, 16)
+mul_10 = mul(0.01, balance)
+truediv_5 = truediv(mul_10, 2)
+add_2 = add(truediv_4, truediv_5)""")
+
+    def test_counts_over_a_count_taken_from_the_shapes(self):
+        """Counts of tokens per class (``histc``, as HF's MoE balancing loss counts tokens per
+        expert) and a sum over the tokens, each divided by the token count the program read from
+        its shapes (8 here): the sums all-reduced, the counts cp times theirs (16)."""
+        def counted(logits, labels):
+            chosen = logits.argmax(-1).float()
+            load = torch.histc(chosen, bins=5, min=0, max=5) / chosen.shape[0]
+            return (load * logits.softmax(-1).sum(0) / chosen.shape[0]).sum()
+
+        self.assertExpectedInline(_loss_rewritten(counted), """\
+out = matmul(flatten, l_w_)
+argmax = argmax(flatten_1, -1)
+chosen = float(argmax)
+histc = histc(chosen)
+detach = detach(histc)
+all_reduce = all_reduce(detach, 'sum', cp)
+mul = mul(histc, 2)
+mul_11 = mul(detach, 2)
+sub_2 = sub(mul, mul_11)
+add_2 = add(sub_2, all_reduce)
+load = truediv(add_2, 16)
+softmax = softmax(flatten_1, -1)
+sum_1 = sum(softmax, 0)
+detach_1 = detach(sum_1)
+all_reduce_1 = all_reduce(detach_1, 'sum', cp)
+mul_12 = mul(sum_1, 2)
+mul_13 = mul(detach_1, 2)
+sub_3 = sub(mul_12, mul_13)
+add_3 = add(sub_3, all_reduce_1)
+mul_10 = mul(load, add_3)
+truediv_5 = truediv(mul_10, 16)
+sum_2 = sum(truediv_5)
+truediv_6 = truediv(sum_2, 2)""")
+
+    def test_statistics_handed_out_of_the_graph(self):
+        """A mean over the tokens handed out as a tensor (pooled logits beside the loss) is the
+        full batch's, as the single device returns it (not divided: only scalars are shares); a
+        count handed out (split sizes a MoE reads on the host) stays this rank's."""
+        def with_outputs(logits, labels):
+            counts = torch.histc(logits.argmax(-1).float(), bins=5, min=0, max=5)
+            return F.cross_entropy(logits, labels, reduction="sum") / 16, logits.mean(0), counts
+
+        self.assertExpectedInline(_loss_rewritten(with_outputs), """\
+out = matmul(flatten, l_w_)
+argmax = argmax(flatten_1, -1)
+float_3 = float(argmax)
+counts = histc(float_3)
+cross_entropy = cross_entropy(flatten_1, flatten_2, reduction='sum')
+truediv_4 = truediv(cross_entropy, 16)
+mean = mean(flatten_1, 0)
+detach = detach(mean)
+all_reduce = all_reduce(detach, 'sum', cp)
+truediv_5 = truediv(all_reduce, 2)
+sub_2 = sub(mean, detach)
+add_2 = add(sub_2, truediv_5)""")
+
     def test_switched_off_the_mean_stays_this_ranks(self):
         cp_inductor.clear_report()
         q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
@@ -676,7 +757,9 @@ def test_element_counts_are_read_in_the_graph_under_dynamic_shapes():
     (lambda logits, labels: F.cross_entropy(logits, labels).exp(), r"is read by exp"),
     (lambda logits, labels: (logits - logits.mean()).square().sum(), r"read back at every token \(sub"),
     (lambda logits, labels: F.cross_entropy(logits, labels, weight=torch.ones(5)), r"class weights"),
-], ids=["perplexity", "centred_by_the_mean", "class_weights"])
+    (lambda logits, labels: F.cross_entropy(logits, labels, reduction="sum") ** logits.softmax(-1).mean(0).sum(),
+     r"is read by pow \(pow\w*\) with this rank's share"),
+], ids=["perplexity", "centred_by_the_mean", "class_weights", "statistic_read_by_a_share"])
 def test_means_that_cannot_be_shares_fail_the_compile(loss_of, match):
     """Read otherwise than by sums and scalings, the ranks' outputs would not sum to the
     single-device one: the compile fails naming the op (it was a silent wrong answer)."""
@@ -1162,6 +1245,27 @@ def test_losses_averaged_over_the_ranks_tokens_match_single_device():
          "all-reduced over the ranks"],
         ["context-parallel mean masked_lm_loss: cross_entropy averaged over this rank's labelled tokens: divided by "
          "the full batch's count"]][:len(cases)], means
+
+
+def test_statistics_over_the_ranks_tokens_match_single_device():
+    """Means and counts over the tokens that a loss reads otherwise than by sums are made the full
+    batch's (``token_statistics``): HF transformers' Mixtral with its load-balancing loss (counts
+    of tokens per expert and the router's mean probabilities, over the router logits handed
+    across HF's graph break, multiplied), and a sequence classifier on the mean of each row's
+    logits. Before, both combined a different loss (Mixtral 6.18 against 5.17) with wrong
+    gradients, silently."""
+    pack, plain = _batches(rows=2)
+    cases = [(functools.partial(auto_cp.decoder, "causal", loss="pooled"), plain, ULYSSES)]
+    if importlib.util.find_spec("transformers") is not None:
+        cases.append((auto_cp.hf_mixtral, pack))
+    results = run_on_ranks(auto_cp.cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    statistics = [sorted(line.split(": ")[1] for line in case["lines"] if "context-parallel mean" in line)
+                  for case in results[0]]
+    assert statistics == [["mean over this rank's tokens (dim 1)"],
+                          [*["a sum over the tokens divided by this rank's count (64.0)"] * 2,
+                           *["histc over this rank's tokens (dim 0)"] * 2,
+                           *["sum over this rank's tokens (dim 0)"] * 2]][:len(cases)], statistics
 
 
 @pytest.mark.wide

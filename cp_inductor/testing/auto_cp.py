@@ -126,7 +126,8 @@ class Decoder(nn.Module):
     tuple of one per block (``layers`` then unused). ``loss``: "hf" (that), "mean" (cross
     entropy's own mean, ``num_items_in_batch`` ignored: BERT's masked-LM head, nanoGPT's) or
     "masked" (the token losses times a 0/1 mask, summed, over the mask's sum); "mean_after_break"
-    (the mean, after a graph break: in a graph of its own, without attention)."""
+    (the mean, after a graph break: in a graph of its own, without attention); "pooled" (a
+    sequence classifier: the mean of each row's logits, cross entropy against the row's index)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
                  mask: str | tuple[str, ...] = "causal", loss: str = "hf"):
@@ -147,6 +148,9 @@ class Decoder(nn.Module):
             h = block(h, position_ids, cu_seqlens, max_seqlen)
         logits = self.head(self.norm(h)).float()
         targets = shift_labels if shift_labels is not None else cp_batch.shift_labels(labels)
+        if self.loss == "pooled":
+            pooled = logits.mean(1)
+            return F.cross_entropy(pooled, torch.arange(pooled.shape[0], device=pooled.device))
         if self.loss == "mean_after_break":
             torch._dynamo.graph_break()
         if self.loss.startswith("mean"):
@@ -301,6 +305,18 @@ def hf_bert_masked_lm() -> nn.Module:
                         attn_implementation="sdpa")
     torch.manual_seed(0)
     return BertForMaskedLM(config)
+
+
+def hf_mixtral(router_aux_loss: bool = True) -> nn.Module:
+    """A tiny HF transformers ``MixtralForCausalLM`` (4 experts, top 2, seed 0), its
+    load-balancing loss over the router's logits added to the loss where ``router_aux_loss``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+                           use_cache=False, output_router_logits=router_aux_loss, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config)
 
 
 def hf_llama(attn: str = "sdpa", kv_heads: int = 2, checkpointing: bool = False, head_dim: int = 8) -> nn.Module:

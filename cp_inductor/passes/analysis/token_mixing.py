@@ -176,13 +176,16 @@ class TokenTrail:
         # they became through views and value-wise ops: read back at every token, they mix them
         self.pooled: dict[torch.fx.Node, str] = {}
 
-    def seed(self, inputs: Iterable[torch.fx.Node]) -> None:
-        """``inputs``: the per-token inputs (their dim 1 this rank's tokens); a parameter whose
-        dim 1 happens to have that size is not one."""
+    def seed(self, inputs: Iterable[torch.fx.Node], rows: int | None = None) -> None:
+        """``inputs``: the per-token inputs (their dim 1 this rank's tokens, or, where the batch
+        has ``rows`` rows, their dim 0 the rows' tokens flattened: a MoE's router logits handed
+        across a graph break); a parameter whose dim happens to have that size is not one."""
         for n in inputs:
             shape = _shape(n)
             if shape is not None and len(shape) >= 2 and shape[1] == self.tokens:
                 self.dims[n] = Dims({1})
+            elif shape and rows is not None and shape[0] == rows * self.tokens:
+                self.dims[n] = Dims({0})
 
     def of(self, x) -> Dims:
         got = self.dims.get(x) if isinstance(x, torch.fx.Node) else None
@@ -426,14 +429,23 @@ def _base(x: torch.fx.Node) -> torch.fx.Node:
     return x
 
 
-def trail_of(module: torch.fx.GraphModule, tokens, inputs=None) -> TokenTrail | None:
+def reduced_token_dims(trail: TokenTrail, n: torch.fx.Node) -> set[int]:
+    """The token dims of its input that reduction ``n`` (over the dims it is given) reduces."""
+    first = n.args[0] if n.args else None
+    shape = _shape(first)
+    dims = _norm(_arg(n, 1, "dim"), len(shape)) if shape else None
+    return set(dims & trail.of(first)) if dims else set()
+
+
+def trail_of(module: torch.fx.GraphModule, tokens, inputs=None, rows=None) -> TokenTrail | None:
     """The token dims of every node of ``module`` from its per-token placeholders ``inputs`` (all
-    of them where not given), or None where the token count has no hint."""
+    of them where not given; ``rows``: the batch's, where inputs may come flattened), or None
+    where the token count has no hint."""
     count = _hint(tokens)
     if count is None:
         return None
     trail = TokenTrail(count)
-    trail.seed(inputs if inputs is not None else module.graph.find_nodes(op="placeholder"))
+    trail.seed(inputs if inputs is not None else module.graph.find_nodes(op="placeholder"), _hint(rows))
     trail.follow(module)
     return trail
 

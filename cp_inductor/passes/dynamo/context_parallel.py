@@ -86,7 +86,7 @@ from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
 from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass, qualified_name
-from . import checkpoint_body, flex_calls, token_means, varlen_calls
+from . import checkpoint_body, flex_calls, token_means, token_statistics, varlen_calls
 from .checkpoint_body import CheckpointBody
 from .sdpa_calls import (SDPA, autocast_inputs, erase_dead, lifted_float_reason, read_lifted_floats, sdpa_args,
                          softmax_scale, unrepeated)
@@ -608,12 +608,12 @@ def _own_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torc
 
 def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx.GraphModule, list, Callable]:
     layout = _layout_input(gm, example_inputs)
-    tokens = value(layout[1]).shape[1] if layout is not None else None
+    rows, tokens = value(layout[1]).shape[:2] if layout is not None else (None, None)
     calls, untaken = _attention_calls(gm) + _checkpoints(gm) + [c.node for c in varlen_calls.find(gm)], _untaken(gm, tokens)
     if not calls and untaken is None:  # nothing mixes the sequence here (as far as it can tell)
         if layout is not None:  # a loss after a graph break reads this rank's labels
             copy = _own_copy(gm)[0]
-            shares = _token_means(copy, token_mixing.trail_of(copy, tokens, _per_token(copy)), layout[3], cfg)
+            shares = _token_means(copy, token_mixing.trail_of(copy, tokens, _per_token(copy), rows), layout[3], cfg)
             for share in shares:
                 record_token_mean(TokenMeanShare(share))
             if shares:
@@ -638,7 +638,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
             f"{cfg.context_parallel!r}")
     # the token dims followed through the graph as the program wrote it (the CP ops put in carry
     # no example values to follow), read on what is live after the rewrite
-    trail = token_mixing.trail_of(gm, tokens, _per_token(gm))
+    trail = token_mixing.trail_of(gm, tokens, _per_token(gm), rows)
     sites = _sites(gm)
     checked = [(site, _check_call(site, tokens)) for site in sites]
     semantics = [(site, args, *_semantics(site, args, positions, documents)) for site, args in checked]
@@ -795,10 +795,14 @@ def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None
     if trail is None:
         return []
     try:
+        statistics = token_statistics.find(gm, trail, _live(gm.graph))
         means = token_means.find(gm, trail, _live(gm.graph))
         if not cfg.context_parallel_global_means:
-            return [f"{mean.describe()}: kept, this rank's mean (context_parallel_global_means=False)" for mean in means]
-        return token_means.rewrite(gm, means, trail, shard.cp, shard.group_name)
+            kept = "kept, this rank's {} (context_parallel_global_means=False)"
+            return [*(f"{s.what()}: {kept.format('statistic')}" for s in statistics),
+                    *(f"{m.describe()}: {kept.format('mean')}" for m in means)]
+        made = token_statistics.rewrite(gm, statistics, trail, shard.cp, shard.group_name)
+        return [*made, *token_means.rewrite(gm, token_means.find(gm, trail, _live(gm.graph)), trail, shard.cp, shard.group_name)]
     except token_means.ShareError as e:
         raise ContextParallelError(f"context_parallel: {e}") from None
 

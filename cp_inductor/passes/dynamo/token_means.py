@@ -144,7 +144,7 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
     return found
 
 
-def _new(g: torch.fx.Graph, kind: str, target, args: tuple, kwargs: dict | None = None, example=None) -> torch.fx.Node:
+def new_node(g: torch.fx.Graph, kind: str, target, args: tuple, kwargs: dict | None = None, example=None) -> torch.fx.Node:
     n = g.create_node(kind, target, args, kwargs or {})
     n.meta["example_value"] = example
     return n
@@ -166,8 +166,8 @@ def _count(g: torch.fx.Graph, mean: LocalMean, cp: int, group_name: str) -> torc
         classes = value(x).shape[1 if value(x).dim() > 1 else 0]
         return _elements(g, x, cp, per=classes)
     ignore = args["ignore_index"]
-    kept = _new(g, "call_function", operator.ne, (target, ignore), example=value(target).ne(ignore))
-    labelled = _new(g, "call_method", "sum", (kept,), example=value(kept).sum())
+    kept = new_node(g, "call_function", operator.ne, (target, ignore), example=value(target).ne(ignore))
+    labelled = new_node(g, "call_method", "sum", (kept,), example=value(kept).sum())
     return _all_reduced(g, labelled, group_name)
 
 
@@ -177,14 +177,14 @@ def _elements(g: torch.fx.Graph, x: torch.fx.Node, cp: int, per=1) -> torch.fx.N
     count = value(x).numel()
     if isinstance(count, int) and isinstance(per, int):
         return count // per * cp
-    numel = _new(g, "call_function", torch.ops.aten.sym_numel.default, (x,), example=count)
+    numel = new_node(g, "call_function", torch.ops.aten.sym_numel.default, (x,), example=count)
     if per != 1:
-        numel = _new(g, "call_function", operator.floordiv, (numel, per), example=count // per)
-    return _new(g, "call_function", operator.mul, (numel, cp), example=value(numel) * cp)
+        numel = new_node(g, "call_function", operator.floordiv, (numel, per), example=count // per)
+    return new_node(g, "call_function", operator.mul, (numel, cp), example=value(numel) * cp)
 
 
 def _all_reduced(g: torch.fx.Graph, x: torch.fx.Node, group_name: str) -> torch.fx.Node:
-    return _new(g, "call_function", funcol.all_reduce, (x, "sum", group_name), example=value(x).clone())
+    return new_node(g, "call_function", funcol.all_reduce, (x, "sum", group_name), example=value(x).clone())
 
 
 def rewrite(gm: torch.fx.GraphModule, means: list[LocalMean], trail: TokenTrail, cp: int, group_name: str) -> list[str]:
@@ -207,12 +207,12 @@ def rewrite(gm: torch.fx.GraphModule, means: list[LocalMean], trail: TokenTrail,
             if mean.form == "mean":
                 x = n.args[0]
                 wide = torch.promote_types(value(x).dtype, torch.float32)
-                summed = _new(g, "call_method", "sum", (x,), {"dtype": wide}, value(x).sum(dtype=wide))
-                quotient = _new(g, "call_function", operator.truediv, (summed, count), example=value(summed))
-                share = _new(g, "call_method", "to", (quotient, value(x).dtype), example=example)
+                summed = new_node(g, "call_method", "sum", (x,), {"dtype": wide}, value(x).sum(dtype=wide))
+                quotient = new_node(g, "call_function", operator.truediv, (summed, count), example=value(summed))
+                share = new_node(g, "call_method", "to", (quotient, value(x).dtype), example=example)
             else:
-                summed = _new(g, "call_function", n.target, *_summing(n), example=example)
-                share = _new(g, "call_function", operator.truediv, (summed, count), example=example)
+                summed = new_node(g, "call_function", n.target, *_summing(n), example=example)
+                share = new_node(g, "call_function", operator.truediv, (summed, count), example=example)
         n.replace_all_uses_with(share)
         g.erase_node(n)
         done.append(f"{mean.describe()}: divided by the full batch's count")
