@@ -693,6 +693,30 @@ truediv_5 = truediv(mul_10, 16)
 sum_2 = sum(truediv_5)
 truediv_6 = truediv(sum_2, 2)""")
 
+    def test_a_picked_token_comes_from_the_rank_holding_it(self):
+        """One token of each row read by a loss (``x[:, -1]``, the last of the full row: place 15
+        of 16): this rank's tokens at that place summed (only the rank holding it has one),
+        all-reduced; the loss made from it divided by cp."""
+        def last_token(logits, labels):
+            return F.cross_entropy(logits.unflatten(0, (1, 8))[:, -1], torch.tensor([3]))
+
+        self.assertExpectedInline(_loss_rewritten(last_token), """\
+out = matmul(flatten, l_w_)
+unflatten = unflatten(flatten_1, 0, (1, 8))
+eq_1 = eq(cp_query_positions, 15)
+to = to(getitem_21, torch.float32)
+mul = mul(unflatten, to)
+sum_1 = sum(mul, 1)
+detach = detach(sum_1)
+all_reduce = all_reduce(detach, 'sum', cp)
+mul_10 = mul(sum_1, 2)
+mul_11 = mul(detach, 2)
+sub_2 = sub(mul_10, mul_11)
+add_2 = add(sub_2, all_reduce)
+tensor = tensor([3])
+cross_entropy = cross_entropy(add_2, tensor)
+truediv_3 = truediv(cross_entropy, 2)""")
+
     def test_statistics_handed_out_of_the_graph(self):
         """A mean over the tokens handed out as a tensor (pooled logits beside the loss) is the
         full batch's, as the single device returns it (not divided: only scalars are shares); a
@@ -1248,16 +1272,18 @@ def test_losses_averaged_over_the_ranks_tokens_match_single_device():
 
 
 def test_statistics_over_the_ranks_tokens_match_single_device():
-    """Means and counts over the tokens that a loss reads otherwise than by sums are made the full
-    batch's (``token_statistics``): HF transformers' Mixtral with its load-balancing loss (counts
-    of tokens per expert and the router's mean probabilities, over the router logits handed
-    across HF's graph break, multiplied), and a sequence classifier on the mean of each row's
-    logits. Before, both combined a different loss (Mixtral 6.18 against 5.17) with wrong
-    gradients, silently."""
+    """Means, counts and picked tokens that a loss reads otherwise than by sums are made the full
+    batch's (``token_statistics``): a sequence classifier on the mean of each row's logits, HF
+    transformers' Mixtral with its load-balancing loss (counts of tokens per expert and the
+    router's summed probabilities over the router logits handed across HF's graph break,
+    multiplied), and HF's BERT sequence classifier (its pooler reads each row's first token; the
+    labels one per row, every rank its copy). Before, each combined a different loss (Mixtral 6.18
+    against 5.17) with wrong gradients, silently, and the classifier's labels were refused."""
     pack, plain = _batches(rows=2)
     cases = [(functools.partial(auto_cp.decoder, "causal", loss="pooled"), plain, ULYSSES)]
     if importlib.util.find_spec("transformers") is not None:
-        cases.append((auto_cp.hf_mixtral, pack))
+        classes = {"input_ids": plain["input_ids"], "labels": torch.tensor([0, 2])}
+        cases += [(auto_cp.hf_mixtral, pack), (auto_cp.hf_bert_classifier, classes)]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     statistics = [sorted(line.split(": ")[1] for line in case["lines"] if "context-parallel mean" in line)
@@ -1265,7 +1291,8 @@ def test_statistics_over_the_ranks_tokens_match_single_device():
     assert statistics == [["mean over this rank's tokens (dim 1)"],
                           [*["a sum over the tokens divided by this rank's count (64.0)"] * 2,
                            *["histc over this rank's tokens (dim 0)"] * 2,
-                           *["sum over this rank's tokens (dim 0)"] * 2]][:len(cases)], statistics
+                           *["sum over this rank's tokens (dim 0)"] * 2],
+                          ["the token at index 0 of each row (dim 1)"]][:len(cases)], statistics
 
 
 @pytest.mark.wide

@@ -21,7 +21,8 @@ family's where the batch has none. Where ``batch`` has ``labels``, it also holds
 predicts the next token of the row, which may sit on another rank) and ``num_items_in_batch``, the
 full batch's count of labelled tokens: HF transformers' loss divides this rank's summed loss by it,
 so the ranks' losses SUM to the single-device loss, and the parameter gradients summed over the CP
-ranks are the single-device gradients (``combine_losses`` and ``sum_gradients`` below).
+ranks are the single-device gradients (``combine_losses`` and ``sum_gradients`` below). Labels of
+one class per row (``[B]``: sequence classification) go to every rank as they are.
 
 The layout (each local token's place in the full row, the documents of the full row) is kept for
 the compiled model beside each per-token tensor returned: the backend's context-parallel pass
@@ -261,7 +262,10 @@ def shard_batch(batch: dict, mesh=None) -> dict:
     full[positions_key] = positions
     labels = batch.get("labels")
     if labels is not None and not _per_token(labels, size, tokens):
-        raise ValueError(f"labels of shape {tuple(labels.shape)} are not one per token ([B, T]): not a language-model batch")
+        if labels.dim() == 0 or labels.shape[0] != size:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} are neither one per token ([B, T]) nor one per "
+                             f"row ([B, ...]) of the batch's {size} rows")
+        labels = None  # a row's (sequence classification): every rank its copy, as it is
     if labels is not None and batch.get("shift_labels") is None:
         full["shift_labels"] = shift_labels(labels)
     if labels is not None and batch.get("num_items_in_batch") is None:

@@ -307,6 +307,18 @@ def hf_bert_masked_lm() -> nn.Module:
     return BertForMaskedLM(config)
 
 
+def hf_bert_classifier() -> nn.Module:
+    """A tiny HF transformers ``BertForSequenceClassification`` (3 classes, its pooler reading
+    each row's first token, no dropout; seed 0)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        attn_implementation="sdpa", num_labels=3)
+    torch.manual_seed(0)
+    return BertForSequenceClassification(config)
+
+
 def hf_mixtral(router_aux_loss: bool = True) -> nn.Module:
     """A tiny HF transformers ``MixtralForCausalLM`` (4 experts, top 2, seed 0), its
     load-balancing loss over the router's logits added to the loss where ``router_aux_loss``."""

@@ -688,7 +688,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     _refuse_token_index(modules, tokens)
     _refuse_mixing(gm, trail)
-    shares = _token_means(gm, trail, shard, cfg)
+    shares = _token_means(gm, trail, shard, cfg, inputs[1])
     for route in routes:  # reported once nothing refused the graph
         record_varlen(route)
     for share in shares:
@@ -789,7 +789,8 @@ def _refuse_mixing(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | No
             "change the answer (attention must be the model's only op that reads other tokens)")
 
 
-def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None, shard: BatchShard, cfg) -> list[str]:
+def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None, shard: BatchShard, cfg,
+                 places: torch.fx.Node | None = None) -> list[str]:
     """The means over this rank's tokens (a loss that ignores ``num_items_in_batch``) made its
     share of the full batch's (``token_means``); what became of each, for the report."""
     if trail is None:
@@ -801,7 +802,7 @@ def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None
             kept = "kept, this rank's {} (context_parallel_global_means=False)"
             return [*(f"{s.what()}: {kept.format('statistic')}" for s in statistics),
                     *(f"{m.describe()}: {kept.format('mean')}" for m in means)]
-        made = token_statistics.rewrite(gm, statistics, trail, shard.cp, shard.group_name)
+        made = token_statistics.rewrite(gm, statistics, trail, shard.cp, shard.group_name, places)
         return [*made, *token_means.rewrite(gm, token_means.find(gm, trail, _live(gm.graph)), trail, shard.cp, shard.group_name)]
     except token_means.ShareError as e:
         raise ContextParallelError(f"context_parallel: {e}") from None

@@ -26,6 +26,14 @@ rule's ``1 / cp`` of the mean over the ranks. A sum divided by a multiple of thi
 count (a mean written as a sum over a count the program read from its shapes: HF's tokens per
 expert, ``histc(experts) / num_tokens``) is divided by cp times that count.
 
+One token picked by its index in the row (``hidden[:, 0]``: BERT's pooler; ``x[:, -1]``) is a
+statistic too: on this rank it is the sum of its tokens at that place (``cp_query_positions``, the
+layout's places; only the rank holding it has one), then all-reduced like a sum::
+
+    pooled = hidden[:, 0]
+    ->
+    pooled = (hidden * (cp_query_positions == 0)[:, :, None].to(hidden.dtype)).sum(1)   # then as above
+
 Every scalar the graph hands out is the rank's share (``combine_losses`` sums them); a tensor
 computed from means alone is handed out as the full batch's (pooled logits beside the loss, as
 the single device returns them). Left as they are: statistics read back by per-token values
@@ -50,6 +58,7 @@ from ..analysis.token_mixing import TokenTrail, op_name, reduced_token_dims
 from .token_means import ShareError, new_node
 
 STATISTICS = ("mean", "sum")
+MEAN, SUM, PICK = "mean", "sum", "pick"
 COUNTS = ("histc", "bincount")  # counts over every element: a sum over the tokens (HF's tokens per expert)
 SUMS_OF_SHARES = {"add", "sub", "iadd", "isub"}  # a replicated term added to a share: divided by cp
 SCALINGS = {"mul", "imul", "truediv", "div", "itruediv"}  # a share scaled by a replicated factor: as it is
@@ -57,20 +66,22 @@ SCALINGS = {"mul", "imul", "truediv", "div", "itruediv"}  # a share scaled by a 
 
 @dataclass(frozen=True)
 class TokenStatistic:
-    """A mean or sum over this rank's tokens that keeps other dims."""
+    """A mean or sum over this rank's tokens that keeps other dims, or one token picked by its
+    index in the row (``hidden[:, 0]``: BERT's pooler)."""
 
     node: torch.fx.Node
     dims: tuple[int, ...]  # the token dims it reduces
-
-    @property
-    def mean(self) -> bool:
-        return op_name(self.node) == "mean"
+    kind: str  # MEAN, SUM or PICK
+    index: int = 0  # PICK's, in the full row (negative: from its end)
 
     def what(self) -> str:
+        if self.kind == PICK:
+            return f"{self.node.name}: the token at index {self.index} of each row (dim {self.dims[0]})"
         return f"{self.node.name}: {op_name(self.node)} over this rank's tokens (dim {', '.join(map(str, self.dims))})"
 
     def describe(self) -> str:
-        return f"{self.what()}: the full batch's (all-reduced), the loss terms computed from it divided by cp"
+        held = " from the rank holding it" if self.kind == PICK else ""
+        return f"{self.what()}: the full batch's (all-reduced{held}), the loss terms computed from it divided by cp"
 
 
 @dataclass
@@ -90,18 +101,22 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
     for n in gm.graph.nodes:
         if n not in live or n.op not in ("call_function", "call_method") or trail.of(n):
             continue
+        kind, index = (MEAN if op_name(n) == "mean" else SUM), 0
         if op_name(n) in STATISTICS and _keeps_dims(n):
             dims = reduced_token_dims(trail, n)
         elif op_name(n) in COUNTS:
             dims = set(trail.of(n.args[0] if n.args else None))
+        elif (picked := _picked(n, trail)) is not None:
+            (dim, index), kind = picked, PICK
+            dims = {dim}
         else:
             continue
         if dims:
-            found[n] = TokenStatistic(n, tuple(sorted(dims)))
+            found[n] = TokenStatistic(n, tuple(sorted(dims)), kind, index)
     while True:  # drop those read back at per-token values, then what only they made replicated
         spread = _spread(gm, trail, found)
         dropped = {root for r in spread.replicated for u in r.users if _kept_local(r, u, spread)
-                   for root in _roots(r, found, spread) if u.op != "output" or not found[root].mean}
+                   for root in _roots(r, found, spread) if u.op != "output" or found[root].kind == SUM}
         if not dropped:
             break
         found = {n: s for n, s in found.items() if n not in dropped}
@@ -112,9 +127,10 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
 
 
 def rewrite(gm: torch.fx.GraphModule, statistics: list[TokenStatistic], trail: TokenTrail, cp: int,
-            group_name: str) -> list[str]:
+            group_name: str, places: torch.fx.Node | None) -> list[str]:
     """Each of ``statistics`` the full batch's, the replicated terms of shares divided by cp;
-    what became of each, in words."""
+    what became of each, in words (``places``: each local token's place in its row, ``[B, T]``,
+    which a picked token is found by; None where the graph has none)."""
     g = gm.graph
     roots = {s.node: s for s in statistics}
     spread = _spread(gm, trail, roots)
@@ -134,12 +150,12 @@ def rewrite(gm: torch.fx.GraphModule, statistics: list[TokenStatistic], trail: T
                 done.append(f"{u.name}: a sum over the tokens divided by this rank's count ({count}): by the full "
                             f"batch's ({count} x {cp})")
     for s in statistics:
-        m = s.node
-        weight = 1 if s.mean else cp  # d(full batch's statistic) / d(this rank's) x cp
+        m = _pick_by_place(g, s, places, cp) if s.kind == PICK else s.node
+        weight = 1 if s.kind == MEAN else cp  # d(full batch's statistic) / d(this rank's) x cp
         with g.inserting_before(m.next):
             own = new_node(g, "call_method", "detach", (m,), example=value(m))
             full = new_node(g, "call_function", funcol.all_reduce, (own, "sum", group_name), example=value(m))
-            if s.mean:
+            if s.kind == MEAN:
                 full = new_node(g, "call_function", operator.truediv, (full, cp), example=value(m))
             mine, detached = m, own
             if weight != 1:
@@ -150,6 +166,57 @@ def rewrite(gm: torch.fx.GraphModule, statistics: list[TokenStatistic], trail: T
         made = {own, mine, zero}
         m.replace_all_uses_with(statistic, delete_user_cb=lambda user, made=made: user not in made)
     return done
+
+
+def _picked(n: torch.fx.Node, trail: TokenTrail) -> tuple[int, int] | None:
+    """The token dim and index where ``n`` picks one token by its index (``x[:, 0]``,
+    ``x.select(1, -1)``), else None."""
+    first = n.args[0] if n.args else None
+    tokens = trail.of(first)
+    if not tokens:
+        return None
+    if n.target is operator.getitem:
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        if any(ix is None or ix is Ellipsis for ix in index):
+            return None
+        return next(((d, ix) for d, ix in enumerate(index) if d in tokens and type(ix) is int), None)
+    if op_name(n) == "select" and len(n.args) == 3 and type(n.args[1]) is int and type(n.args[2]) is int:
+        dim = n.args[1] % value(first).dim()
+        return (dim, n.args[2]) if dim in tokens else None
+    return None
+
+
+def _pick_by_place(g: torch.fx.Graph, s: TokenStatistic, places: torch.fx.Node | None, cp: int) -> torch.fx.Node:
+    """Picked token ``s`` as the sum over this rank's tokens of those at its place in the row
+    (none on every rank but the one holding it)."""
+    x = s.node.args[0]
+    shape = value(x).shape
+    if places is None or s.dims != (1,) or len(shape) < 2 or _hint(shape[0]) != _hint(value(places).shape[0]):
+        raise ShareError(f"{s.what()} reads one token, which one rank holds: taken from a [rows, tokens, ...] tensor "
+                         "in a graph with attention only")
+    with g.inserting_before(s.node):
+        place: object = s.index
+        if s.index < 0 and isinstance(shape[1], int):
+            place = shape[1] * cp + s.index
+        elif s.index < 0:  # from the end of the full row, whose length is a symbol
+            local = new_node(g, "call_function", torch.ops.aten.sym_size.int, (x, 1), example=shape[1])
+            row = new_node(g, "call_function", operator.mul, (local, cp), example=value(local) * cp)
+            place = new_node(g, "call_function", operator.add, (row, s.index), example=value(row) + s.index)
+        # the examples made from x's: the layout's inputs were faked apart from the graph's values
+        hit = new_node(g, "call_function", operator.eq, (places, place),
+                       example=value(x).new_empty(shape[:2], dtype=torch.bool))
+        spread_over = (slice(None), slice(None), *([None] * (len(shape) - 2)))
+        hit = new_node(g, "call_function", operator.getitem, (hit, spread_over), example=value(hit)[spread_over])
+        weight = new_node(g, "call_method", "to", (hit, value(x).dtype), example=value(hit).to(value(x).dtype))
+        kept = new_node(g, "call_function", operator.mul, (x, weight), example=value(x) * value(weight))
+        picked = new_node(g, "call_method", "sum", (kept, 1), example=value(kept).sum(1))
+    s.node.replace_all_uses_with(picked)
+    g.erase_node(s.node)
+    return picked
+
+
+def _hint(size) -> int:
+    return int(getattr(getattr(size, "node", None), "hint", size))
 
 
 def _keeps_dims(n: torch.fx.Node) -> bool:
@@ -199,7 +266,7 @@ def _token_count(r: torch.fx.Node, u: torch.fx.Node, roots, spread: _Spread, tok
     took from its shapes: HF's tokens per expert); else None."""
     if op_name(u) not in ("truediv", "div") or u.args[0] is not r or len(u.args) != 2:
         return None
-    if any(roots[x].mean for x in _roots(r, roots, spread)):
+    if any(roots[x].kind != SUM for x in _roots(r, roots, spread)):
         return None
     count = value(u.args[1]) if isinstance(u.args[1], torch.fx.Node) else u.args[1]
     if isinstance(count, (torch.SymInt, torch.SymFloat)):
