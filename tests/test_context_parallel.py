@@ -719,25 +719,33 @@ truediv_3 = truediv(cross_entropy, 2)""")
 
     def test_statistics_handed_out_of_the_graph(self):
         """A mean over the tokens handed out as a tensor (pooled logits beside the loss) is the
-        full batch's, as the single device returns it (not divided: only scalars are shares); a
-        count handed out (split sizes a MoE reads on the host) stays this rank's."""
+        full batch's, as the single device returns it (not divided: only scalars are shares);
+        counts written into a buffer (tokens per expert, which a trainer all-reduces itself) stay
+        this rank's, also where the loss reads them."""
+        load = torch.zeros(5)
+
         def with_outputs(logits, labels):
             counts = torch.histc(logits.argmax(-1).float(), bins=5, min=0, max=5)
-            return F.cross_entropy(logits, labels, reduction="sum") / 16, logits.mean(0), counts
+            load.add_(counts)
+            return F.cross_entropy(logits, labels, reduction="sum") / 16 + counts.amax() / 100, logits.mean(0)
 
         self.assertExpectedInline(_loss_rewritten(with_outputs), """\
 out = matmul(flatten, l_w_)
 argmax = argmax(flatten_1, -1)
 float_3 = float(argmax)
 counts = histc(float_3)
+add_ = add_(l_loss_of_closure_0_cell_contents, counts)
 cross_entropy = cross_entropy(flatten_1, flatten_2, reduction='sum')
 truediv_4 = truediv(cross_entropy, 16)
+amax = amax(counts)
+truediv_5 = truediv(amax, 100)
+add_2 = add(truediv_4, truediv_5)
 mean = mean(flatten_1, 0)
 detach = detach(mean)
 all_reduce = all_reduce(detach, 'sum', cp)
-truediv_5 = truediv(all_reduce, 2)
+truediv_6 = truediv(all_reduce, 2)
 sub_2 = sub(mean, detach)
-add_2 = add(sub_2, truediv_5)""")
+add_3 = add(sub_2, truediv_6)""")
 
     def test_switched_off_the_mean_stays_this_ranks(self):
         cp_inductor.clear_report()

@@ -422,6 +422,11 @@ def _writes(n: torch.fx.Node) -> bool:
         n.target is operator.setitem or (name.endswith("_") and not name.startswith("_")))
 
 
+def writes_state(n: torch.fx.Node) -> bool:
+    """Whether ``n`` writes in place into a tensor the graph takes in or holds (a module's buffer)."""
+    return _writes(n) and _base(n.args[0]).op in ("placeholder", "get_attr")
+
+
 def _base(x: torch.fx.Node) -> torch.fx.Node:
     """The tensor ``x`` views (through indexing and view ops)."""
     while x.op in ("call_function", "call_method") and op_name(x) in VIEWS and x.args and isinstance(x.args[0], torch.fx.Node):

@@ -54,7 +54,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from ..analysis.op_schema import value
-from ..analysis.token_mixing import TokenTrail, op_name, reduced_token_dims
+from ..analysis.token_mixing import TokenTrail, op_name, reduced_token_dims, writes_state
 from .token_means import ShareError, new_node
 
 STATISTICS = ("mean", "sum")
@@ -116,7 +116,7 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
     while True:  # drop those read back at per-token values, then what only they made replicated
         spread = _spread(gm, trail, found)
         dropped = {root for r in spread.replicated for u in r.users if _kept_local(r, u, spread)
-                   for root in _roots(r, found, spread) if u.op != "output" or found[root].kind == SUM}
+                   for root in _roots(r, found, spread) if not _handed_out(r, u) or found[root].kind == SUM}
         if not dropped:
             break
         found = {n: s for n, s in found.items() if n not in dropped}
@@ -283,11 +283,17 @@ def _scaled(r: torch.fx.Node, u: torch.fx.Node, spread: _Spread) -> bool:
     return u in spread.ranked and op_name(u) in SUMS_OF_SHARES
 
 
+def _handed_out(r: torch.fx.Node, u: torch.fx.Node) -> bool:
+    """Whether ``u`` hands ``r`` out of the graph: returns it, or writes it into a module's buffer."""
+    return u.op == "output" or (writes_state(u) and u.args[0] is not r)
+
+
 def _kept_local(r: torch.fx.Node, u: torch.fx.Node, spread: _Spread) -> bool:
     """Whether replicated ``r`` read by ``u`` says its statistics are this rank's on purpose: read
     back by per-token values (a MoE's tokens per expert ordering its own tokens), or, for counts and
-    sums, handed out as a tensor (split sizes read on the host after a graph break)."""
-    if u.op == "output":
+    sums, handed out as a tensor (split sizes read on the host after a graph break, tokens per
+    expert added to a buffer that the trainer all-reduces itself)."""
+    if _handed_out(r, u):
         return not _scalar(r)
     return u in spread.ranked and not _scalar(u)
 
