@@ -70,6 +70,7 @@ class LocalMean:
     node: torch.fx.Node
     form: str  # "class loss" | "element loss" | "mean" | "quotient"
     denominator: torch.fx.Node | None = None  # a quotient's sum over this rank's tokens
+    reader: torch.fx.Node | None = None  # the node on the denominator's path that reads that sum
 
     def describe(self) -> str:
         what = {"class loss": f"{op_name(self.node)} averaged over this rank's labelled tokens",
@@ -101,19 +102,20 @@ def _summed_loss(n: torch.fx.Node, trail: TokenTrail) -> dict | None:
     return args if args is not None and (trail.of(args["input"]) or trail.of(args["target"])) else None
 
 
-def _sum_of_tokens(x, trail: TokenTrail) -> torch.fx.Node | None:
+def _sum_of_tokens(x, trail: TokenTrail, reader: torch.fx.Node | None = None) -> tuple[torch.fx.Node, torch.fx.Node | None] | None:
     """The sum over every dim of a tensor carrying this rank's tokens (or a loss call summing over
-    them) that ``x`` is, through the value-wise ops of ``ON_A_SUM``, or None."""
+    them) that ``x`` (read by ``reader``) is, through the value-wise ops of ``ON_A_SUM``, and the
+    node reading that sum; or None."""
     while isinstance(x, torch.fx.Node) and x.op in ("call_function", "call_method"):
         name = op_name(x)
         if name in SUMS and _reduces_everything(x) and trail.of(x.args[0] if x.args else None):
-            return x
+            return x, reader
         if (args := _summed_loss(x, trail)) is not None and args.get("reduction") == "sum":
-            return x
+            return x, reader
         if name not in ON_A_SUM or not x.args or (name in ("max", "maximum") and isinstance(x.args[0], torch.fx.Node)
                                                    and len(x.args) > 1 and isinstance(x.args[1], torch.fx.Node)):
             return None
-        x = x.args[0]
+        x, reader = x.args[0], x
     return None
 
 
@@ -138,9 +140,9 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
         elif op_name(n) == "mean" and _reduces_everything(n) and trail.of(n.args[0] if n.args else None):
             found.append(LocalMean(n, "mean"))
         elif op_name(n) in ("truediv", "div") and len(n.args) == 2 and _sum_of_tokens(n.args[0], trail) is not None:
-            denominator = _sum_of_tokens(n.args[1], trail)
+            denominator = _sum_of_tokens(n.args[1], trail, n)
             if denominator is not None:
-                found.append(LocalMean(n, "quotient", denominator))
+                found.append(LocalMean(n, "quotient", *denominator))
     return found
 
 
@@ -196,10 +198,9 @@ def rewrite(gm: torch.fx.GraphModule, means: list[LocalMean], trail: TokenTrail,
         _check_read(mean, trail, shares)
     for mean in means:
         n, example = mean.node, value(mean.node)
-        if mean.form == "quotient":  # the node on the denominator's path that reads the sum
-            reader = (_path(n.args[1], mean.denominator) or [n])[0]
+        if mean.form == "quotient" and mean.denominator is not None and mean.reader is not None:
             with g.inserting_after(mean.denominator):
-                reader.replace_input_with(mean.denominator, _all_reduced(g, mean.denominator, group_name))
+                mean.reader.replace_input_with(mean.denominator, _all_reduced(g, mean.denominator, group_name))
             done.append(f"{mean.describe()}: the denominator all-reduced over the ranks")
             continue
         with g.inserting_before(n):
@@ -225,15 +226,6 @@ def _summing(n: torch.fx.Node) -> tuple[tuple, dict]:
     if len(n.args) > at:
         return (*n.args[:at], "sum", *n.args[at + 1:]), dict(n.kwargs)
     return tuple(n.args), {**n.kwargs, "reduction": "sum"}
-
-
-def _path(x, stop: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes from ``stop`` (exclusive) to ``x`` along first arguments, the one reading ``stop`` first."""
-    chain = []
-    while isinstance(x, torch.fx.Node) and x is not stop:
-        chain.append(x)
-        x = x.args[0]
-    return chain[::-1]
 
 
 def _check_read(mean: LocalMean, trail: TokenTrail, shares: set) -> None:
