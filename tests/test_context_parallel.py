@@ -634,6 +634,21 @@ mse_loss_1 = mse_loss(flatten_1, zeros_like, reduction='sum')
 truediv_4 = truediv(mse_loss_1, 80)
 add_2 = add(truediv_3, truediv_4)""")
 
+    def test_kl_divergence_over_the_batch_divides_by_cp_times_its_rows(self):
+        """``kl_div(..., reduction="batchmean")`` (distillation) over flattened tokens divides by
+        its dim 0, this rank's 8 tokens: by 16 instead."""
+        def distilled(logits, labels):
+            return F.kl_div(logits.log_softmax(-1), logits.softmax(-1).detach().flip(-1), reduction="batchmean")
+
+        self.assertExpectedInline(_loss_rewritten(distilled), """\
+out = matmul(flatten, l_w_)
+log_softmax = log_softmax(flatten_1, -1)
+softmax = softmax(flatten_1, -1)
+detach = detach(softmax)
+flip = flip(detach, -1)
+kl_div_1 = kl_div(log_softmax, flip, reduction='sum')
+truediv_3 = truediv(kl_div_1, 16)""")
+
     def test_a_statistic_read_by_a_product_becomes_the_full_batchs(self):
         """A mean over the tokens that keeps other dims (the mean probability per class), squared:
         all-reduced to the full batch's (its gradient this rank's own: ``sub`` of itself
@@ -789,9 +804,10 @@ def test_element_counts_are_read_in_the_graph_under_dynamic_shapes():
     (lambda logits, labels: F.cross_entropy(logits, labels).exp(), r"is read by exp"),
     (lambda logits, labels: (logits - logits.mean()).square().sum(), r"read back at every token \(sub"),
     (lambda logits, labels: F.cross_entropy(logits, labels, weight=torch.ones(5)), r"class weights"),
+    (lambda logits, labels: F.poisson_nll_loss(logits, logits.detach().exp()), r"poisson_nll_loss with reduction='mean'"),
     (lambda logits, labels: F.cross_entropy(logits, labels, reduction="sum") ** logits.softmax(-1).mean(0).sum(),
      r"is read by pow \(pow\w*\) with this rank's share"),
-], ids=["perplexity", "centred_by_the_mean", "class_weights", "statistic_read_by_a_share"])
+], ids=["perplexity", "centred_by_the_mean", "class_weights", "other_losses", "statistic_read_by_a_share"])
 def test_means_that_cannot_be_shares_fail_the_compile(loss_of, match):
     """Read otherwise than by sums and scalings, the ranks' outputs would not sum to the
     single-device one: the compile fails naming the op (it was a silent wrong answer)."""

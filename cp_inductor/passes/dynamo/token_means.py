@@ -47,7 +47,7 @@ from ..analysis.token_mixing import TokenTrail, op_name
 
 CLASS_LOSSES = (F.cross_entropy, F.nll_loss)
 ELEMENT_LOSSES = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-                  F.binary_cross_entropy_with_logits)
+                  F.binary_cross_entropy_with_logits, F.kl_div)
 SUMS = {"sum", "count_nonzero", "nansum"}
 # ops a share may pass through on its way to the outputs (with the other operand of a product or
 # quotient a number, or a tensor that carries no tokens and no share)
@@ -68,13 +68,14 @@ class LocalMean:
     """One mean over this rank's tokens: the node computing it and what it is."""
 
     node: torch.fx.Node
-    form: str  # "class loss" | "element loss" | "mean" | "quotient"
+    form: str  # "class loss" | "element loss" | "batch loss" | "mean" | "quotient"
     denominator: torch.fx.Node | None = None  # a quotient's sum over this rank's tokens
     reader: torch.fx.Node | None = None  # the node on the denominator's path that reads that sum
 
     def describe(self) -> str:
         what = {"class loss": f"{op_name(self.node)} averaged over this rank's labelled tokens",
                 "element loss": f"{op_name(self.node)} averaged over this rank's elements",
+                "batch loss": f"{op_name(self.node)} summed over the size of its dim 0, this rank's tokens",
                 "mean": "mean over this rank's tokens",
                 "quotient": f"a sum over this rank's tokens divided by another ({self.denominator})"}[self.form]
         return f"{self.node.name}: {what}"
@@ -127,6 +128,9 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
             continue
         if n.target in CLASS_LOSSES or n.target in ELEMENT_LOSSES:
             args = _summed_loss(n, trail)
+            if args is not None and args.get("reduction") == "batchmean" and 0 in trail.of(args["input"]):
+                found.append(LocalMean(n, "batch loss"))  # kl_div's sum over dim 0's size, which holds the tokens
+                continue
             if args is None or args.get("reduction") != "mean":
                 continue
             if args.get("size_average") is not None or args.get("reduce") is not None:
@@ -137,6 +141,9 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
                                  "tokens by their weights, which is not taken yet: use reduction='sum' and divide by "
                                  "the full batch's total weight")
             found.append(LocalMean(n, "class loss" if n.target in CLASS_LOSSES else "element loss"))
+        elif (averaged := _other_loss_mean(n, trail)) is not None:
+            raise ShareError(f"{n.name}: {op_name(n)} with reduction={averaged!r} averages over this rank's tokens, "
+                             "which is not taken yet: use reduction='sum' and divide by the full batch's count")
         elif op_name(n) == "mean" and _reduces_everything(n) and trail.of(n.args[0] if n.args else None):
             found.append(LocalMean(n, "mean"))
         elif op_name(n) in ("truediv", "div") and len(n.args) == 2 and _sum_of_tokens(n.args[0], trail) is not None:
@@ -144,6 +151,20 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
             if denominator is not None:
                 found.append(LocalMean(n, "quotient", *denominator))
     return found
+
+
+def _other_loss_mean(n: torch.fx.Node, trail: TokenTrail) -> str | None:
+    """The reduction of a ``torch.nn.functional`` loss other than those taken that averages over a
+    tensor carrying this rank's tokens (``poisson_nll_loss``, ``cosine_embedding_loss``, ...), or None."""
+    if n.op != "call_function" or getattr(n.target, "__module__", None) != F.__name__:
+        return None
+    args = _bound(n)
+    if args is None or args.get("reduction") not in ("mean", "batchmean"):
+        return None
+    carrying = [x for x in args.values() if isinstance(x, torch.fx.Node) and trail.of(x)]
+    if not carrying or (args["reduction"] == "batchmean" and 0 not in trail.of(carrying[0])):
+        return None
+    return args["reduction"]
 
 
 def new_node(g: torch.fx.Graph, kind: str, target, args: tuple, kwargs: dict | None = None, example=None) -> torch.fx.Node:
@@ -158,6 +179,12 @@ def _count(g: torch.fx.Graph, mean: LocalMean, cp: int, group_name: str) -> torc
         return _elements(g, mean.node.args[0], cp)
     args = _bound(mean.node) or {}
     x, target = args["input"], args["target"]
+    if mean.form == "batch loss":
+        rows = value(x).shape[0]
+        if isinstance(rows, int):
+            return rows * cp
+        size = new_node(g, "call_function", torch.ops.aten.sym_size.int, (x, 0), example=rows)
+        return new_node(g, "call_function", operator.mul, (size, cp), example=rows * cp)
     if mean.form == "element loss":
         shape = torch.broadcast_shapes(value(x).shape, value(target).shape)
         widest = next((t for t in (x, target) if value(t).shape == shape), None)
