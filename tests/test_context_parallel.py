@@ -709,18 +709,20 @@ sum_2 = sum(truediv_5)
 truediv_6 = truediv(sum_2, 2)""")
 
     def test_a_picked_token_comes_from_the_rank_holding_it(self):
-        """One token of each row read by a loss (``x[:, -1]``, the last of the full row: place 15
-        of 16): this rank's tokens at that place summed (only the rank holding it has one),
-        all-reduced; the loss made from it divided by cp."""
+        """One token of each row read by a loss (``x[arange(B), -1]``, HF's sequence classifiers
+        without a pad token: the last of the full row, place 15 of 16): this rank's tokens at that
+        place summed (only the rank holding it has one), all-reduced; the loss made from it
+        divided by cp. (BERT's ``x[:, 0]``: the numerics test below.)"""
         def last_token(logits, labels):
-            return F.cross_entropy(logits.unflatten(0, (1, 8))[:, -1], torch.tensor([3]))
+            rows = logits.unflatten(0, (1, 8))
+            return F.cross_entropy(rows[torch.arange(rows.shape[0]), -1], torch.tensor([3]))
 
         self.assertExpectedInline(_loss_rewritten(last_token), """\
 out = matmul(flatten, l_w_)
-unflatten = unflatten(flatten_1, 0, (1, 8))
+rows = unflatten(flatten_1, 0, (1, 8))
 eq_1 = eq(cp_query_positions, 15)
 to = to(getitem_21, torch.float32)
-mul = mul(unflatten, to)
+mul = mul(rows, to)
 sum_1 = sum(mul, 1)
 detach = detach(sum_1)
 all_reduce = all_reduce(detach, 'sum', cp)

@@ -177,13 +177,22 @@ def _picked(n: torch.fx.Node, trail: TokenTrail) -> tuple[int, int] | None:
         return None
     if n.target is operator.getitem:
         index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-        if any(ix is None or ix is Ellipsis for ix in index):
-            return None
-        return next(((d, ix) for d, ix in enumerate(index) if d in tokens and type(ix) is int), None)
+        picks = [(d, ix) for d, ix in enumerate(index) if d in tokens and type(ix) is int]
+        # the rest whole: full slices, or each row by its own index (``logits[arange(B), -1]``: HF's
+        # sequence classifiers without a pad token)
+        whole = all(ix == slice(None) or (d == 0 and _each_row(ix, value(first).shape[0]))
+                    for d, ix in enumerate(index) if (d, ix) not in picks)
+        return picks[0] if len(picks) == 1 and whole else None
     if op_name(n) == "select" and len(n.args) == 3 and type(n.args[1]) is int and type(n.args[2]) is int:
         dim = n.args[1] % value(first).dim()
         return (dim, n.args[2]) if dim in tokens else None
     return None
+
+
+def _each_row(ix, rows) -> bool:
+    """Whether index ``ix`` is ``arange(rows)``."""
+    return (isinstance(ix, torch.fx.Node) and ix.target is torch.arange and not ix.kwargs.get("step")
+            and list(ix.args) in ([rows], [0, rows]))
 
 
 def _pick_by_place(g: torch.fx.Graph, s: TokenStatistic, places: torch.fx.Node | None, cp: int) -> torch.fx.Node:
@@ -211,7 +220,11 @@ def _pick_by_place(g: torch.fx.Graph, s: TokenStatistic, places: torch.fx.Node |
         kept = new_node(g, "call_function", operator.mul, (x, weight), example=value(x) * value(weight))
         picked = new_node(g, "call_method", "sum", (kept, 1), example=value(kept).sum(1))
     s.node.replace_all_uses_with(picked)
+    index = s.node.args[1] if s.node.target is operator.getitem else ()
     g.erase_node(s.node)
+    for ix in index if isinstance(index, tuple) else ():
+        if isinstance(ix, torch.fx.Node) and not ix.users:  # the rows' arange
+            g.erase_node(ix)
     return picked
 
 
