@@ -294,29 +294,31 @@ def varlen_batch(lengths: list[int], rows: int = 1) -> dict:
     return batch
 
 
+def _tiny_bert_config(**more):
+    """A tiny BERT's config (no dropout), the seed set for the model made from it next."""
+    from transformers import BertConfig
+
+    torch.manual_seed(0)
+    return BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                      max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      attn_implementation="sdpa", **more)
+
+
 def hf_bert_masked_lm() -> nn.Module:
     """A tiny HF transformers ``BertForMaskedLM`` (bidirectional, learned positions read at the
     position ids, no dropout; seed 0). Its loss is cross entropy's own mean over the labelled
     tokens: it ignores ``num_items_in_batch``."""
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return BertForMaskedLM(config)
+    return BertForMaskedLM(_tiny_bert_config())
 
 
 def hf_bert_classifier() -> nn.Module:
     """A tiny HF transformers ``BertForSequenceClassification`` (3 classes, its pooler reading
     each row's first token, no dropout; seed 0)."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        attn_implementation="sdpa", num_labels=3)
-    torch.manual_seed(0)
-    return BertForSequenceClassification(config)
+    return BertForSequenceClassification(_tiny_bert_config(num_labels=3))
 
 
 def hf_mixtral(router_aux_loss: bool = True) -> nn.Module:

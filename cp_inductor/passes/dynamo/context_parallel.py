@@ -792,7 +792,9 @@ def _refuse_mixing(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | No
 def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None, shard: BatchShard, cfg,
                  places: torch.fx.Node | None = None) -> list[str]:
     """The means over this rank's tokens (a loss that ignores ``num_items_in_batch``) made its
-    share of the full batch's (``token_means``); what became of each, for the report."""
+    share of the full batch's (``token_means``), and the statistics a loss reads made the full
+    batch's (``token_statistics``; ``places``: the layout's ``cp_query_positions``, which picked
+    tokens are found by); what became of each, for the report."""
     if trail is None:
         return []
     try:
@@ -803,7 +805,7 @@ def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None
             return [*(f"{s.what()}: {kept.format('statistic')}" for s in statistics),
                     *(f"{m.describe()}: {kept.format('mean')}" for m in means)]
         made = token_statistics.rewrite(gm, statistics, trail, shard.cp, shard.group_name, places)
-        return [*made, *token_means.rewrite(gm, token_means.find(gm, trail, _live(gm.graph)), trail, shard.cp, shard.group_name)]
+        return [*made, *token_means.rewrite(gm, means, trail, shard.cp, shard.group_name)]
     except token_means.ShareError as e:
         raise ContextParallelError(f"context_parallel: {e}") from None
 
