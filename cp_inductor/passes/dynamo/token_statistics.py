@@ -24,7 +24,9 @@ full batch's statistic, its derivative with respect to this rank's own is 1 for 
 sum: ``m * cp - m.detach() * cp``), and the replicated term's division by cp is the chain
 rule's ``1 / cp`` of the mean over the ranks. A sum divided by a multiple of this rank's token
 count (a mean written as a sum over a count the program read from its shapes: HF's tokens per
-expert, ``histc(experts) / num_tokens``) is divided by cp times that count.
+expert, ``histc(experts) / num_tokens``) is divided by cp times that count. (Where the count
+is a number in the graph, as HF's is even under ``dynamic=True``, a constant of the program's that
+happens to be such a multiple is read the same way.)
 
 One token picked by its index in the row (``hidden[:, 0]``: BERT's pooler; ``x[:, -1]``) is a
 statistic too: on this rank it is the sum of its tokens at that place (``cp_query_positions``, the
