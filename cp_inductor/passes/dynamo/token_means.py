@@ -21,14 +21,16 @@ Its denominator becomes the full batch's::
 
 Taken: the classification losses (``cross_entropy``, ``nll_loss``: class indices with an ignore
 index, or class probabilities), the element-wise losses (``mse_loss``, ``l1_loss``,
-``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy[_with_logits]``) with
-``reduction="mean"``, ``mean()`` over every dim, and a quotient of two sums over every dim, where
-the reduced tensor carries the token dim (``analysis/token_mixing``'s trail). Every rank holds as
-many tokens (``shard_batch`` makes it so), so an element count is this rank's times cp.
+``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy[_with_logits]``, ``kl_div``) with
+``reduction="mean"``, ``kl_div`` with ``"batchmean"`` over a dim 0 that holds the tokens (cp times
+its rows), ``mean()`` over every dim, and a quotient of two sums over every dim, where the reduced
+tensor carries the token dim (``analysis/token_mixing``'s trail). Every rank holds as many tokens
+(``shard_batch`` makes it so), so an element count is this rank's times cp.
 
 The share is what the rank's outputs may hold only where it reaches them through sums and
 scalings; one read otherwise (``exp(loss)``, a value read back at every token, ``x - x.mean()``)
-fails the compile naming the op, as does a class-weighted mean (not taken yet).
+fails the compile naming the op, as do a class-weighted mean and any other
+``torch.nn.functional`` loss whose mean averages over the tokens (not taken yet).
 """
 
 from __future__ import annotations
