@@ -721,14 +721,13 @@ truediv_6 = truediv(sum_2, 2)""")
 out = matmul(flatten, l_w_)
 rows = unflatten(flatten_1, 0, (1, 8))
 eq_1 = eq(cp_query_positions, 15)
-to = to(getitem_21, torch.float32)
-mul = mul(rows, to)
-sum_1 = sum(mul, 1)
+where = where(getitem_21, rows, 0)
+sum_1 = sum(where, 1)
 detach = detach(sum_1)
 all_reduce = all_reduce(detach, 'sum', cp)
-mul_10 = mul(sum_1, 2)
-mul_11 = mul(detach, 2)
-sub_2 = sub(mul_10, mul_11)
+mul = mul(sum_1, 2)
+mul_10 = mul(detach, 2)
+sub_2 = sub(mul, mul_10)
 add_2 = add(sub_2, all_reduce)
 tensor = tensor([3])
 cross_entropy = cross_entropy(add_2, tensor)
@@ -809,7 +808,13 @@ def test_element_counts_are_read_in_the_graph_under_dynamic_shapes():
     (lambda logits, labels: F.poisson_nll_loss(logits, logits.detach().exp()), r"poisson_nll_loss with reduction='mean'"),
     (lambda logits, labels: F.cross_entropy(logits, labels, reduction="sum") ** logits.softmax(-1).mean(0).sum(),
      r"is read by pow \(pow\w*\) with this rank's share"),
-], ids=["perplexity", "centred_by_the_mean", "class_weights", "other_losses", "statistic_read_by_a_share"])
+    (lambda logits, labels: F.cross_entropy(logits, labels, reduction="sum") * logits.softmax(-1).mean(0).square().sum(),
+     r"is read by mul \(mul\w*\) with this rank's share"),
+    (lambda logits, labels: torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
+                                         logits.softmax(-1).mean(0).square().sum()]).sum(),
+     r"made the full batch's, is read by stack"),
+], ids=["perplexity", "centred_by_the_mean", "class_weights", "other_losses", "statistic_read_by_a_share",
+    "statistic_scaling_a_share", "statistic_beside_own_values"])
 def test_means_that_cannot_be_shares_fail_the_compile(loss_of, match):
     """Read otherwise than by sums and scalings, the ranks' outputs would not sum to the
     single-device one: the compile fails naming the op (it was a silent wrong answer)."""

@@ -40,10 +40,14 @@ Every scalar the graph hands out is the rank's share (``combine_losses`` sums th
 computed from means alone is handed out as the full batch's (pooled logits beside the loss, as
 the single device returns them). Left as they are: statistics read back by per-token values
 (``x - x.mean(1)``: ``analysis/token_mixing`` names those as mixing; a MoE's count of tokens per
-expert ordering its own tokens is this rank's on purpose), and counts or sums handed out as
-tensors (split sizes a MoE reads on the host after a graph break). A replicated value read with
-a share otherwise than added to it or scaling it (``loss ** balance``) fails the compile naming
-the op. Not followed: a statistic handed across a graph break and made into a loss there.
+expert ordering its own tokens is this rank's on purpose), counts or sums read beside this
+rank's own values or handed out as tensors (split sizes a MoE reads on the host after a graph
+break), and ``histc`` without a range (each rank's bins would span its own values). A replicated
+value read with a share otherwise than added to it (``loss * balance``, ``loss ** balance``: the
+values would agree, the gradients not), or a mean or picked token read beside this rank's own
+values otherwise than per token (``stack([loss, balance])``, ``cat([h.mean(1), h.amax(1)])``),
+fails the compile naming the op. Not followed: a statistic handed across a graph break and made
+into a loss there.
 """
 
 from __future__ import annotations
@@ -61,9 +65,8 @@ from .token_means import ShareError, new_node
 
 STATISTICS = ("mean", "sum")
 MEAN, SUM, PICK = "mean", "sum", "pick"
-COUNTS = ("histc", "bincount")  # counts over every element: a sum over the tokens (HF's tokens per expert)
+COUNTS = ("histc",)  # counts over every element (HF's tokens per expert), over a range it is given
 SUMS_OF_SHARES = {"add", "sub", "iadd", "isub"}  # a replicated term added to a share: divided by cp
-SCALINGS = {"mul", "imul", "truediv", "div", "itruediv"}  # a share scaled by a replicated factor: as it is
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,7 @@ class _Spread:
 
 def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) -> list[TokenStatistic]:
     """The live statistics of ``gm`` made the full batch's (``trail`` followed over it); raises
-    ``ShareError`` where a value made from them is read with a share otherwise than as a term or
-    a factor."""
+    ``ShareError`` where a value made from them is read with a share otherwise than as a term."""
     found = {}
     for n in gm.graph.nodes:
         if n not in live or n.op not in ("call_function", "call_method") or trail.of(n):
@@ -106,7 +108,7 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
         kind, index = (MEAN if op_name(n) == "mean" else SUM), 0
         if op_name(n) in STATISTICS and _keeps_dims(n):
             dims = reduced_token_dims(trail, n)
-        elif op_name(n) in COUNTS:
+        elif op_name(n) in COUNTS and _given_range(n):
             dims = set(trail.of(n.args[0] if n.args else None))
         elif (picked := _picked(n, trail)) is not None:
             (dim, index), kind = picked, PICK
@@ -117,8 +119,14 @@ def find(gm: torch.fx.GraphModule, trail: TokenTrail, live: set[torch.fx.Node]) 
             found[n] = TokenStatistic(n, tuple(sorted(dims)), kind, index)
     while True:  # drop those read back at per-token values, then what only they made replicated
         spread = _spread(gm, trail, found)
-        dropped = {root for r in spread.replicated for u in r.users if _kept_local(r, u, spread)
-                   for root in _roots(r, found, spread) if not _handed_out(r, u) or found[root].kind == SUM}
+        dropped = set()
+        for r, u in ((r, u) for r in spread.replicated for u in r.users if _kept_local(r, u, spread)):
+            for root in _roots(r, found, spread):
+                if found[root].kind != SUM and u in spread.ranked and not trail.of(u):
+                    raise ShareError(f"{found[root].what()}, made the full batch's, is read by {op_name(u)} "
+                                     f"({u.name}) beside this rank's own values: not taken yet")
+                if not _handed_out(r, u) or found[root].kind == SUM:
+                    dropped.add(root)
         if not dropped:
             break
         found = {n: s for n, s in found.items() if n not in dropped}
@@ -218,8 +226,8 @@ def _pick_by_place(g: torch.fx.Graph, s: TokenStatistic, places: torch.fx.Node |
                        example=value(x).new_empty(shape[:2], dtype=torch.bool))
         spread_over = (slice(None), slice(None), *([None] * (len(shape) - 2)))
         hit = new_node(g, "call_function", operator.getitem, (hit, spread_over), example=value(hit)[spread_over])
-        weight = new_node(g, "call_method", "to", (hit, value(x).dtype), example=value(hit).to(value(x).dtype))
-        kept = new_node(g, "call_function", operator.mul, (x, weight), example=value(x) * value(weight))
+        # where, not a product with a 0/1 mask: an inf elsewhere in the row would make the sum NaN
+        kept = new_node(g, "call_function", torch.where, (hit, x, 0), example=value(x).clone())
         picked = new_node(g, "call_method", "sum", (kept, 1), example=value(kept).sum(1))
     s.node.replace_all_uses_with(picked)
     index = s.node.args[1] if s.node.target is operator.getitem else ()
@@ -228,6 +236,13 @@ def _pick_by_place(g: torch.fx.Graph, s: TokenStatistic, places: torch.fx.Node |
         if isinstance(ix, torch.fx.Node) and not ix.users:  # the rows' arange
             g.erase_node(ix)
     return picked
+
+
+def _given_range(n: torch.fx.Node) -> bool:
+    """Whether histc ``n`` is given its range: without one each rank's bins span its own values."""
+    low = n.args[2] if len(n.args) > 2 else n.kwargs.get("min", 0)
+    high = n.args[3] if len(n.args) > 3 else n.kwargs.get("max", 0)
+    return isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high
 
 
 def _hint(size) -> int:
@@ -316,8 +331,8 @@ def _kept_local(r: torch.fx.Node, u: torch.fx.Node, spread: _Spread) -> bool:
 def _check_edge(r: torch.fx.Node, u: torch.fx.Node, spread: _Spread) -> None:
     if u.op == "output" or u not in spread.ranked or op_name(u) in SUMS_OF_SHARES:
         return
-    if op_name(u) in SCALINGS and (op_name(u) in ("mul", "imul") or u.args[0] is not r):
-        return
+    # a product with the share would give each rank's tokens its own share's gradient, not the
+    # full loss's: the values agree, the gradients do not
     raise ShareError(f"{r.name}, computed from statistics over the full batch's tokens, is read by {op_name(u)} "
-                     f"({u.name}) with this rank's share: the ranks' outputs sum to the single-device ones only "
-                     "where it is added to the share or scales it")
+                     f"({u.name}) with this rank's share: the ranks' outputs and gradients sum to the single-device "
+                     "ones only where it is added to the share")
