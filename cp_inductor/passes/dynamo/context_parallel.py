@@ -798,8 +798,9 @@ def _token_means(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None
     if trail is None:
         return []
     try:
-        statistics = token_statistics.find(gm, trail, _live(gm.graph))
-        means = token_means.find(gm, trail, _live(gm.graph))
+        live = _live(gm.graph)
+        statistics = token_statistics.find(gm, trail, live)
+        means = token_means.find(gm, trail, live)
         if not cfg.context_parallel_global_means:
             kept = "kept, this rank's {} (context_parallel_global_means=False)"
             return [*(f"{s.what()}: {kept.format('statistic')}" for s in statistics),
