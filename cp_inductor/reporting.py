@@ -121,13 +121,15 @@ class DenseRoute:
 
 @dataclass
 class TokenMeanShare:
-    """A mean over one rank's tokens under the CP the model does not write, and what became of it
-    (``passes/dynamo/token_means.py``)."""
+    """A value over one rank's tokens under the CP the model does not write, and what became of
+    it: a mean or statistic (``passes/dynamo/token_means.py``, ``token_statistics.py``) or a
+    position made from the token index (``token_places.py``)."""
 
     what: str
+    kind: str = "mean"
 
     def line(self) -> str:
-        return f"context-parallel mean {self.what}"
+        return f"context-parallel {self.kind} {self.what}"
 
 
 @dataclass

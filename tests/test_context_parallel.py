@@ -241,7 +241,8 @@ def _summary(gm: torch.fx.GraphModule, group_name: str) -> str:
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             if not any(s in name for s in ("contiguous", "all_gather", "document_", "zeros_like", "heads", "repeat",
-                                                      "checkpoint", "tokens_at", "argsort", "ids_checked", "cu_seqlens", "ring_in_graph")):
+                                                      "checkpoint", "tokens_at", "argsort", "ids_checked", "cu_seqlens", "ring_in_graph",
+                                                      "row_places", "index_select")):
                 continue
             args = ", ".join(_arg(a, group_name) for a in n.args
                              if not (isinstance(a, torch.fx.Node) and a.name.startswith(("sym_size", "mul"))))
@@ -1018,6 +1019,91 @@ def test_gpu_ulysses_call_matches_fp32():
         assert err < max(2 * err_base, 5e-3), (name, err, err_base)
 
 
+class TestTokenPlaces(TestCase):
+    """Positions the model makes from the token index become the tokens' places in the row."""
+
+    def test_arange_becomes_the_rows_places(self):
+        """nanoGPT's positions (an arange over the tokens the model sees): under CP those are this
+        rank's tokens, whose places in the row are not their indices; the arange becomes one row
+        of the layout's places (the rows' being cut alike checked on device)."""
+        def arange_positions(q, k, v, position_ids):
+            return _attention(q + torch.arange(q.shape[1])[None, :, None, None], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        self.assertExpectedInline(_lines(_rewritten(arange_positions, q, q.clone(), q.clone()), "row_places"), """\
+row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)""")
+
+    def test_float_arange_keeps_its_type(self):
+        """A rotary embedding's ``t = arange(seqlen, dtype=float32)``: the places in its type."""
+        def rotary_t(q, k, v, position_ids):
+            t = torch.arange(q.shape[1], dtype=torch.float32)
+            return _attention(q * t.cos()[None, :, None, None], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        self.assertExpectedInline(_lines(_rewritten(rotary_t, q, q.clone(), q.clone()), "row_places"), """\
+row_places_default = row_places(cp_query_positions, 0, 1, torch.float32)""")
+
+    def test_a_table_sliced_to_the_tokens_is_read_at_the_places(self):
+        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``): read
+        at the tokens' places instead."""
+        class Rotated(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("angles", torch.randn(64, 8))
+
+            def forward(self, q, k, v, position_ids):
+                angles = self.angles[: q.shape[1]][None, :, None, :]
+                return _attention(q * angles.cos(), k * angles.sin(), v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        self.assertExpectedInline(_lines(_rewritten(Rotated(), q, q.clone(), q.clone()), "row_places", "index_select"), """\
+row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)
+index_select = index_select(l_self_buffers_angles_, 0, row_places_default)""")
+
+    def test_an_arange_across_the_features_is_not_a_position(self):
+        """A rotary embedding computing its frequencies from ``arange(head_dim // 2)`` in the model,
+        with head_dim / 2 equal to the rank's token count: that arange meets the tokens along
+        their features, not their places, and stays; the angles' ``t = arange(T)`` becomes the
+        places."""
+        def rotary(q, k, v, position_ids):
+            half = q.shape[-1] // 2
+            angle = torch.arange(q.shape[1])[:, None] / 100 ** (torch.arange(half)[None, :] / half)  # [T, D/2]
+            cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+            a, b = q.chunk(2, dim=-1)
+            return _attention(torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1), k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 16)
+        self.assertExpectedInline(_lines(_rewritten(rotary, q, q.clone(), q.clone()), "row_places"), """\
+row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)""")
+
+    def test_an_arange_read_by_no_token_fails_the_compile(self):
+        """An arange over the tokens handed out beside the output: nothing says whether it is a
+        position, so the compile fails naming it."""
+        def handed_out(q, k, v, position_ids):
+            return _attention(q, k, v, position_ids), torch.arange(q.shape[1])
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(handed_out, q, q.clone(), q.clone(), match=r"arange_\d+: an arange over this rank.s tokens .* meets no "
+                 r"per-token value")
+
+    def test_rows_cut_differently_fail_the_step(self):
+        """One arange for every row, but a pack whose rows were balanced each on its own: the
+        step fails on device rather than place one row's tokens by another's places."""
+        def arange_positions(q, k, v, position_ids):
+            return _attention(q + torch.arange(q.shape[1])[None, :, None, None], k, v, position_ids)
+
+        rows = auto_cp.packed_batch([4, 12], rows=2)
+        rows["position_ids"][1] = torch.cat([torch.arange(12), torch.arange(4)])
+        q = torch.randn(2, 8, 2, 8)
+        with pytest.raises(Exception, match="shard_batch cut the rows differently"):
+            _rewritten(arange_positions, q, q.clone(), q.clone(), batch=rows)
+
+
+def _lines(summary: str, *names: str) -> str:
+    """The lines of a :func:`_summary` that call one of ``names``."""
+    return "\n".join(line for line in summary.splitlines() if any(f"= {name}(" in line for name in names))
+
+
 def _refused(fn, *args, match: str):
     with pytest.raises(Exception, match=match):
         _rewritten(fn, *args)
@@ -1119,6 +1205,22 @@ class TestRefused:
         _refused(hybrid, q, q.clone(), q.clone(), match=r"conv1d over the token dim, kernel 4")
         _rewritten(functools.partial(hybrid, width=1), q, q.clone(), q.clone())
 
+    def test_a_convolution_inside_a_checkpointed_block(self):
+        """The same convolution inside an activation-checkpointed block beside its attention: the
+        token dim is followed into the body the rewrite changes. Before, the check read the
+        body Dynamo made, not the copy rewritten, and the compile went through."""
+        w = torch.randn(16, 1, 4)
+
+        def block(q, k, v, position_ids):
+            mixed = F.conv1d(q.flatten(2).transpose(1, 2), w, groups=16, padding=3)
+            return _attention(mixed[..., :q.shape[1]].transpose(1, 2).reshape(q.shape), k, v, position_ids)
+
+        def checkpointed(q, k, v, position_ids):
+            return torch.utils.checkpoint.checkpoint(block, q, k, v, position_ids, use_reentrant=False)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(checkpointed, q, q.clone(), q.clone(), match=r"conv1d over the token dim, kernel 4")
+
     def test_positions_not_from_shard_batch(self):
         seen = {}
 
@@ -1142,45 +1244,6 @@ class TestRefused:
                                      options={"cp_inductor.context_parallel": group})
             compiled(input_ids=local["input_ids"], labels=local["labels"])
 
-    def test_positions_from_the_token_index(self):
-        """nanoGPT's positions (an arange over the tokens the model sees): under CP those are this
-        rank's tokens, whose places in the row are not their indices."""
-        def arange_positions(q, k, v, position_ids):
-            return _attention(q + torch.arange(q.shape[1])[None, :, None, None], k, v, position_ids)
-
-        q = torch.randn(1, 8, 2, 8)
-        _refused(arange_positions, q, q.clone(), q.clone(), match=r"arange over this rank's 8 tokens")
-
-    def test_rotary_angles_from_the_token_index(self):
-        """A rotary embedding over ``t = arange(seqlen)`` computed in the model (float positions)."""
-        def rotary_t(q, k, v, position_ids):
-            t = torch.arange(q.shape[1], dtype=torch.float32)
-            return _attention(q * t.cos()[None, :, None, None], k, v, position_ids)
-
-        q = torch.randn(1, 8, 2, 8)
-        _refused(rotary_t, q, q.clone(), q.clone(), match=r"arange over this rank's 8 tokens")
-
-    def test_a_table_passed_in_sliced_to_the_tokens(self):
-        """A table of angles the step passes in, sliced to the tokens the model sees."""
-        def sliced(q, k, v, angles, position_ids):
-            return _attention(q * angles[: q.shape[1]][None, :, None, :], k, v, position_ids)
-
-        q = torch.randn(1, 8, 2, 8)
-        _refused(sliced, q, q.clone(), q.clone(), torch.randn(64, 8), match=r"the first 8 entries of")
-
-    def test_a_table_sliced_to_the_tokens(self):
-        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``)."""
-        class Rotated(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.register_buffer("angles", torch.randn(64, 8))
-
-            def forward(self, q, k, v, position_ids):
-                angles = self.angles[: q.shape[1]][None, :, None, :]
-                return _attention(q * angles.cos(), k * angles.sin(), v, position_ids)
-
-        q = torch.randn(1, 8, 2, 8)
-        _refused(Rotated(), q, q.clone(), q.clone(), match=r"the first 8 entries of")
 
 # --- training numerics on gloo ------------------------------------------------------------------
 
@@ -1324,6 +1387,23 @@ def test_statistics_over_the_ranks_tokens_match_single_device():
                            *["histc over this rank's tokens (dim 0)"] * 2,
                            *["sum over this rank's tokens (dim 0)"] * 2],
                           ["the token at index 0 of each row (dim 1)"]][:len(cases)], statistics
+
+
+def test_positions_from_the_token_index_match_single_device():
+    """A decoder written for one device that places its tokens by their index (nanoGPT's learned
+    table read at ``arange(T)``, torchtitan's rotary table sliced to the tokens in each block,
+    nanoGPT's call ``model(input_ids, targets)`` with no position ids): the positions become the
+    tokens' places in the row, K/V all-gathered, and inside checkpointed blocks through Ulysses.
+    Before, the compile failed ("gives each token a value by its index on this rank")."""
+    batch = auto_cp.next_token_batch(rows=2, tokens=32)
+    how = {"loss_of": auto_cp.index_positioned_loss_of}
+    cases = [(auto_cp.index_positioned, batch, None, None, how),
+             (functools.partial(auto_cp.index_positioned, checkpointing=True), batch, ULYSSES, None, how)]
+    results = run_on_ranks(auto_cp.cp_steps, 2, cases)
+    _assert_steps(results, cases)
+    placed = [sorted(line.split(": ")[0] for line in case["lines"] if "context-parallel positions" in line)
+              for case in results[0]]
+    assert [len(p) for p in placed] == [3, 3], placed  # the arange, and each block's slice
 
 
 @pytest.mark.wide

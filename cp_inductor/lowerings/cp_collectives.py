@@ -1,5 +1,5 @@
 """Ulysses' all-to-alls of heads as differentiable functions of the functional collectives (and the
-device check of document tables the context-parallel pass reads, ``ids_checked``):
+device checks of tables the context-parallel pass reads, ``ids_checked``, ``row_places``):
 ``parallel/ulysses`` runs them, and the context-parallel pass emits them into the Dynamo graph."""
 
 from __future__ import annotations
@@ -75,6 +75,27 @@ def ids_checked(doc_ids: torch.Tensor, positions: torch.Tensor, id_tables: list[
 @ids_checked.register_fake
 def _(doc_ids, positions, id_tables, position_tables):
     return torch.empty_like(doc_ids)
+
+
+@torch.library.custom_op("cp_inductor::row_places", mutates_args=())
+def row_places(places: torch.Tensor, start: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[T]`` in ``dtype``: ``start + step * p`` for the place ``p`` in the full row of each of this
+    rank's tokens (``places [B, T]``, the layout's), once it is asserted on device that every row
+    of the batch was cut alike. The context-parallel pass reads a position the model makes from
+    the token index (``arange(start, start + T, step)``, one for all rows) as this row of places;
+    a batch whose rows were cut differently (packed rows: each row's documents balanced on their
+    own) fails the step on device instead of placing some rows' tokens by another row's places.
+    An op of its own: Inductor does not compile its assert away."""
+    torch._assert_async(torch.all(places == places[:1]),
+                        "context_parallel: the model gives every row the same positions (an arange over its "
+                        "tokens) but shard_batch cut the rows differently (their documents differ): pass the "
+                        "position_ids shard_batch makes to the model, or one row per batch")
+    return (places[0] * step + start).to(dtype)
+
+
+@row_places.register_fake
+def _(places, start, step, dtype):
+    return places.new_empty(places.shape[1:], dtype=dtype)
 
 
 @torch.library.custom_op("cp_inductor::cu_seqlens_ids", mutates_args=())

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from ..parallel import batch as cp_batch
@@ -180,6 +181,76 @@ class TitanNamed(Decoder):
         for block in self.blocks:
             h = block(h, positions, block_mask=attention_masks["full"] if attention_masks is not None else None)
         return self.head(self.norm(h)).float()
+
+
+class _IndexBlock(nn.Module):
+    """A block that slices the rotary table it is handed to its tokens (torchtitan's
+    ``freqs_cis[0:seqlen]``) and attends causally over the row (SDPA ``is_causal``)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv, self.wo = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
+
+    def forward(self, h: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        b, t, dim = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, dim // self.heads).unbind(2)
+        angle = angles[:t][:, None, :]  # [T, 1, D/2]: the table's first t rows
+        cos, sin = angle.cos(), angle.sin()
+
+        def rotate(x):
+            a, c = x.chunk(2, dim=-1)
+            return torch.cat([a * cos - c * sin, a * sin + c * cos], dim=-1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(rotate(q), rotate(k), v.transpose(1, 2), is_causal=True)
+        h = h + self.wo(out.transpose(1, 2).reshape(b, t, dim))
+        return h + self.mlp(self.norm2(h))
+
+
+class IndexPositioned(nn.Module):
+    """A decoder written for one device that places its tokens by their index, as nanoGPT and
+    torchtitan do: a learned table read at ``arange(T)`` added to the embeddings (nanoGPT's
+    ``wpe``) and rotary angles from a buffer every block slices to its tokens (inside each
+    checkpointed block where ``checkpointing``); called ``model(input_ids, targets)`` with
+    targets the next tokens (nanoGPT's loader shifts them), cross entropy's mean out."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, block_size: int = 64,
+                 checkpointing: bool = False):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block_size, dim)
+        half = dim // heads // 2
+        self.register_buffer("angles", torch.arange(block_size)[:, None] / 100 ** (torch.arange(half) / half))
+        self.blocks = nn.ModuleList(_IndexBlock(dim, heads) for _ in range(layers))
+        self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, targets):
+        h = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            h = (torch.utils.checkpoint.checkpoint(block, h, self.angles, use_reentrant=False) if self.checkpointing
+                 else block(h, self.angles))
+        logits = self.head(self.norm(h)).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def index_positioned(checkpointing: bool = False) -> IndexPositioned:
+    """An :class:`IndexPositioned` with seed-0 weights."""
+    torch.manual_seed(0)
+    return IndexPositioned(checkpointing=checkpointing)
+
+
+def next_token_batch(rows: int, tokens: int, vocab: int = 64) -> dict:
+    """``input_ids`` and ``targets`` (the next token; the last one predicts nothing), as nanoGPT's
+    loader hands them."""
+    ids = torch.randint(vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "targets": cp_batch.shift_labels(ids)}
+
+
+def index_positioned_loss_of(compiled, local: dict) -> torch.Tensor:
+    """nanoGPT's call: the tokens and targets only (no position ids: the model makes its own)."""
+    return compiled(local["input_ids"], local["targets"])
 
 
 def titan_loss(logits: torch.Tensor, targets: torch.Tensor, count) -> torch.Tensor:

@@ -191,9 +191,10 @@ class TokenTrail:
         got = self.dims.get(x) if isinstance(x, torch.fx.Node) else None
         return got if isinstance(got, frozenset) else Dims()
 
-    def follow(self, module: torch.fx.GraphModule) -> None:
+    def follow(self, module: torch.fx.GraphModule, only: set[torch.fx.Node] | None = None) -> None:
+        """The token dims of ``module``'s nodes (of ``only``, where given) from those known."""
         for n in module.graph.nodes:
-            if n.op in ("call_function", "call_method"):
+            if n.op in ("call_function", "call_method") and (only is None or n in only):
                 got = self._rule(module, n)
                 if got:
                     self.dims[n] = got
@@ -213,6 +214,8 @@ class TokenTrail:
         values = value(n)
         if isinstance(values, (tuple, list)):  # split, chunk, unbind, sort, topk, max(dim): per element
             shape = _shape(first)
+            if name == "unbind" and shape:  # its dim taken out of each
+                return (_without(source, {_arg(n, 1, "dim", 0) % len(shape)}),) * len(values)
             return tuple(_right_aligned([(shape, source)], v_shape) if shape and (v_shape := _shape(v)) else Dims()
                          for v in values)
         if out is None:

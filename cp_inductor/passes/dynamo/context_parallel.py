@@ -39,10 +39,10 @@ position ids ``shard_batch`` made (HF's packed detection), with or without a cau
 ``analysis/mask_analysis``.
 Positions the model computes from the token index (an ``arange`` over the tokens it sees,
 nanoGPT's, other than as a row index into the step's data; a table sliced to their count,
-torchtitan's ``freqs_cis[:seqlen]``)
-fail the compile too where a graph with attention still reads them after the rewrite: under CP
-those are this rank's tokens, whose places in the row are not their indices (an arange feeding
-only the masks the rewrite drops is dead by then). A graph without attention is not searched:
+torchtitan's ``freqs_cis[:seqlen]``) become the tokens' places in the full row where a graph with
+attention still reads them after the rewrite (``token_places``: one row of the layout's places,
+every row cut alike checked on device; an arange feeding only the masks the rewrite drops is dead
+by then). A graph without attention is not searched:
 what it hands on may be positions or not (a ``cache_position`` arange can cross a graph break as
 an output), so positions computed there, or in eager code, are not seen. Where a flex mask_mod reads its tables as inputs of the graph (HF transformers builds the
 BlockMask before a graph break), a ``[B, T]`` table read as the documents and one read as
@@ -86,8 +86,9 @@ from ..analysis.context_parallel_cost import ALLGATHER, RING, ULYSSES
 from ..analysis.op_schema import value
 from ..detect.ring import ROTATES_INSIDE
 from ..record import DYNAMO, InputsPass, qualified_name
-from . import checkpoint_body, flex_calls, token_means, token_statistics, varlen_calls
+from . import checkpoint_body, flex_calls, token_means, token_places, token_statistics, varlen_calls
 from .checkpoint_body import CheckpointBody
+from .token_places import is_module_state
 from .sdpa_calls import (SDPA, autocast_inputs, erase_dead, lifted_float_reason, read_lifted_floats, sdpa_args,
                          softmax_scale, unrepeated)
 
@@ -224,56 +225,6 @@ def _live(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             live.add(n)
             stack.extend(n.all_input_nodes)
     return live
-
-
-def _from_token_index(modules, tokens) -> str | None:
-    """A live op that gives each of this rank's tokens a value by its index among them: an
-    ``arange`` over this rank's token count (nanoGPT's positions, a rotary ``t = arange(seqlen)``)
-    other than as a row index into per-token data (``logits[arange(T), labels]``, which is the
-    same on every layout), or a table the graph takes in or holds sliced to its first rows
-    (torchtitan's ``freqs_cis[:seqlen]``). Under CP a token's place in the row is not its index
-    here; the position ids ``shard_batch`` makes say where it is."""
-    def tokens_long(x) -> bool:
-        t = value(x)
-        return isinstance(t, torch.Tensor) and t.dim() == 1 and statically_known_true(t.shape[0] == tokens)
-
-    for module in modules:
-        live = _live(module.graph)
-        for n in (n for n in module.graph.nodes if n in live and n.op == "call_function"):
-            if (n.target in (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start) and tokens_long(n)
-                    and not all(_row_index(n, user) for user in n.users if user in live)):
-                return f"{n.name} (arange over this rank's {tokens} tokens)"
-            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].op in ("placeholder", "get_attr"):
-                whole, part = value(n.args[0]), value(n)
-                index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-                if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor)
-                        and all(isinstance(i, slice) for i in index)):
-                    continue
-                for d, cut in enumerate(index):
-                    if (cut.start in (None, 0) and cut.step in (None, 1) and d < part.dim()
-                            and statically_known_true(part.shape[d] == tokens)
-                            and not statically_known_true(whole.shape[d] == tokens)):
-                        return f"{n.name} (the first {tokens} entries of {n.args[0].name})"
-    return None
-
-
-def _row_index(index: torch.fx.Node, user: torch.fx.Node) -> bool:
-    """``user`` reads tensor rows at ``index`` (advanced indexing), from a tensor of the step's
-    own data rather than of the model's (a table of positions would be the model's)."""
-    if user.target is not operator.getitem or not isinstance(user.args[1], tuple) or index not in user.args[1]:
-        return False
-    data = user.args[0]
-    return isinstance(data, torch.fx.Node) and not _is_module_state(data) and index is not data
-
-
-def _is_module_state(n: torch.fx.Node) -> bool:
-    """A parameter or buffer of the model (not a tensor the step computes or passes in)."""
-    if n.op == "get_attr":
-        return True
-    source = getattr(n, "_dynamo_source", None)
-    name = getattr(source, "name", "")
-    name = name() if callable(name) else name  # a method before torch 2.12, a property after
-    return n.op == "placeholder" and any(part in name for part in ("buffers", "parameters", "_modules"))
 
 
 def why_not(gm: torch.fx.GraphModule, cfg) -> str | None:
@@ -636,10 +587,11 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
         raise ContextParallelError(
             f"context_parallel: the batch was sharded over group {shard.group_name!r}, the compile was given "
             f"{cfg.context_parallel!r}")
-    # the token dims followed through the graph as the program wrote it (the CP ops put in carry
-    # no example values to follow), read on what is live after the rewrite
-    trail = token_mixing.trail_of(gm, tokens, _per_token(gm), rows)
     sites = _sites(gm)
+    # the token dims followed through the graph as the program wrote it (the CP ops put in carry
+    # no example values to follow), read on what is live after the rewrite; after _sites, whose
+    # copies of the checkpointed bodies are what the rewrite changes and the checks read
+    trail = token_mixing.trail_of(gm, tokens, _per_token(gm), rows)
     checked = [(site, _check_call(site, tokens)) for site in sites]
     semantics = [(site, args, *_semantics(site, args, positions, documents)) for site, args in checked]
     packed = [(call, _check_varlen(call, value(batch_input).shape[0], tokens)) for call in varlen_calls.find(gm)]
@@ -686,13 +638,15 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     for ordinal, (call, meaning) in enumerate(packed, len(semantics)):
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
-    _refuse_token_index(modules, tokens)
+    placed = _token_places(gm, sites, inputs[1], trail)
     _refuse_mixing(gm, trail)
     shares = _token_means(gm, trail, shard, cfg, inputs[1])
     for route in routes:  # reported once nothing refused the graph
         record_varlen(route)
     for share in shares:
         record_token_mean(TokenMeanShare(share))
+    for position in placed:
+        record_token_mean(TokenMeanShare(position, kind="positions"))
     for module in modules:
         module.graph.lint()
         module.recompile()
@@ -764,19 +718,26 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
                        detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]}")
 
 
-def _refuse_token_index(modules, tokens) -> None:
-    found = _from_token_index([m for m in modules if isinstance(m, torch.fx.GraphModule)], tokens) \
-        if tokens is not None else None
-    if found is not None:
+def _token_places(gm: torch.fx.GraphModule, sites: list[Site], places: torch.fx.Node,
+                  trail: token_mixing.TokenTrail | None) -> list[str]:
+    """Positions the model makes from the token index made the tokens' places in the row
+    (``token_places``; ``places``: the layout's ``cp_query_positions``, handed to a checkpointed
+    body that makes them); what became of each, for the report."""
+    bodies = {id(site.module): site.body for site in sites if site.body is not None}
+    modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
+    try:
+        found = token_places.find(modules, trail, _live)
+        return token_places.rewrite(found, lambda m: bodies[id(m)].input_for(places, "cp_query_positions")
+                                    if id(m) in bodies else places)
+    except token_places.Unplaced as e:
         raise ContextParallelError(
-            f"context_parallel: {found} gives each token a value by its index on this rank; under CP a token's "
-            "place in the full row is not its index here: compute positions from the position_ids shard_batch "
-            "makes (pass them to the model)")
+            f"context_parallel: {e}; under CP a token's place in the full row is not its index here: compute positions from the position_ids shard_batch makes "
+            "(pass them to the model)") from None
 
 
 def _per_token(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The program's per-token inputs (not its parameters; taken before the layout inputs are added)."""
-    return [n for n in gm.graph.find_nodes(op="placeholder") if not _is_module_state(n)]
+    return [n for n in gm.graph.find_nodes(op="placeholder") if not is_module_state(n)]
 
 
 def _refuse_mixing(gm: torch.fx.GraphModule, trail: token_mixing.TokenTrail | None) -> None:
