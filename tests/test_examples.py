@@ -1,4 +1,4 @@
-"""The README's examples (``examples/*.py``) run as a user runs them, 2 ranks (gloo on CPU), each
+"""The examples (``examples/*.py``, walked through in docs/examples.md) run as a user runs them, 2 ranks (gloo on CPU), each
 checking its output against single-device attention: one under ``torchrun`` itself, the others
 as torchrun runs a script (its rank variables set, the file run as ``__main__``) in ranks forked
 from the test launcher's server, which has torch imported already (a torchrun of its own costs
@@ -61,11 +61,14 @@ def test_example_runs(example):
 
 
 def test_the_readme_shows_the_examples_as_they_run():
-    """Every README block that follows a link to an example is lines of that example (the code
-    CI runs), so the README holds no snippet with undefined names."""
-    readme = (EXAMPLES[0].parent.parent / "README.md").read_text()
-    shown = re.findall(r"\[`examples/(\w+\.py)`\]\(examples/\w+\.py\)[^`]*?```python\n(.*?)```", readme, re.S)
-    assert sorted(name for name, _ in shown) == sorted(e.name for e in EXAMPLES), shown
+    """Every block of the README and of docs/examples.md that follows a link to an example is
+    lines of that example (the code CI runs), so neither holds a snippet with undefined names;
+    docs/examples.md shows every example."""
+    root = EXAMPLES[0].parent.parent
+    link = r"\[`examples/(\w+\.py)`\]\((?:\.\./)?examples/\w+\.py\)[^`]*?```python\n(.*?)```"
+    walkthrough = re.findall(link, (root / "docs" / "examples.md").read_text(), re.S)
+    shown = walkthrough + re.findall(link, (root / "README.md").read_text(), re.S)
+    assert sorted(name for name, _ in walkthrough) == sorted(e.name for e in EXAMPLES), walkthrough
     for name, block in shown:
         source = (EXAMPLES[0].parent / name).read_text()
         for line in block.splitlines():
