@@ -1,5 +1,6 @@
-"""The examples (``examples/*.py``, walked through in docs/examples.md) run as a user runs them, 2 ranks (gloo on CPU), each
-checking its output against single-device attention: one under ``torchrun`` itself, the others
+"""The examples (``examples/*.py``, walked through in docs/examples.md) run as a user runs them,
+2 ranks (gloo on CPU), each checking its output against single-device attention: one under
+``torchrun`` itself, the others
 as torchrun runs a script (its rank variables set, the file run as ``__main__``) in ranks forked
 from the test launcher's server, which has torch imported already (a torchrun of its own costs
 each example three fresh interpreters)."""
