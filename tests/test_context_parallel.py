@@ -1044,21 +1044,23 @@ row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)""")
 row_places_default = row_places(cp_query_positions, 0, 1, torch.float32)""")
 
     def test_a_table_sliced_to_the_tokens_is_read_at_the_places(self):
-        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``): read
-        at the tokens' places instead."""
+        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``), and
+        narrowed to it: read at the tokens' places instead."""
         class Rotated(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.register_buffer("angles", torch.randn(64, 8))
 
             def forward(self, q, k, v, position_ids):
-                angles = self.angles[: q.shape[1]][None, :, None, :]
-                return _attention(q * angles.cos(), k * angles.sin(), v, position_ids)
+                sliced, narrowed = self.angles[: q.shape[1]], self.angles.narrow(0, 0, q.shape[1])
+                return _attention(q * sliced[None, :, None, :].cos(), k * narrowed[None, :, None, :].sin(), v, position_ids)
 
         q = torch.randn(1, 8, 2, 8)
         self.assertExpectedInline(_lines(_rewritten(Rotated(), q, q.clone(), q.clone()), "row_places", "index_select"), """\
 row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)
-index_select = index_select(l_self_buffers_angles_, 0, row_places_default)""")
+index_select = index_select(l_self_buffers_angles_, 0, row_places_default)
+row_places_default_1 = row_places(cp_query_positions, 0, 1, torch.int64)
+index_select_1 = index_select(l_self_buffers_angles_, 0, row_places_default_1)""")
 
     def test_an_arange_across_the_features_is_not_a_position(self):
         """A rotary embedding computing its frequencies from ``arange(head_dim // 2)`` in the model,

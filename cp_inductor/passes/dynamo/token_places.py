@@ -3,8 +3,8 @@
 Under the CP the model does not write, the model sees this rank's tokens only. A position it
 makes from their index (an ``arange`` over their count: nanoGPT's ``pos = arange(T)``, a rotary
 ``t = arange(T)``, HF's ``cache_position``) or a table it slices to their count (torchtitan's
-``freqs_cis[0:seqlen]``, a cached ``cos[:T]``, a learned ``pos_emb[:, :T]``) would give each token
-its index here, not its place in the row. Each becomes the places ``shard_batch`` recorded (the
+``freqs_cis[0:seqlen]``, a cached ``cos[:T]`` or ``cos.narrow(0, 0, T)``, a learned
+``pos_emb[:, :T]``) would give each token its index here, not its place in the row. Each becomes the places ``shard_batch`` recorded (the
 layout's ``cp_query_positions``, one row of them for all rows, as the arange was; that every row
 was cut alike is checked on device by ``row_places``)::
 
@@ -33,6 +33,7 @@ from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
 from ..analysis.token_mixing import Dims, TokenTrail
 
+NARROW = (torch.narrow, "narrow")
 ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
@@ -104,11 +105,11 @@ def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set
     found = []
     for module in modules:
         alive = live(module.graph)
-        for n in (n for n in module.graph.nodes if n in alive and n.op == "call_function"):
+        for n in (n for n in module.graph.nodes if n in alive and n.op in ("call_function", "call_method")):
             if n.target in ARANGE and tokens_long(n) and not all(_row_index(n, u) for u in n.users if u in alive):
                 index = TokenIndex(n, module, None, *_arange_bounds(n))
-            elif n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].op in ("placeholder", "get_attr") \
-                    and (dim := _cut_dim(n, tokens)) is not None:
+            elif (n.target is operator.getitem or n.target in NARROW) and isinstance(n.args[0], torch.fx.Node) \
+                    and n.args[0].op in ("placeholder", "get_attr") and (dim := _cut_dim(n, tokens)) is not None:
                 index = TokenIndex(n, module, dim)
             else:
                 continue
@@ -142,10 +143,17 @@ def _along_tokens(index: TokenIndex, trail: TokenTrail | None, alive: set) -> bo
 
 
 def _cut_dim(n: torch.fx.Node, tokens) -> int | None:
-    """The dim ``n`` (a getitem of slices) cuts to the first ``tokens`` entries of a longer table."""
+    """The dim ``n`` (a getitem of slices, or ``narrow``) cuts to the first ``tokens`` entries of a
+    longer table."""
     whole, part = value(n.args[0]), value(n)
-    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor) and all(isinstance(i, slice) for i in index)):
+    if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor)):
+        return None
+    if n.target in NARROW:
+        dim, start = (n.args[1:3] if len(n.args) >= 3 else (n.kwargs.get("dim"), n.kwargs.get("start")))
+        index = (slice(None),) * (dim % whole.dim()) + (slice(0, None),) if isinstance(dim, int) and start == 0 else ()
+    else:
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    if not index or not all(isinstance(i, slice) for i in index):
         return None
     for d, cut in enumerate(index):
         if (cut.start in (None, 0) and cut.step in (None, 1) and d < part.dim()
@@ -187,9 +195,11 @@ def rewrite(found: list[TokenIndex], places_in: Callable[[torch.fx.GraphModule],
                 tokens = value(n).shape[index.dim]
                 picked = _set_value(g.call_function(torch.index_select, (table, index.dim, row)), table,
                                     lambda t: t.narrow(index.dim, 0, tokens).contiguous())
-                rest = tuple(slice(None) if d == index.dim else cut for d, cut in enumerate(cuts))
-                out = g.call_function(operator.getitem, (picked, rest))
-                out.meta["example_value"] = value(n)
+                out = picked
+                if n.target is operator.getitem:  # the table's other dims cut as the program cut them
+                    rest = tuple(slice(None) if d == index.dim else cut for d, cut in enumerate(cuts))
+                    out = g.call_function(operator.getitem, (picked, rest))
+                    out.meta["example_value"] = value(n)
                 n.replace_all_uses_with(out)
         if not n.users:
             g.erase_node(n)
