@@ -1223,6 +1223,24 @@ class TestRefused:
         q = torch.randn(1, 8, 2, 8)
         _refused(checkpointed, q, q.clone(), q.clone(), match=r"conv1d over the token dim, kernel 4")
 
+    def test_a_reduction_over_the_tokens_no_pass_makes_the_full_rows(self):
+        """A max over this rank's tokens (max pooling), and HF's sequence classifiers with a pad
+        token (the last non-pad token found by an argmax over ``arange(T) * not_pad``, then picked):
+        over this rank's tokens alone each is another value, and no pass makes it the full row's.
+        Before, the argmax's arange was refused; once aranges became places, the pick went
+        through silently (HF Llama's classifier: loss 2.15 against 1.10 at cp 2)."""
+        def max_pooled(q, k, v, position_ids):
+            return _attention(q, k, v, position_ids).amax(dim=2)
+
+        def last_not_padded(q, k, v, position_ids):
+            out = _attention(q, k, v, position_ids)
+            last = (torch.arange(q.shape[1]) * (q[..., 0, 0] != 0)).argmax(-1)
+            return out.transpose(1, 2)[torch.arange(q.shape[0]), last]
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(max_pooled, q, q.clone(), q.clone(), match=r"amax over the token dim")
+        _refused(last_not_padded, q, q.clone(), q.clone(), match=r"argmax over the token dim")
+
     def test_positions_not_from_shard_batch(self):
         seen = {}
 

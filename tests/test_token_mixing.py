@@ -173,6 +173,10 @@ def scaled_by_an_unsqueezed_sum(x):
     return x / x.sum(dim=1).unsqueeze(1)
 
 
+def max_pooled(x):  # a reduction over tokens that is not a share: no pass makes it the full row's
+    return x.amax(dim=1).sum()
+
+
 def per_row_loss_over_tokens(x):  # reductions over tokens not read back: a loss's, per row
     return (x.sum(dim=(1, 2)) / x.abs().sum(dim=(1, 2))).sum()
 
@@ -189,16 +193,18 @@ def one_hot_per_token(x):  # the expert of each token, one-hot: per token
 class TokenMixingTrailTest(TestCase):
     def test_pooled_over_tokens_and_read_back(self):
         """A reduction over tokens that keeps their dim, read back at every token: over one rank's
-        tokens it pools other numbers."""
+        tokens it pools other numbers; a max over tokens is another number at all (sums and means
+        are shares, or made the full batch's)."""
         got = outcomes(centered_over_tokens, scaled_by_the_tokens_max, mean_over_hidden_read_back,
-                       centered_by_a_dropped_mean, scaled_by_an_unsqueezed_sum, per_row_loss_over_tokens)
+                       centered_by_a_dropped_mean, scaled_by_an_unsqueezed_sum, per_row_loss_over_tokens, max_pooled)
         self.assertExpectedInline(got, """\
 centered_over_tokens: sub: mean over the token dim, read back at every token (sub)
-scaled_by_the_tokens_max: mul: amax over the token dim, read back at every token (mul)
+scaled_by_the_tokens_max: amax: amax over the token dim (this rank's tokens' alone, which no pass makes the full row's)
 mean_over_hidden_read_back: -
 centered_by_a_dropped_mean: sub: mean over the token dim, read back at every token (sub)
 scaled_by_an_unsqueezed_sum: truediv: sum over the token dim, read back at every token (truediv)
-per_row_loss_over_tokens: -""")
+per_row_loss_over_tokens: -
+max_pooled: amax: amax over the token dim (this rank's tokens' alone, which no pass makes the full row's)""")
 
     def test_one_hot_keeps_the_token_dim(self):
         """``one_hot`` adds a trailing dim of classes: the token dim is followed through it, so a

@@ -21,11 +21,15 @@ per-token ones (a parameter whose dim 1 happens to have the token count is not).
 rule carries its first input's token dim only where its output has that input's rank and size
 there; otherwise the trail ends, so what it reports is an op it can name, never a guess, and what
 it misses stays the user's promise, as before. Live means read by the outputs, or written in
-place into a tensor they read. Reductions over tokens (a loss, a pooled
-output) are not counted: a sum is the rank's share of the loss, and a mean over every dim is
-made one (``passes/dynamo/token_means``); one that keeps the token dim's place (``keepdim=True``)
-and is read back at every token by arithmetic (``x - x.mean(1, keepdim=True)``, or the dim dropped and put back by
-hand: ``x - x.mean(1)[:, None]``) is.
+place into a tensor they read. Sums, means and counts over tokens (a loss, a pooled
+output) are not counted: a sum is the rank's share of the loss, and a mean is made one or the
+full batch's (``passes/dynamo/token_means``, ``token_statistics``); one that keeps the token dim's
+place (``keepdim=True``) and is read back at every token by arithmetic (``x - x.mean(1,
+keepdim=True)``, or the dim dropped and put back by hand: ``x - x.mean(1)[:, None]``) is. Any
+other reduction over the token dim (``amax``: max pooling; ``argmax``: HF's classifiers finding
+the last token that is not padding; ``std``, ``logsumexp``, ...) is: over this rank's tokens it is
+another value, and nothing makes it the full row's. Past an attention call the context-parallel
+pass rewrote, the token dims go on from the new call's output (``carry``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ MIXING_ALONG_DIM = {  # name -> (position of ``dim``, its keyword, its default)
 }
 REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "std", "var", "norm", "any", "all",
               "argmax", "argmin", "count_nonzero", "nansum", "nanmean", "median", "nanmedian", "mode"}
+# reductions whose value over this rank's tokens is not a share of the full row's and that no
+# pass makes the full row's (sums, means and counts are: passes/dynamo/token_means, token_statistics)
+ROW_ONLY_REDUCTIONS = {"amax", "amin", "max", "min", "prod", "logsumexp", "std", "var", "norm", "argmax", "argmin",
+                       "median", "nanmedian", "mode", "aminmax"}
 CONVOLUTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution"}
 POOLS = {"avg_pool1d", "avg_pool2d", "max_pool1d", "max_pool2d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
          "lp_pool1d", "max_pool1d_with_indices"}
@@ -186,6 +194,13 @@ class TokenTrail:
                 self.dims[n] = Dims({1})
             elif shape and rows is not None and shape[0] == rows * self.tokens:
                 self.dims[n] = Dims({0})
+
+    def carry(self, replaced: dict[torch.fx.Node, torch.fx.Node]) -> None:
+        """The token dims of nodes a rewrite replaced, given to what replaced them (the ops
+        after them were followed from the old ones)."""
+        for old, new in replaced.items():
+            if old in self.dims:
+                self.dims[new] = self.dims[old]
 
     def of(self, x) -> Dims:
         got = self.dims.get(x) if isinstance(x, torch.fx.Node) else None
@@ -357,6 +372,13 @@ class TokenTrail:
             pooled = next((self.pooled[x] for x in n.all_input_nodes if x in self.pooled), None)
             if pooled is not None:
                 return f"{pooled}, read back at every token ({name})"
+        if name in ROW_ONLY_REDUCTIONS and shape and source:
+            dims = _arg(n, 1, "dim")
+            if isinstance(dims, torch.fx.Node) or (name in ("max", "min") and len(n.args) > 1 and not isinstance(dims, int)):
+                return None  # element-wise against another tensor
+            reduced = _norm(dims, len(shape)) if dims is not None else set(range(len(shape)))
+            if reduced is not None and reduced & source:
+                return f"{name} over the token dim (this rank's tokens' alone, which no pass makes the full row's)"
         if name in CONVOLUTIONS or name in POOLS:
             spatial = set(range(2 if shape and len(shape) > 2 else 1, len(shape or ())))
             if not source & spatial:

@@ -638,6 +638,8 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     for ordinal, (call, meaning) in enumerate(packed, len(semantics)):
         routes.append(_rewrite_varlen(gm, call, meaning, shard, inputs, batch_input, plans, works, cfg, ordinal))
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
+    if trail is not None:  # the checks below read past attention
+        trail.carry(replaced)
     placed = _token_places(gm, sites, inputs[1], trail)
     _refuse_mixing(gm, trail)
     shares = _token_means(gm, trail, shard, cfg, inputs[1])
