@@ -173,6 +173,10 @@ def scaled_by_an_unsqueezed_sum(x):
     return x / x.sum(dim=1).unsqueeze(1)
 
 
+def norm_over_hidden(x):  # QK-norm's: over the hidden dim, p given before dim
+    return x / x.norm(2, -1, keepdim=True)
+
+
 def max_pooled(x):  # a reduction over tokens that is not a share: no pass makes it the full row's
     return x.amax(dim=1).sum()
 
@@ -196,7 +200,8 @@ class TokenMixingTrailTest(TestCase):
         tokens it pools other numbers; a max over tokens is another number at all (sums and means
         are shares, or made the full batch's)."""
         got = outcomes(centered_over_tokens, scaled_by_the_tokens_max, mean_over_hidden_read_back,
-                       centered_by_a_dropped_mean, scaled_by_an_unsqueezed_sum, per_row_loss_over_tokens, max_pooled)
+                       centered_by_a_dropped_mean, scaled_by_an_unsqueezed_sum, per_row_loss_over_tokens, max_pooled,
+                       norm_over_hidden)
         self.assertExpectedInline(got, """\
 centered_over_tokens: sub: mean over the token dim, read back at every token (sub)
 scaled_by_the_tokens_max: amax: amax over the token dim (this rank's tokens' alone, which no pass makes the full row's)
@@ -204,7 +209,8 @@ mean_over_hidden_read_back: -
 centered_by_a_dropped_mean: sub: mean over the token dim, read back at every token (sub)
 scaled_by_an_unsqueezed_sum: truediv: sum over the token dim, read back at every token (truediv)
 per_row_loss_over_tokens: -
-max_pooled: amax: amax over the token dim (this rank's tokens' alone, which no pass makes the full row's)""")
+max_pooled: amax: amax over the token dim (this rank's tokens' alone, which no pass makes the full row's)
+norm_over_hidden: -""")
 
     def test_one_hot_keeps_the_token_dim(self):
         """``one_hot`` adds a trailing dim of classes: the token dim is followed through it, so a

@@ -373,7 +373,7 @@ class TokenTrail:
             if pooled is not None:
                 return f"{pooled}, read back at every token ({name})"
         if name in ROW_ONLY_REDUCTIONS and shape and source:
-            dims = _arg(n, 1, "dim")
+            dims = _arg(n, 2 if name == "norm" else 1, "dim")  # norm(x, p, dim)
             if isinstance(dims, torch.fx.Node) or (name in ("max", "min") and len(n.args) > 1 and not isinstance(dims, int)):
                 return None  # element-wise against another tensor
             reduced = _norm(dims, len(shape)) if dims is not None else set(range(len(shape)))

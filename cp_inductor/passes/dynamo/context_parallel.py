@@ -733,8 +733,8 @@ def _token_places(gm: torch.fx.GraphModule, sites: list[Site], places: torch.fx.
                                     if id(m) in bodies else places)
     except token_places.Unplaced as e:
         raise ContextParallelError(
-            f"context_parallel: {e}; under CP a token's place in the full row is not its index here: compute positions from the position_ids shard_batch makes "
-            "(pass them to the model)") from None
+            f"context_parallel: {e}; under CP a token's place in the full row is not its index here: compute "
+            "positions from the position_ids shard_batch makes (pass them to the model)") from None
 
 
 def _per_token(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
