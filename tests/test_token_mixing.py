@@ -69,7 +69,8 @@ def softmax_over_hidden(x):  # hidden == T: a size match, not the token dim
     return x.softmax(dim=-1)
 
 
-def rms_norm_and_heads(x):  # per token: a norm over the hidden dim, heads split and merged
+def rms_norm_and_heads(x):  # a norm over the hidden dim, heads split and merged; the heads' product
+    # with themselves is [T, T] token by token, cropped to the first keys: it reads other tokens
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     heads = x.view(B, T, 4, C // 4).transpose(1, 2)
     return (heads @ heads.transpose(-1, -2)[..., :C // 4]).transpose(1, 2).flatten(2)
@@ -108,7 +109,8 @@ class TokenMixingTest(TestCase):
     def test_every_form_named_and_per_token_ops_left(self):
         got = outcomes(conv, conv_kernel_1, cumsum, shift, roll, softmax_over_tokens, token_mlp, linear_attention,
                        einsum_mix, top_tokens, cumsum_after_gpt2_conv1d, moe_dispatch, softmax_over_hidden,
-                       rms_norm_and_heads, cumsum_over_hidden, pad_hidden, loss_over_tokens)
+                       rms_norm_and_heads, cumsum_over_hidden, pad_hidden, loss_over_tokens, shift_by_setitem,
+                       crop_tokens, narrow_tokens, every_token_sliced)
         self.assertExpectedInline(got, """\
 conv: conv1d: conv1d over the token dim, kernel 4
 conv_kernel_1: -
@@ -123,10 +125,32 @@ top_tokens: topk: topk along the token dim
 cumsum_after_gpt2_conv1d: cumsum: cumsum along the token dim
 moe_dispatch: -
 softmax_over_hidden: -
-rms_norm_and_heads: -
+rms_norm_and_heads: getitem: a slice of the token dim keeping some of its tokens (a shift or a crop: [..., :4])
 cumsum_over_hidden: -
 pad_hidden: -
-loss_over_tokens: -""")
+loss_over_tokens: -
+shift_by_setitem: getitem: a slice of the token dim keeping some of its tokens (a shift or a crop: [:, :-1])
+crop_tokens: getitem: a slice of the token dim keeping some of its tokens (a shift or a crop: [:, 2:])
+narrow_tokens: narrow: narrow of the token dim keeping some of its tokens (a shift or a crop)
+every_token_sliced: -""")
+
+
+def shift_by_setitem(x):  # BART's shift_tokens_right: a slice of the tokens written one place on
+    y = torch.zeros_like(x)
+    y[:, 1:] = x[:, :-1]
+    return y
+
+
+def crop_tokens(x):
+    return x[:, 2:].sum()
+
+
+def narrow_tokens(x):
+    return x.narrow(1, 0, 4).sum()
+
+
+def every_token_sliced(x):  # a slice that keeps every token (HF's logits_to_keep=0: [:, 0:])
+    return x[:, 0:] * 2
 
 
 def conv_after_mT(x):  # .mT is a transpose (Dynamo records it as getattr)

@@ -5,8 +5,9 @@ Under context parallelism a rank holds some of each row's tokens. Attention is r
 every rank's keys; any other op whose output at one token reads other tokens of the row (a short
 convolution over the sequence, a cumulative sum, a shift, a softmax over tokens, a matmul that
 contracts the token dim, a top-k over tokens) would read only this rank's, and change the
-answer. A sort of tokens is not counted: MoE layers sort their tokens by expert to dispatch them
-and put them back, a permutation each rank can make of its own::
+answer; so would a slice of the token dim that keeps only some tokens (a shift written by hand:
+``y[:, 1:] = x[:, :-1]``). A sort of tokens is not counted: MoE layers sort their tokens by
+expert to dispatch them and put them back, a permutation each rank can make of its own::
 
     x = embed(input_ids)                      # [B, T, C]: dim 1 is the token dim
     h = conv1d(x.transpose(1, 2), w, groups=C, padding=3)[..., :T]   # dim 2 of conv1d's input
@@ -14,7 +15,7 @@ and put them back, a permutation each rank can make of its own::
 
 The token dim is followed, not guessed from sizes: from the inputs ``shard_batch`` cut (dim 1),
 through element-wise ops (dims right-aligned, sizes equal; broadcasting only for the arithmetic
-and comparison ops, any other op follows its first input), views and reshapes (by the products
+and comparison ops, any other op follows its first input), expands, views and reshapes (by the products
 of the leading sizes), transposes and permutes, indexing, concatenation, reductions, embedding
 lookups, ``one_hot``, matmuls, ``einsum`` and activation-checkpointed bodies; the inputs are the program's
 per-token ones (a parameter whose dim 1 happens to have the token count is not). An op with no
@@ -147,15 +148,51 @@ def _reshaped(shape: tuple, dims: Dims, out: tuple, tokens: int) -> Dims:
     return Dims(found)
 
 
-def _index(shape: tuple, dims: Dims, index) -> Dims:
-    """Basic indexing (ints, slices, None, Ellipsis); a tensor index ends the trail."""
+def _basic(shape: tuple, index) -> tuple | None:
+    """A basic index (ints, slices, None) with its Ellipsis spelled out; None for a tensor index."""
     index = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, (torch.fx.Node, list)) for i in index):
-        return Dims()
+        return None
     if Ellipsis in index:
         at = index.index(Ellipsis)
         used = sum(1 for i in index if i is not None and i is not Ellipsis)
         index = index[:at] + (slice(None),) * (len(shape) - used) + index[at + 1:]
+    return index
+
+
+def _token_cut(shape: tuple, dims: Dims, index, out: tuple | None) -> int | None:
+    """The token dim a basic index keeps only some tokens of (a slice that starts later, stops
+    sooner or steps: a shift or a crop), or None."""
+    index = _basic(shape, index)
+    j = i = 0
+    for item in index or ():
+        if item is None:
+            j += 1
+        elif isinstance(item, int):
+            i += 1
+        else:
+            if i in dims and not (item.start in (None, 0) and item.step in (None, 1) and out is not None
+                                  and j < len(out) and out[j] == shape[i]):
+                return i
+            i, j = i + 1, j + 1
+    return None
+
+
+def _spelled(index) -> str:
+    """An index as Python writes it (``:, :-1``)."""
+    def one(item) -> str:
+        if isinstance(item, slice):
+            text = f"{'' if item.start is None else item.start}:{'' if item.stop is None else item.stop}"
+            return text + (f":{item.step}" if item.step is not None else "")
+        return "..." if item is Ellipsis else str(item)
+    return ", ".join(one(i) for i in (index if isinstance(index, tuple) else (index,)))
+
+
+def _index(shape: tuple, dims: Dims, index) -> Dims:
+    """Basic indexing (ints, slices, None, Ellipsis); a tensor index ends the trail."""
+    index = _basic(shape, index)
+    if index is None:
+        return Dims()
     found, j, i = set(), 0, 0
     for item in index:
         if item is None:
@@ -245,6 +282,8 @@ class TokenTrail:
             return self._permuted(n, name, shape, source)
         if name == "one_hot":  # a trailing dim of classes: the index's dims stay where they were
             return source
+        if name in ("expand", "expand_as", "broadcast_to"):  # new leading dims, the others as they were
+            return _right_aligned([(shape, source)], out) if shape and source else None
         if name in ("unsqueeze", "squeeze", "embedding", "cat", "concat", "concatenate", "stack"):
             return self._inserted(n, name, shape, source, out)
         if name in REDUCTIONS:
@@ -372,6 +411,14 @@ class TokenTrail:
             pooled = next((self.pooled[x] for x in n.all_input_nodes if x in self.pooled), None)
             if pooled is not None:
                 return f"{pooled}, read back at every token ({name})"
+        if n.target is operator.getitem and shape and source and isinstance(first, torch.fx.Node):
+            if _token_cut(shape, source, n.args[1], _shape(n)) is not None:
+                return f"a slice of the token dim keeping some of its tokens (a shift or a crop: [{_spelled(n.args[1])}])"
+        if name == "narrow" and shape and source:
+            dim, out = _arg(n, 1, "dim"), _shape(n)
+            dim = dim % len(shape) if isinstance(dim, int) else None
+            if dim is not None and dim in source and out is not None and out[dim] != shape[dim]:
+                return "narrow of the token dim keeping some of its tokens (a shift or a crop)"
         if name in ROW_ONLY_REDUCTIONS and shape and source:
             dims = _arg(n, 2 if name == "norm" else 1, "dim")  # norm(x, p, dim)
             if isinstance(dims, torch.fx.Node) or (name in ("max", "min") and len(n.args) > 1 and not isinstance(dims, int)):
