@@ -1044,8 +1044,8 @@ row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)""")
 row_places_default = row_places(cp_query_positions, 0, 1, torch.float32)""")
 
     def test_a_table_sliced_to_the_tokens_is_read_at_the_places(self):
-        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``), and
-        narrowed to it: read at the tokens' places instead."""
+        """torchtitan's rotary table sliced to the sequence length (``freqs_cis[:seqlen]``),
+        narrowed to it, and sliced with new dims around the cut: read at the tokens' places."""
         class Rotated(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -1053,14 +1053,18 @@ row_places_default = row_places(cp_query_positions, 0, 1, torch.float32)""")
 
             def forward(self, q, k, v, position_ids):
                 sliced, narrowed = self.angles[: q.shape[1]], self.angles.narrow(0, 0, q.shape[1])
-                return _attention(q * sliced[None, :, None, :].cos(), k * narrowed[None, :, None, :].sin(), v, position_ids)
+                unsqueezed = self.angles[None, : q.shape[1], None]  # nanoGPT-like wpe.weight[None, :T]
+                return _attention(q * sliced[None, :, None, :].cos() + unsqueezed, k * narrowed[None, :, None, :].sin(), v,
+                                  position_ids)
 
         q = torch.randn(1, 8, 2, 8)
         self.assertExpectedInline(_lines(_rewritten(Rotated(), q, q.clone(), q.clone()), "row_places", "index_select"), """\
 row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)
 index_select = index_select(l_self_buffers_angles_, 0, row_places_default)
 row_places_default_1 = row_places(cp_query_positions, 0, 1, torch.int64)
-index_select_1 = index_select(l_self_buffers_angles_, 0, row_places_default_1)""")
+index_select_1 = index_select(l_self_buffers_angles_, 0, row_places_default_1)
+row_places_default_2 = row_places(cp_query_positions, 0, 1, torch.int64)
+index_select_2 = index_select(l_self_buffers_angles_, 0, row_places_default_2)""")
 
     def test_an_arange_across_the_features_is_not_a_position(self):
         """A rotary embedding computing its frequencies from ``arange(head_dim // 2)`` in the model,
@@ -1087,6 +1091,19 @@ row_places_default = row_places(cp_query_positions, 0, 1, torch.int64)""")
         q = torch.randn(1, 8, 2, 8)
         _refused(handed_out, q, q.clone(), q.clone(), match=r"arange_\d+: an arange over this rank.s tokens .* meets no "
                  r"per-token value")
+
+    def test_an_arange_the_row_length_would_change_fails_the_compile(self):
+        """Positions counted from the end (``arange(T, 0, -1)``) or scaled by the count
+        (``arange(T) / T``): under CP the count is this rank's, not the row's."""
+        def from_the_end(q, k, v, position_ids):
+            return _attention(q + torch.arange(q.shape[1], 0, -1)[None, :, None, None], k, v, position_ids)
+
+        def scaled(q, k, v, position_ids):
+            return _attention(q + (torch.arange(q.shape[1]) / q.shape[1])[None, :, None, None], k, v, position_ids)
+
+        q = torch.randn(1, 8, 2, 8)
+        _refused(from_the_end, q, q.clone(), q.clone(), match=r"from 8 by -1, not from 0 by 1")
+        _refused(scaled, q, q.clone(), q.clone(), match=r"combined with this rank's token count \(truediv")
 
     def test_rows_cut_differently_fail_the_step(self):
         """One arange for every row, but a pack whose rows were balanced each on its own: the
@@ -1413,17 +1430,20 @@ def test_positions_from_the_token_index_match_single_device():
     """A decoder written for one device that places its tokens by their index (nanoGPT's learned
     table read at ``arange(T)``, torchtitan's rotary table sliced to the tokens in each block,
     nanoGPT's call ``model(input_ids, targets)`` with no position ids): the positions become the
-    tokens' places in the row, K/V all-gathered, and inside checkpointed blocks through Ulysses.
-    Before, the compile failed ("gives each token a value by its index on this rank")."""
+    tokens' places in the row, K/V all-gathered, inside checkpointed blocks through Ulysses, and
+    under dynamic shapes (the count symbolic). Before, the compile failed ("gives each token a
+    value by its index on this rank")."""
     batch = auto_cp.next_token_batch(rows=2, tokens=32)
     how = {"loss_of": auto_cp.index_positioned_loss_of}
     cases = [(auto_cp.index_positioned, batch, None, None, how),
-             (functools.partial(auto_cp.index_positioned, checkpointing=True), batch, ULYSSES, None, how)]
+             (functools.partial(auto_cp.index_positioned, checkpointing=True), batch, ULYSSES, None, how),
+             (auto_cp.index_positioned, batch, None, None, {**how, "dynamic": True})]
     results = run_on_ranks(auto_cp.cp_steps, 2, cases)
     _assert_steps(results, cases)
     placed = [sorted(line.split(": ")[0] for line in case["lines"] if "context-parallel positions" in line)
               for case in results[0]]
-    assert [len(p) for p in placed] == [3, 3], placed  # the arange, and each block's slice
+    # the arange and each block's slice (dynamic shapes: Dynamo compiles twice, each line twice)
+    assert [len(p) for p in placed] == [3, 3, 6], placed
 
 
 @pytest.mark.wide

@@ -148,7 +148,7 @@ def _reshaped(shape: tuple, dims: Dims, out: tuple, tokens: int) -> Dims:
     return Dims(found)
 
 
-def _basic(shape: tuple, index) -> tuple | None:
+def basic_index(shape: tuple, index) -> tuple | None:
     """A basic index (ints, slices, None) with its Ellipsis spelled out; None for a tensor index."""
     index = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, (torch.fx.Node, list)) for i in index):
@@ -163,7 +163,7 @@ def _basic(shape: tuple, index) -> tuple | None:
 def _token_cut(shape: tuple, dims: Dims, index, out: tuple | None) -> int | None:
     """The token dim a basic index keeps only some tokens of (a slice that starts later, stops
     sooner or steps: a shift or a crop), or None."""
-    index = _basic(shape, index)
+    index = basic_index(shape, index)
     j = i = 0
     for item in index or ():
         if item is None:
@@ -190,7 +190,7 @@ def _spelled(index) -> str:
 
 def _index(shape: tuple, dims: Dims, index) -> Dims:
     """Basic indexing (ints, slices, None, Ellipsis); a tensor index ends the trail."""
-    index = _basic(shape, index)
+    index = basic_index(shape, index)
     if index is None:
         return Dims()
     found, j, i = set(), 0, 0
@@ -282,6 +282,9 @@ class TokenTrail:
             return self._permuted(n, name, shape, source)
         if name == "one_hot":  # a trailing dim of classes: the index's dims stay where they were
             return source
+        if name in ("outer", "ger"):  # a's entries down the rows, b's along them
+            other = n.args[1] if len(n.args) > 1 else None
+            return Dims({*(0 for _ in source), *(1 for _ in self.of(other))}) if shape and len(shape) == 1 else None
         if name in ("expand", "expand_as", "broadcast_to"):  # new leading dims, the others as they were
             return _right_aligned([(shape, source)], out) if shape and source else None
         if name in ("unsqueeze", "squeeze", "embedding", "cat", "concat", "concatenate", "stack"):

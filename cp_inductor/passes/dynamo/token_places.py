@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...lowerings import cp_collectives  # noqa: F401 - registers row_places
 from ..analysis.graph_walk import Walk
 from ..analysis.op_schema import value
-from ..analysis.token_mixing import Dims, TokenTrail
+from ..analysis.token_mixing import ARITHMETIC, Dims, TokenTrail, basic_index, op_name
 
 NARROW = (torch.narrow, "narrow")
 ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
@@ -44,7 +44,9 @@ class TokenIndex:
     node: torch.fx.Node
     module: torch.fx.GraphModule
     dim: int | None = None  # the table's dim cut to the tokens; None: an arange
-    start: object = 0  # the arange's (an int or a symbolic size's node)
+    at: int = 0  # the dim of the op's output that runs over the tokens
+    rest: tuple | None = None  # a getitem's index (Ellipsis spelled out) with the tokens' cut made whole
+    start: object = 0  # the arange's
     step: object = 1
 
     def what(self) -> str:
@@ -88,16 +90,16 @@ def is_module_state(n: torch.fx.Node) -> bool:
     return n.op == "placeholder" and any(part in name for part in ("buffers", "parameters", "_modules"))
 
 
-def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set]) -> list[TokenIndex]:
-    """Every live op of ``modules`` that gives each of this rank's tokens a value by its index,
-    read as positions: an arange of their count read otherwise than as a row index of the step's
-    data, or a table the graph takes in or holds sliced to its first entries along one dim, whose
-    index runs along the token dim of the per-token values it meets (``trail``: their token dims).
-    One of that length that meets them along another dim only (a rotary ``arange(head_dim // 2)``
-    of a model whose head_dim / 2 is the token count) is not a position; one that meets none,
-    or both ways, cannot be told, and raises :class:`Unplaced`."""
-    tokens = trail.tokens if trail is not None else None
-
+def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set], tokens) -> list[TokenIndex]:
+    """Every live op of ``modules`` that gives each of this rank's ``tokens`` (the count, symbolic
+    under dynamic shapes) a value by its index, read as positions: an arange of their count read
+    otherwise than as a row index of the step's data, or a table that is not per-token data cut to
+    its first entries along one dim, whose index runs along the token dim of the per-token values
+    it meets (``trail``: their token dims). One of that length that meets them along another dim
+    only (a rotary ``arange(head_dim // 2)`` of a model whose head_dim / 2 is the token count) is
+    not a position; one that meets none, or both ways, cannot be told, and raises
+    :class:`Unplaced`; so does an arange from another start or by another step, or combined with
+    the token count (``arange(T) / T``: under CP the count is the rank's, not the row's)."""
     def tokens_long(x) -> bool:
         t = value(x)
         return isinstance(t, torch.Tensor) and t.dim() == 1 and statically_known_true(t.shape[0] == tokens)
@@ -107,58 +109,87 @@ def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set
         alive = live(module.graph)
         for n in (n for n in module.graph.nodes if n in alive and n.op in ("call_function", "call_method")):
             if n.target in ARANGE and tokens_long(n) and not all(_row_index(n, u) for u in n.users if u in alive):
-                index = TokenIndex(n, module, None, *_arange_bounds(n))
+                index = TokenIndex(n, module, None, 0, None, *_arange_bounds(n))
             elif (n.target is operator.getitem or n.target in NARROW) and isinstance(n.args[0], torch.fx.Node) \
-                    and n.args[0].op in ("placeholder", "get_attr") and (dim := _cut_dim(n, tokens)) is not None:
-                index = TokenIndex(n, module, dim)
+                    and not (trail is not None and trail.of(n.args[0])) and (cut := _cut(n, tokens)) is not None:
+                index = TokenIndex(n, module, *cut)
             else:
                 continue
-            if _along_tokens(index, trail, alive):
+            if _along_tokens(index, trail, alive, tokens):
+                if index.dim is None and not (isinstance(index.start, int) and index.start == 0
+                                              and isinstance(index.step, int) and index.step == 1):
+                    raise Unplaced(f"{index.what()} (from {index.start} by {index.step}, not from 0 by 1) gives each "
+                                   "token a value by its index on this rank")
                 found.append(index)
     return found
 
 
-def _along_tokens(index: TokenIndex, trail: TokenTrail | None, alive: set) -> bool:
+def _along_tokens(index: TokenIndex, trail: TokenTrail | None, alive: set, tokens) -> bool:
     """Whether ``index``'s entries run along the token dim of the per-token values they meet."""
     if trail is None:
         raise Unplaced(f"{index.what()} gives each token a value by its index on this rank, and the token count has "
                        "no hint to follow the token dim by")
     mine = TokenTrail(trail.tokens)
-    mine.dims[index.node] = Dims({index.dim or 0})
+    mine.dims[index.node] = Dims({index.at})
     mine.follow(index.module, Walk([index.node], lambda n: list(n.users), float("inf")).run().seen)
-    ways = set()
+    ways, counted = set(), []
     for n, dims in mine.dims.items():
         met = trail.of(n)
         if isinstance(dims, frozenset) and dims and met and n in alive:
             ways.add("along" if dims & met else "across")
+        elif isinstance(dims, frozenset) and dims and n in alive and op_name(n) in ARITHMETIC and any(
+                _is_token_count(a, tokens) for a in (*n.args, *n.kwargs.values()) if a is not index.node):
+            counted.append(n.name)
+    if ways == {"along"} and counted:
+        raise Unplaced(f"{index.what()} is combined with this rank's token count ({counted[0]}); under CP the "
+                       "count is this rank's, not the row's")
     if ways == {"along"}:
         return True
     if not ways:
         raise Unplaced(f"{index.what()} gives each token a value by its index on this rank and meets no per-token "
-                       "value, so it cannot be told a position or not")
+                       "value the token dim could be followed to, so it cannot be told a position or not")
     if ways == {"along", "across"}:
         raise Unplaced(f"{index.what()} gives each token a value by its index on this rank and meets per-token "
                        "values both along their tokens and along another dim")
     return False
 
 
-def _cut_dim(n: torch.fx.Node, tokens) -> int | None:
-    """The dim ``n`` (a getitem of slices, or ``narrow``) cuts to the first ``tokens`` entries of a
-    longer table."""
+def _is_token_count(a, tokens) -> bool:
+    """``a`` is the token count, or one less (``T - 1 - arange(T)``), as a number or a size."""
+    a = value(a) if isinstance(a, torch.fx.Node) else a
+    return isinstance(a, (int, float, torch.SymInt)) and not isinstance(a, bool) and (
+        statically_known_true(a == tokens) or statically_known_true(a == tokens - 1))
+
+
+def _cut(n: torch.fx.Node, tokens) -> tuple[int, int, tuple | None] | None:
+    """(the table's dim, the output's dim, the index with that cut made whole) where ``n`` (a
+    getitem of slices, ints and Nones, or ``narrow``) cuts a longer table to its first ``tokens``
+    entries, or None."""
     whole, part = value(n.args[0]), value(n)
     if not (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor)):
         return None
     if n.target in NARROW:
         dim, start = (n.args[1:3] if len(n.args) >= 3 else (n.kwargs.get("dim"), n.kwargs.get("start")))
-        index = (slice(None),) * (dim % whole.dim()) + (slice(0, None),) if isinstance(dim, int) and start == 0 else ()
-    else:
-        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    if not index or not all(isinstance(i, slice) for i in index):
+        if not (isinstance(dim, int) and isinstance(start, int) and start == 0):
+            return None
+        dim %= whole.dim()
+        cuts = statically_known_true(part.shape[dim] == tokens) and not statically_known_true(whole.shape[dim] == tokens)
+        return (dim, dim, None) if cuts else None
+    index = basic_index(tuple(whole.shape), n.args[1])
+    if index is None or not all(i is None or isinstance(i, (int, slice)) for i in index):
         return None
-    for d, cut in enumerate(index):
-        if (cut.start in (None, 0) and cut.step in (None, 1) and d < part.dim()
-                and statically_known_true(part.shape[d] == tokens) and not statically_known_true(whole.shape[d] == tokens)):
-            return d
+    table_dim = out_dim = 0
+    for k, item in enumerate(index):
+        if item is None:
+            out_dim += 1
+        elif isinstance(item, int):
+            table_dim += 1
+        else:
+            if (item.start in (None, 0) and item.step in (None, 1) and out_dim < part.dim()
+                    and statically_known_true(part.shape[out_dim] == tokens)
+                    and not statically_known_true(whole.shape[table_dim] == tokens)):
+                return table_dim, out_dim, index[:k] + (slice(None),) + index[k + 1:]
+            table_dim, out_dim = table_dim + 1, out_dim + 1
     return None
 
 
@@ -191,14 +222,12 @@ def rewrite(found: list[TokenIndex], places_in: Callable[[torch.fx.GraphModule],
             else:
                 row = _set_value(g.call_function(torch.ops.cp_inductor.row_places.default, (places, 0, 1, torch.int64)),
                                  places, lambda p: p[0].clone())
-                table, cuts = n.args[0], n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-                tokens = value(n).shape[index.dim]
+                table, count = n.args[0], value(n).shape[index.at]
                 picked = _set_value(g.call_function(torch.index_select, (table, index.dim, row)), table,
-                                    lambda t: t.narrow(index.dim, 0, tokens).contiguous())
+                                    lambda t: t.narrow(index.dim, 0, count).contiguous())
                 out = picked
-                if n.target is operator.getitem:  # the table's other dims cut as the program cut them
-                    rest = tuple(slice(None) if d == index.dim else cut for d, cut in enumerate(cuts))
-                    out = g.call_function(operator.getitem, (picked, rest))
+                if index.rest is not None:  # the table's other dims cut as the program cut them
+                    out = g.call_function(operator.getitem, (picked, index.rest))
                     out.meta["example_value"] = value(n)
                 n.replace_all_uses_with(out)
         if not n.users:
