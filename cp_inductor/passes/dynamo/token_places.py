@@ -8,9 +8,9 @@ makes from their index (an ``arange`` over their count: nanoGPT's ``pos = arange
 layout's ``cp_query_positions``, one row of them for all rows, as the arange was; that every row
 was cut alike is checked on device by ``row_places``)::
 
-    pos = torch.arange(start, start + T_local, step)             emb = table[:T_local]
+    pos = torch.arange(T_local)                                  emb = table[:T_local]
     ->
-    pos = row_places(cp_query_positions, start, step, dtype)     emb = table.index_select(0, row_places(...))
+    pos = row_places(cp_query_positions, 0, 1, dtype)            emb = table.index_select(0, row_places(...))
 
 An arange read as a row index into the step's data (``logits[arange(B), i]``) is the same on
 every layout and stays. Where the arange or the slice sits in a checkpointed body, the places are
@@ -65,10 +65,6 @@ def _arange_bounds(n: torch.fx.Node) -> tuple[object, object]:
     if len(args) == 1:
         args = [n.kwargs.get("start", 0), args[0]]
     return (args[0] if args else n.kwargs.get("start", 0)), (args[2] if len(args) > 2 else n.kwargs.get("step", 1))
-
-
-def _integral(x) -> bool:
-    return isinstance(x, (int, torch.SymInt)) or (isinstance(x, torch.fx.Node) and isinstance(value(x), (int, torch.SymInt)))
 
 
 def _row_index(index: torch.fx.Node, user: torch.fx.Node) -> bool:
@@ -211,9 +207,6 @@ def rewrite(found: list[TokenIndex], places_in: Callable[[torch.fx.GraphModule],
         places = places_in(index.module)
         with g.inserting_before(n):
             if index.dim is None:
-                if not (_integral(index.start) and _integral(index.step)):
-                    raise Unplaced(f"{index.what()} (from {index.start} by {index.step}: not integers) gives each token "
-                                   "a value by its index on this rank")
                 example = value(n)
                 row = g.call_function(torch.ops.cp_inductor.row_places.default,
                                       (places, index.start, index.step, example.dtype))
