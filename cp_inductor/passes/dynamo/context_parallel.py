@@ -640,7 +640,7 @@ def apply(gm: torch.fx.GraphModule, example_inputs: list, cfg) -> tuple[torch.fx
     modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     if trail is not None:  # the checks below read past attention
         trail.carry(replaced)
-    placed = _token_places(gm, sites, inputs[1], trail, tokens)
+    placed = _token_places(modules, sites, inputs[1], trail, tokens)
     _refuse_mixing(gm, trail)
     shares = _token_means(gm, trail, shard, cfg, inputs[1])
     for route in routes:  # reported once nothing refused the graph
@@ -720,13 +720,12 @@ def _rewrite_varlen(gm: torch.fx.GraphModule, call: varlen_calls.VarlenCall, mea
                        detail=f"cp={shard.cp}, {meaning.describe()}, {DETAIL[style]}")
 
 
-def _token_places(gm: torch.fx.GraphModule, sites: list[Site], places: torch.fx.Node,
+def _token_places(modules, sites: list[Site], places: torch.fx.Node,
                   trail: token_mixing.TokenTrail | None, tokens) -> list[str]:
     """Positions the model makes from the token index made the tokens' places in the row
     (``token_places``; ``places``: the layout's ``cp_query_positions``, handed to a checkpointed
     body that makes them); what became of each, for the report."""
     bodies = {id(site.module): site.body for site in sites if site.body is not None}
-    modules = {id(m): m for m in (gm, *(site.module for site in sites))}.values()
     try:
         found = token_places.find(modules, trail, _live, tokens)
         return token_places.rewrite(found, lambda m: bodies[id(m)].input_for(places, "cp_query_positions")

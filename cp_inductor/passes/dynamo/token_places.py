@@ -46,8 +46,6 @@ class TokenIndex:
     dim: int | None = None  # the table's dim cut to the tokens; None: an arange
     at: int = 0  # the dim of the op's output that runs over the tokens
     rest: tuple | None = None  # a getitem's index (Ellipsis spelled out) with the tokens' cut made whole
-    start: object = 0  # the arange's
-    step: object = 1
 
     def what(self) -> str:
         if self.dim is None:
@@ -104,17 +102,17 @@ def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set
     for module in modules:
         alive = live(module.graph)
         for n in (n for n in module.graph.nodes if n in alive and n.op in ("call_function", "call_method")):
+            bounds = (0, 1)
             if n.target in ARANGE and tokens_long(n) and not all(_row_index(n, u) for u in n.users if u in alive):
-                index = TokenIndex(n, module, None, 0, None, *_arange_bounds(n))
+                index, bounds = TokenIndex(n, module), _arange_bounds(n)
             elif (n.target is operator.getitem or n.target in NARROW) and isinstance(n.args[0], torch.fx.Node) \
                     and not (trail is not None and trail.of(n.args[0])) and (cut := _cut(n, tokens)) is not None:
                 index = TokenIndex(n, module, *cut)
             else:
                 continue
             if _along_tokens(index, trail, alive, tokens):
-                if index.dim is None and not (isinstance(index.start, int) and index.start == 0
-                                              and isinstance(index.step, int) and index.step == 1):
-                    raise Unplaced(f"{index.what()} (from {index.start} by {index.step}, not from 0 by 1) gives each "
+                if not all(isinstance(b, int) and b == want for b, want in zip(bounds, (0, 1))):
+                    raise Unplaced(f"{index.what()} (from {bounds[0]} by {bounds[1]}, not from 0 by 1) gives each "
                                    "token a value by its index on this rank")
                 found.append(index)
     return found
@@ -209,7 +207,7 @@ def rewrite(found: list[TokenIndex], places_in: Callable[[torch.fx.GraphModule],
             if index.dim is None:
                 example = value(n)
                 row = g.call_function(torch.ops.cp_inductor.row_places.default,
-                                      (places, index.start, index.step, example.dtype))
+                                      (places, 0, 1, example.dtype))
                 row.meta["example_value"] = example
                 n.replace_all_uses_with(row, delete_user_cb=lambda user: not _row_index(n, user))
             else:
