@@ -102,7 +102,7 @@ def find(modules, trail: TokenTrail | None, live: Callable[[torch.fx.Graph], set
     for module in modules:
         alive = live(module.graph)
         for n in (n for n in module.graph.nodes if n in alive and n.op in ("call_function", "call_method")):
-            bounds = (0, 1)
+            bounds: tuple[object, object] = (0, 1)
             if n.target in ARANGE and tokens_long(n) and not all(_row_index(n, u) for u in n.users if u in alive):
                 index, bounds = TokenIndex(n, module), _arange_bounds(n)
             elif (n.target is operator.getitem or n.target in NARROW) and isinstance(n.args[0], torch.fx.Node) \
